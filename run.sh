@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point that installs what it needs, then runs a job:
+#   ./run.sh compare [attnzoo compare options]   the main job: compare every mechanism, print a table, write plots
+#   ./run.sh test    [pytest options]            the whole test suite
+#   ./run.sh peers                               also install the peer libraries compared against (optional)
+# The virtual environment lives in .venv; torch is held to the CPU build by constraints.txt.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${ATTNZOO_VENV:-.venv}
+PY="$VENV/bin/python"
+
+setup() {
+    if [ ! -x "$PY" ]; then
+        python3 -m venv "$VENV"
+    fi
+    # The stamp records what was installed, so repeat runs skip pip when nothing changed.
+    local want stamp="$VENV/.attnzoo-installed"
+    want=$(cat pyproject.toml constraints.txt | sha1sum | cut -c1-40)
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+        "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt "torch==2.13.0"
+        "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+        echo "$want" > "$stamp"
+    fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    compare) setup; exec "$VENV/bin/attnzoo" compare "$@" ;;
+    test)    setup; exec "$PY" -m pytest "$@" ;;
+    peers)   setup; exec bash scripts/install-peers.sh "$PY" ;;
+    *) echo "usage: ./run.sh {compare|test|peers} [options]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,42 @@
+"""attnzoo: every important attention mechanism behind one PyTorch API.
+
+Quick start::
+
+    import torch, attnzoo
+    attnzoo.available()                           # registered mechanism names
+    mha = attnzoo.MultiHeadAttention(dim=512, heads=8, mechanism="softmax")
+    y = mha(torch.randn(2, 128, 512), causal=True)  # (batch, seq, dim) -> (batch, seq, dim)
+"""
+
+from . import functional
+from .attention import AttentionState, MultiHeadAttention
+from .mechanisms import (
+    Capabilities,
+    Mechanism,
+    UnsupportedOptionError,
+    available,
+    build_mechanism,
+    capabilities,
+    mechanism_options,
+    register,
+)
+from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "functional",
+    "AttentionState",
+    "MultiHeadAttention",
+    "Capabilities",
+    "Mechanism",
+    "UnsupportedOptionError",
+    "available",
+    "build_mechanism",
+    "capabilities",
+    "mechanism_options",
+    "register",
+    "LearnedPositionalEmbedding",
+    "RotaryEmbedding",
+    "SinusoidalPositionalEncoding",
+]

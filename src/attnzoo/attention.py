@@ -1,0 +1,149 @@
+"""``MultiHeadAttention``: input projections, any registered mechanism, output projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from torch import Tensor, nn
+
+from ._validation import check_floating, check_positive_int
+from .mechanisms.base import State, UnsupportedOptionError, build_mechanism
+from .positional import RotaryEmbedding
+
+
+@dataclass
+class AttentionState:
+    """Decoding state of one self-attention layer: the mechanism's own state and the next position."""
+
+    mechanism: State
+    position: int
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with a swappable mechanism.
+
+    Args:
+        dim: model width of the input x (batch, seq, dim) and of the output.
+        heads: number of heads.
+        mechanism: a name from :func:`attnzoo.available`.
+        head_dim: per-head width, ``dim // heads`` by default.
+        context_dim: width of ``context`` for cross-attention, ``dim`` by default.
+        bias: biases in the four projections.
+        dropout: dropout on the attention output (before the output projection).
+        rotary: rotate queries and keys with a :class:`RotaryEmbedding` (self-attention only).
+        **mechanism_options: passed to the mechanism; an option it does not take raises a TypeError that
+            lists the valid ones (see :func:`attnzoo.mechanism_options`).
+
+    Shapes:
+        x: (batch, seq, dim); context: (batch, seq_c, context_dim); key_padding_mask: (batch, seq_kv) bool,
+        True marks padding. Output: (batch, seq, dim).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        mechanism: str = "softmax",
+        *,
+        head_dim: Optional[int] = None,
+        context_dim: Optional[int] = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        rotary: bool = False,
+        **mechanism_options: Any,
+    ) -> None:
+        super().__init__()
+        check_positive_int("dim", dim)
+        check_positive_int("heads", heads)
+        if head_dim is None:
+            if dim % heads:
+                raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
+            head_dim = dim // heads
+        check_positive_int("head_dim", head_dim)
+        self.dim, self.heads, self.head_dim = dim, heads, head_dim
+        self.context_dim = dim if context_dim is None else context_dim
+        inner = heads * head_dim
+        self.q_proj = nn.Linear(dim, inner, bias=bias)
+        self.k_proj = nn.Linear(self.context_dim, inner, bias=bias)
+        self.v_proj = nn.Linear(self.context_dim, inner, bias=bias)
+        self.out_proj = nn.Linear(inner, dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        self.rotary = RotaryEmbedding(head_dim) if rotary else None
+        self.mechanism = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **mechanism_options)
+
+    @property
+    def mechanism_name(self) -> str:
+        return self.mechanism.name
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        return x.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+
+    def _merge_heads(self, x: Tensor) -> Tensor:
+        batch, _, seq, _ = x.shape
+        return x.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+
+    def _check_input(self, name: str, x: Tensor, width: int) -> None:
+        check_floating(name, x)
+        if x.dim() != 3 or x.shape[-1] != width:
+            raise ValueError(f"{name} must have shape (batch, seq, {width}), got {tuple(x.shape)}")
+        if x.shape[1] == 0:
+            raise ValueError(f"{name} must have at least one position, got seq=0")
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Optional[Tensor] = None,
+        *,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Self-attention over x, or cross-attention from x to ``context`` (batch, seq_c, context_dim)."""
+        self._check_input("x", x, self.dim)
+        source = x
+        if context is not None:
+            self._check_input("context", context, self.context_dim)
+            if context.shape[0] != x.shape[0]:
+                raise ValueError(f"context batch {context.shape[0]} does not match x batch {x.shape[0]}")
+            if context.device != x.device:
+                raise ValueError(f"context is on {context.device}, x on {x.device}: they must share a device")
+            if not self.mechanism.capabilities.cross:
+                raise UnsupportedOptionError(f"{self.mechanism.name} does not support cross-attention (context=...)")
+            if self.rotary is not None:
+                raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
+            source = context
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(source))
+        v = self._split_heads(self.v_proj(source))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        return self.out_proj(self.dropout(self._merge_heads(out)))
+
+    # -- incremental decoding (causal self-attention) ------------------------------------------------------
+    def prefill(self, x: Tensor) -> Tuple[Tensor, AttentionState]:
+        """Causal self-attention over a prompt x (batch, seq, dim); returns the output and the decoding state."""
+        self._check_input("x", x, self.dim)
+        q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        out, state = self.mechanism.prefill(q, k, v)
+        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(state, x.shape[1])
+
+    def step(self, x_t: Tensor, state: Optional[AttentionState]) -> Tuple[Tensor, AttentionState]:
+        """One decoding step: x_t (batch, 1, dim) -> (y_t (batch, 1, dim), new state). Start with state=None."""
+        self._check_input("x_t", x_t, self.dim)
+        if x_t.shape[1] != 1:
+            raise ValueError(f"step takes one position: x_t of shape (batch, 1, {self.dim}), got {tuple(x_t.shape)}")
+        position = 0 if state is None else state.position
+        if self.mechanism.max_length is not None and position >= self.mechanism.max_length:
+            raise ValueError(f"{self.mechanism.name}: decoding past max_length={self.mechanism.max_length}")
+        q, k, v = (self._split_heads(proj(x_t)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            q, k = self.rotary(q, start=position), self.rotary(k, start=position)
+        out, mechanism_state = self.mechanism.step(q, k, v, None if state is None else state.mechanism)
+        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(mechanism_state, position + 1)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, mechanism={self.mechanism.name!r}"

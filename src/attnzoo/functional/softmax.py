@@ -1,0 +1,102 @@
+"""Exact softmax attention: a fast path on ``scaled_dot_product_attention`` and a float64 reference."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._validation import check_key_padding_mask, check_qkv
+from .masks import allowed_mask
+
+
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    *,
+    quiet: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Exact scaled dot-product attention.
+
+    Args:
+        q: (batch, heads, seq_q, head_dim)
+        k: (batch, heads, seq_kv, head_dim)
+        v: (batch, heads, seq_kv, head_dim_v)
+        causal: mask future keys, aligned bottom-right when ``seq_q != seq_kv`` (see
+            :func:`attnzoo.functional.masks.causal_allowed`): the last query sees every key.
+        key_padding_mask: (batch, seq_kv) bool, True marks padding keys that are ignored.
+        quiet: "quiet" softmax, ``exp(s_j) / (1 + sum_i exp(s_i))``: a head can put its weight on nothing
+            and output zero. Implemented as one extra key of zeros (logit 0) with a zero value.
+        scale: logit scale, ``1/sqrt(head_dim)`` by default.
+
+    Returns:
+        (batch, heads, seq_q, head_dim_v). A query row whose keys are all masked yields zeros, not NaN.
+    """
+    check_qkv(q, k, v)
+    batch, heads, q_len, _ = q.shape
+    k_len = k.shape[2]
+    check_key_padding_mask(key_padding_mask, batch, k_len, q.device)
+    allowed = allowed_mask(batch, q_len, k_len, causal, key_padding_mask, q.device)
+
+    if quiet:
+        k = torch.cat([k.new_zeros(batch, heads, 1, k.shape[3]), k], dim=2)
+        v = torch.cat([v.new_zeros(batch, heads, 1, v.shape[3]), v], dim=2)
+        if allowed is not None:
+            null_column = torch.ones(*allowed.shape[:-1], 1, dtype=torch.bool, device=q.device)
+            allowed = torch.cat([null_column, allowed], dim=-1)
+        # The null key is always visible, so no row is ever empty.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+
+    if allowed is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if key_padding_mask is None and q_len == k_len:
+        # Plain causal self-attention has a fused path; every row sees at least itself.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    # Rows with no visible key would be 0/0. Let them see everything (keeps softmax and its gradient finite)
+    # and then zero their output, so they contribute neither values nor gradients.
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    if bool(empty.any()):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale)
+        return out.masked_fill(empty, 0.0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+
+
+def softmax_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    *,
+    quiet: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Obviously-correct quadratic softmax attention in float64, for tests. Same arguments as
+    :func:`softmax_attention`; returns float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    batch, _, q_len, head_dim = q.shape
+    k_len = k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    logits = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    allowed = allowed_mask(batch, q_len, k_len, causal, key_padding_mask, q.device)
+    if allowed is None:
+        allowed = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=q.device)
+    masked = logits.masked_fill(~allowed.expand_as(logits), -math.inf)
+    shift = masked.amax(-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    if quiet:
+        shift = shift.clamp_min(0.0)  # the extra logit is 0, so the shift must cover it too
+    weights = torch.exp(masked - shift)  # exp(-inf) = 0 for masked keys
+    denominator = weights.sum(-1, keepdim=True)
+    if quiet:
+        denominator = denominator + torch.exp(-shift)
+    probabilities = torch.where(denominator > 0, weights / denominator.clamp_min(1e-300), torch.zeros_like(weights))
+    return probabilities @ v
