@@ -21,6 +21,18 @@ from .mechanisms import (
     register,
 )
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
+from . import decoding
+from .decoding import BeamSearchResult, beam_search, greedy_decode, sample_decode
+from .models import (
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    EncoderLayer,
+    FeedForward,
+    LanguageModel,
+    Seq2SeqTransformer,
+    SequenceClassifier,
+)
 
 __version__ = "0.1.0"
 
@@ -39,4 +51,17 @@ __all__ = [
     "LearnedPositionalEmbedding",
     "RotaryEmbedding",
     "SinusoidalPositionalEncoding",
+    "decoding",
+    "BeamSearchResult",
+    "beam_search",
+    "greedy_decode",
+    "sample_decode",
+    "Decoder",
+    "DecoderLayer",
+    "Encoder",
+    "EncoderLayer",
+    "FeedForward",
+    "LanguageModel",
+    "Seq2SeqTransformer",
+    "SequenceClassifier",
 ]

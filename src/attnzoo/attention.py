@@ -121,6 +121,28 @@ class MultiHeadAttention(nn.Module):
         out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
         return self.out_proj(self.dropout(self._merge_heads(out)))
 
+    # -- cross-attention to a fixed context, projected once -------------------------------------------------
+    def project_context(self, context: Tensor) -> Tuple[Tensor, Tensor]:
+        """Project ``context`` (batch, seq_c, context_dim) to per-head keys and values, each
+        (batch, heads, seq_c, head_dim), so that decoding steps reuse them instead of re-projecting."""
+        self._check_input("context", context, self.context_dim)
+        if not self.mechanism.capabilities.cross:
+            raise UnsupportedOptionError(f"{self.mechanism.name} does not support cross-attention (context=...)")
+        if self.rotary is not None:
+            raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
+        return self._split_heads(self.k_proj(context)), self._split_heads(self.v_proj(context))
+
+    def attend_projected(
+        self, x: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        """Cross-attention from x (batch, seq, dim) to keys and values from :meth:`project_context`.
+
+        Equals ``forward(x, context, key_padding_mask=key_padding_mask)``. Output: (batch, seq, dim).
+        """
+        self._check_input("x", x, self.dim)
+        out = self.mechanism(self._split_heads(self.q_proj(x)), k, v, causal=False, key_padding_mask=key_padding_mask)
+        return self.out_proj(self.dropout(self._merge_heads(out)))
+
     # -- incremental decoding (causal self-attention) ------------------------------------------------------
     def prefill(self, x: Tensor) -> Tuple[Tensor, AttentionState]:
         """Causal self-attention over a prompt x (batch, seq, dim); returns the output and the decoding state."""

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
 
 from .mechanisms import available, capabilities
+
+EXIT_OK = 0
+EXIT_FAILED_ROWS = 1
+EXIT_USAGE = 2
+
+EXIT_CODES = """exit codes:
+  0  every configuration was measured, or reported as unsupported, out of memory or too slow
+  1  at least one configuration failed with an error (its reason is in the table and results.json);
+     every output file is still written
+  2  usage error: bad option value, unknown mechanism, unreadable --accuracy file"""
 
 
 def _yes(flag: bool) -> str:
@@ -26,19 +38,164 @@ def list_command(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths]] + rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    return 0
+    return EXIT_OK
+
+
+# -- compare -------------------------------------------------------------------------------------------------
+def _int_list(text: str) -> List[int]:
+    try:
+        values = [int(item) for item in text.replace(" ", "").split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(value < 1 for value in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> List[str]:
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated mechanism names")
+    return names
+
+
+def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None], Callable[[], None]]:
+    """(step, set_total, close) callbacks: a tqdm bar on a terminal, plain lines otherwise, nothing if quiet."""
+    if quiet:
+        return (lambda label: None), (lambda total: None), (lambda: None)
+    state = {"done": 0, "total": 0, "bar": None}
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+
+    def set_total(total: int) -> None:
+        state["total"] = total
+        if tqdm is not None and sys.stderr.isatty():
+            state["bar"] = tqdm(total=total, file=sys.stderr, unit="job", dynamic_ncols=True)
+
+    def step(label: str) -> None:
+        state["done"] += 1
+        if state["bar"] is not None:
+            state["bar"].set_description(label)
+            state["bar"].update(1)
+        else:
+            print(f"[{state['done']}/{state['total']}] {label}", file=sys.stderr, flush=True)
+
+    def close() -> None:
+        if state["bar"] is not None:
+            state["bar"].close()
+
+    return step, set_total, close
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    from .bench.compare import CompareConfig, load_accuracy, run_compare, write_results
+    from .bench.plots import write_plots
+    from .bench.report import write_report
+    from .bench.table import results_table
+
+    accuracy = None
+    try:
+        if args.accuracy is not None:
+            accuracy = load_accuracy(args.accuracy)
+        config = CompareConfig.from_preset(
+            args.preset, mechanisms=args.mechanisms, lengths=args.lengths, batch=args.batch, heads=args.heads,
+            head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
+            repeats=args.repeats, threads=args.threads, budget_s=args.budget, peers=args.peers,
+            sweep=not args.no_sweep, imports=args.imports or None, launch=args.launch,
+        )
+        from .bench.targets import import_user_modules
+
+        import_user_modules(config.imports)
+        config.validate()
+    except (ValueError, ImportError, OSError) as error:
+        print(f"attnzoo compare: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+    step, set_total, close = _progress(args.quiet or args.json)
+    argv = ["attnzoo", "compare", *args.raw_argv]
+    try:
+        result = run_compare(config, argv, progress=step, progress_total=set_total)
+    finally:
+        close()
+    if accuracy is not None:
+        result.data["accuracy"] = {"path": str(args.accuracy), "values": accuracy}
+
+    output = Path(args.output)
+    paths = write_results(result, output)
+    paths.update(write_plots(result.data, output, accuracy))
+    paths["report"] = write_report(result.data, output, str(args.accuracy) if args.accuracy else None)
+
+    if args.json:
+        print(json.dumps(result.data, indent=2))
+    elif not args.quiet:
+        print(results_table(result.data))
+        print(f"\nwrote {', '.join(path.name for path in paths.values())} to {output}/")
+    return EXIT_FAILED_ROWS if result.failed else EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description="Attention mechanisms behind one API.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="registered mechanisms and their capabilities").set_defaults(run=list_command)
+
+    compare = commands.add_parser(
+        "compare", help="time, memory and error of every mechanism side by side, with plots",
+        description="Measure forward and forward+backward time, peak memory and the error against exact softmax "
+                    "of every registered mechanism (and, with --peers, of installed peer libraries) at several "
+                    "sequence lengths. Prints a table; writes results.json, results.csv, time.png, memory.png, "
+                    "error.png, bubble.png and report.md to --output. Options given explicitly override the "
+                    "preset.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_argument("--preset", choices=["quick", "full"], default="quick",
+                         help="quick: 256-4096 positions, a few minutes on 2 CPU cores (default); "
+                              "full: 512-16384 positions, 8 heads, the long sweep")
+    compare.add_argument("--mechanisms", type=_name_list, metavar="A,B,...",
+                         help="comma-separated mechanisms (default: every registered one; softmax is always "
+                              "included as the baseline)")
+    compare.add_argument("--lengths", type=_int_list, metavar="N,N,...", help="sequence lengths")
+    compare.add_argument("--batch", type=int, help="batch size")
+    compare.add_argument("--heads", type=int, help="number of heads")
+    compare.add_argument("--head-dim", type=int, help="dimension per head")
+    compare.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default="float32")
+    compare.add_argument("--causal", action="store_true", help="causal (autoregressive) attention; mechanisms "
+                                                                "without causal support become rows saying so")
+    compare.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    compare.add_argument("--repeats", type=int, help="timed repeats per configuration (the median is reported)")
+    compare.add_argument("--threads", type=int, help="torch threads (default: every core)")
+    compare.add_argument("--budget", type=float, metavar="SECONDS",
+                         help="time budget per configuration; slower ones are reported as too slow and skipped "
+                              "at longer lengths (quick: 10, full: 120)")
+    compare.add_argument("--output", default="compare-results", metavar="DIR",
+                         help="directory for results and plots (default: compare-results/)")
+    compare.add_argument("--peers", action="store_true",
+                         help="also measure the installed peer libraries (pip install 'attnzoo[peers]' or "
+                              "scripts/install-peers.sh); missing ones are listed")
+    compare.add_argument("--accuracy", type=Path, metavar="RESULTS.json",
+                         help="training-benchmark results: their accuracy is the quality axis of bubble.png")
+    compare.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                         help="import a module or .py file that registers extra mechanisms (repeatable)")
+    compare.add_argument("--no-sweep", action="store_true", help="skip the error against feature count sweep")
+    compare.add_argument("--launch", choices=["fork", "subprocess"], default="fork",
+                         help="fresh process per job: forked from a server that imported torch once (default) "
+                              "or a new interpreter per job")
+    output = compare.add_mutually_exclusive_group()
+    output.add_argument("--quiet", action="store_true", help="no progress and no table (files are still written)")
+    output.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
+    compare.set_defaults(run=compare_command)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    args.raw_argv = argv[1:]
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("attnzoo: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

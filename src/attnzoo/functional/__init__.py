@@ -5,5 +5,15 @@ All functions take per-head tensors q, k, v of shape (batch, heads, seq, head_di
 
 from .masks import allowed_mask, causal_allowed
 from .softmax import softmax_attention, softmax_attention_reference
+from .linear import (
+    kernel_attention,
+    kernel_attention_prefill,
+    kernel_attention_reference,
+    kernel_attention_step,
+    linear_attention,
+    linear_attention_reference,
+)
 
-__all__ = ["allowed_mask", "causal_allowed", "softmax_attention", "softmax_attention_reference"]
+__all__ = ["allowed_mask", "causal_allowed", "softmax_attention", "softmax_attention_reference",
+           "kernel_attention", "kernel_attention_prefill", "kernel_attention_reference", "kernel_attention_step",
+           "linear_attention", "linear_attention_reference"]

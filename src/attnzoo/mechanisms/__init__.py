@@ -13,6 +13,8 @@ from .base import (
     register,
 )
 from .softmax import SoftmaxAttention
+from .kernelized import LinearAttention, PerformerAttention, RandomFeatureAttention
+from .gated import GatedLinearAttention, RetentionAttention
 
 __all__ = [
     "Capabilities",
@@ -26,4 +28,9 @@ __all__ = [
     "mechanism_options",
     "register",
     "SoftmaxAttention",
+    "LinearAttention",
+    "PerformerAttention",
+    "RandomFeatureAttention",
+    "GatedLinearAttention",
+    "RetentionAttention",
 ]

@@ -63,6 +63,8 @@ class Mechanism(nn.Module):
 
     name: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities]
+    test_options: ClassVar[Dict[str, Any]] = {}
+    """Keyword options the conformance suite builds this mechanism with (small, fast settings); never mutated."""
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -90,6 +92,17 @@ class Mechanism(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
         raise NotImplementedError
+
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        """The same attention computed by slow, obviously-correct quadratic maths in float64.
+
+        Every mechanism provides one; the conformance suite compares :meth:`forward` with it. Takes the
+        arguments of :meth:`forward` and uses this instance's parameters and buffers (features, projections);
+        returns float64 (batch, heads, seq_q, head_dim_v).
+        """
+        raise NotImplementedError(f"{type(self).__qualname__} must implement reference()")
 
     def check_inputs(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]
@@ -152,6 +165,11 @@ class Mechanism(nn.Module):
 
     def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
         check_qkv(q_t, k_t, v_t)
+        if q_t.shape[1] != self.heads or q_t.shape[3] != self.head_dim:
+            raise ValueError(
+                f"{self.name}.step: q_t has {q_t.shape[1]} heads of dim {q_t.shape[3]}, the mechanism was built "
+                f"with heads={self.heads}, head_dim={self.head_dim}"
+            )
         if q_t.shape[2] != 1 or k_t.shape[2] != 1:
             raise ValueError(f"{self.name}.step takes one position: q_t, k_t, v_t of shape (batch, heads, 1, dim), "
                              f"got seq lengths {q_t.shape[2]} and {k_t.shape[2]}")

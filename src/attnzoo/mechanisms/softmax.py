@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..functional.softmax import softmax_attention
+from ..functional.softmax import softmax_attention, softmax_attention_reference
 from .base import Capabilities, Mechanism, State, register
 
 
@@ -40,6 +40,11 @@ class SoftmaxAttention(Mechanism):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
         return softmax_attention(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
+
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        return softmax_attention_reference(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
     def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
         self.check_step_inputs(q_t, k_t, v_t)

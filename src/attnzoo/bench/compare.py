@@ -1,0 +1,451 @@
+"""``attnzoo compare``: every mechanism (and optionally its PyPI peers) side by side at several lengths.
+
+The orchestration runs nothing heavy itself. Per sequence length it starts one fresh worker process that
+times every mechanism round-robin on the same inputs (and measures each output's error against exact
+softmax), then one fresh process per mechanism for its peak memory. A configuration that fails, runs out
+of memory or exceeds its time budget becomes a row saying so; after running out of memory or time at one
+length a mechanism is skipped at the longer ones.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..mechanisms import available, capabilities, mechanism_options
+from .launch import Launcher
+from .peers import PEERS, installed_peers
+from .targets import Entry, import_user_modules, mechanism_entry, peer_entry
+from .worker import finite
+
+SCHEMA = "attnzoo.compare/1"
+BASELINE = "softmax"
+
+# Integer options that set how many features / what rank / how many landmarks an approximation uses: the
+# error figure sweeps the first one a mechanism takes.
+SWEEP_OPTIONS = ("nb_features", "num_features", "features", "feature_dim", "rank", "proj_dim", "k",
+                 "landmarks", "num_landmarks", "n_landmarks")
+
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # Fits in about two minutes on two CPU cores with a dozen mechanisms.
+    "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=5, budget_s=10.0,
+                  sweep_length=1024, sweep_values=[16, 32, 64, 128, 256]),
+    # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
+    "full": dict(lengths=[512, 1024, 2048, 4096, 8192, 16384], batch=1, heads=8, head_dim=64, repeats=7,
+                 budget_s=120.0, sweep_length=4096, sweep_values=[16, 32, 64, 128, 256, 512, 1024]),
+}
+
+STATUSES = ("ok", "unsupported", "oom", "timeout", "failed", "skipped")
+
+CSV_COLUMNS = [
+    "mechanism", "source", "counterpart", "approximate", "length", "batch", "heads", "head_dim", "dtype",
+    "causal", "device", "status", "reason", "forward_ms", "forward_backward_ms", "peak_memory_mib",
+    "forward_peak_memory_mib", "error", "speed_vs_softmax", "forward_speed_vs_softmax", "memory_vs_softmax",
+    "speed_vs_counterpart", "memory_vs_counterpart", "repeats",
+]
+
+
+@dataclass
+class CompareConfig:
+    """Everything that determines a comparison run (recorded verbatim in results.json)."""
+
+    preset: str = "quick"
+    mechanisms: Optional[List[str]] = None  # None: every registered mechanism
+    lengths: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["lengths"]))
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float32"
+    causal: bool = False
+    device: str = "cpu"
+    repeats: int = 5
+    budget_s: float = 10.0  # time budget of one configuration; slower ones are "too slow" rows
+    threads: int = 0  # 0: every core os.cpu_count() reports
+    peers: bool = False
+    sweep: bool = True
+    sweep_length: int = 1024
+    sweep_values: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["sweep_values"]))
+    min_sample_s: float = 0.02
+    memory_fraction: float = 0.8
+    imports: List[str] = field(default_factory=list)
+    seed: int = 0
+    launch: str = "fork"
+
+    @classmethod
+    def from_preset(cls, preset: str, **overrides: Any) -> "CompareConfig":
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        values = dict(PRESETS[preset], preset=preset)
+        values.update({key: value for key, value in overrides.items() if value is not None})
+        return cls(**values)
+
+    def resolved_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming the setting for anything that cannot run."""
+        for name in ("batch", "heads", "head_dim", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lengths or any(length < 1 for length in self.lengths):
+            raise ValueError(f"lengths must be positive integers, got {self.lengths}")
+        if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        if self.budget_s <= 0:
+            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+        unknown = [name for name in (self.mechanisms or []) if name not in available()]
+        if unknown:
+            raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; valid choices: {', '.join(available())}")
+
+
+def machine_description(device: str, threads: int) -> Dict[str, Any]:
+    """CPU model, core count, memory, library versions: what a reader needs to weigh the numbers."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    memory_gib = None
+    try:
+        memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    description: Dict[str, Any] = {
+        "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "memory_gib": memory_gib,
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        description["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        description["cuda"] = torch.version.cuda
+    return description
+
+
+# -- derived numbers -----------------------------------------------------------------------------------------
+def crossover_length(points: Sequence[Tuple[int, float, float]]) -> Dict[str, Any]:
+    """Where a mechanism becomes faster than the baseline, from (length, time, baseline time) points.
+
+    The crossover is the length from which on the mechanism stays faster at every measured length; between
+    the last slower and the first faster measurement it is interpolated in log-log (times scale as powers
+    of N). Returns ``{"kind": ..., "length": ...}`` with kind "interpolated", "below_range" (faster already
+    at the shortest length), "not_reached" (not faster at the longest length) or "unknown" (no data).
+    """
+    points = sorted((n, t, b) for n, t, b in points if t and b and t > 0 and b > 0)
+    if not points:
+        return {"kind": "unknown", "length": None}
+    ratios = [(n, t / b) for n, t, b in points]
+    if ratios[-1][1] >= 1.0:
+        return {"kind": "not_reached", "length": None}
+    first_faster = len(ratios) - 1
+    while first_faster > 0 and ratios[first_faster - 1][1] < 1.0:
+        first_faster -= 1
+    if first_faster == 0:
+        return {"kind": "below_range", "length": ratios[0][0]}
+    (n0, r0), (n1, r1) = ratios[first_faster - 1], ratios[first_faster]
+    fraction = math.log(r0) / (math.log(r0) - math.log(r1))
+    length = math.exp(math.log(n0) + fraction * (math.log(n1) - math.log(n0)))
+    return {"kind": "interpolated", "length": round(length)}
+
+
+def describe_crossover(crossover: Dict[str, Any], lengths: Sequence[int]) -> str:
+    kind = crossover["kind"]
+    if kind == "interpolated":
+        return f"~{crossover['length']}"
+    if kind == "below_range":
+        return f"<= {min(lengths)}"
+    if kind == "not_reached":
+        return f"> {max(lengths)}"
+    return "-"
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    if numerator is None or denominator is None or denominator <= 0 or numerator <= 0:
+        return None
+    return numerator / denominator
+
+
+def load_accuracy(path: Path) -> Dict[str, float]:
+    """Quality per mechanism from a training benchmark's results file.
+
+    Accepted: ``{"mechanism": accuracy, ...}``, or rows ``[{"mechanism": ..., "accuracy": ...}, ...]``
+    (also under a "rows" or "results" key; "test_accuracy", "score" or "acc" instead of "accuracy"). Several
+    rows for one mechanism (several tasks) are averaged, as the Long Range Arena averages its tasks.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--accuracy {path}: cannot read a JSON file ({error})") from error
+    if isinstance(data, dict) and data and all(isinstance(v, (int, float)) for v in data.values()):
+        return {str(k): float(v) for k, v in data.items()}
+    rows = data.get("rows", data.get("results")) if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise ValueError(f"--accuracy {path}: expected {{mechanism: accuracy}} or a list of rows")
+    collected: Dict[str, List[float]] = {}
+    for row in rows:
+        if not isinstance(row, dict) or "mechanism" not in row:
+            continue
+        value = next((row[key] for key in ("accuracy", "test_accuracy", "score", "acc") if key in row), None)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            collected.setdefault(str(row["mechanism"]), []).append(float(value))
+    if not collected:
+        raise ValueError(f"--accuracy {path}: no row has a mechanism and an accuracy")
+    return {name: sum(values) / len(values) for name, values in collected.items()}
+
+
+# -- the run -------------------------------------------------------------------------------------------------
+Progress = Callable[[str], None]
+
+
+@dataclass
+class CompareResult:
+    """What a run produced; ``data`` is exactly what results.json holds."""
+
+    data: Dict[str, Any]
+
+    @property
+    def rows(self) -> List[Dict[str, Any]]:
+        return self.data["rows"]
+
+    @property
+    def failed(self) -> bool:
+        return any(row["status"] == "failed" for row in self.rows)
+
+
+def planned_entries(config: CompareConfig) -> Tuple[List[Entry], List[Dict[str, str]]]:
+    """The mechanisms (softmax first, as the baseline every ratio refers to) and peers to measure."""
+    names = list(config.mechanisms) if config.mechanisms else available()
+    if BASELINE in available() and BASELINE not in names:
+        names.insert(0, BASELINE)
+    names = sorted(dict.fromkeys(names), key=lambda name: (name != BASELINE, name))
+    entries = [mechanism_entry(name) for name in names]
+    missing: List[Dict[str, str]] = []
+    if config.peers:
+        present, missing = installed_peers()
+        entries += [peer_entry(name) for name in present]
+    return entries, missing
+
+
+def sweep_plan(config: CompareConfig, entries: Sequence[Entry]) -> List[Tuple[Entry, str]]:
+    """(entry, option) for each approximate mechanism with a feature-count-like integer option."""
+    plan = []
+    for entry in entries:
+        if entry["kind"] != "mechanism" or not capabilities(entry["name"]).approximate:
+            continue
+        options = mechanism_options(entry["name"])
+        option = next((name for name in SWEEP_OPTIONS if name in options), None)
+        if option is not None:
+            plan.append((entry, option))
+    return plan
+
+
+def _job_base(config: CompareConfig, length: int) -> Dict[str, Any]:
+    return dict(length=length, batch=config.batch, heads=config.heads, head_dim=config.head_dim,
+                dtype=config.dtype, causal=config.causal, device=config.device, threads=config.resolved_threads(),
+                seed=config.seed, imports=list(config.imports), memory_fraction=config.memory_fraction)
+
+
+def _entry_info(entry: Entry) -> Dict[str, Any]:
+    if entry["kind"] == "peer":
+        peer = PEERS[entry["name"]]
+        return {"mechanism": entry["key"], "source": entry["name"], "counterpart": peer.counterpart(),
+                "approximate": None}
+    return {"mechanism": entry["name"], "source": "attnzoo", "counterpart": None,
+            "approximate": capabilities(entry["name"]).approximate}
+
+
+def _empty_row(config: CompareConfig, entry: Entry, length: int) -> Dict[str, Any]:
+    row = {column: None for column in CSV_COLUMNS}
+    row.update(_entry_info(entry))
+    row.update(length=length, batch=config.batch, heads=config.heads, head_dim=config.head_dim,
+               dtype=config.dtype, causal=config.causal, device=config.device)
+    return row
+
+
+def _apply_time(row: Dict[str, Any], measured: Dict[str, Any]) -> None:
+    row["status"], row["reason"] = measured.get("status", "failed"), measured.get("reason")
+    for key in ("forward_ms", "forward_backward_ms", "error", "repeats"):
+        if measured.get(key) is not None:
+            row[key] = measured[key]
+
+
+def _apply_memory(row: Dict[str, Any], measured: Dict[str, Any]) -> None:
+    if measured.get("status") == "ok":
+        row["peak_memory_mib"] = measured["peak_bytes"] / 2**20
+        row["forward_peak_memory_mib"] = measured["forward_peak_bytes"] / 2**20
+        return
+    # The timings stand; the row says why its memory is missing.
+    status = measured.get("status", "failed")
+    row["status"] = status if status in ("oom", "failed", "timeout") else row["status"]
+    row["reason"] = f"memory measurement: {measured.get('reason')}"
+
+
+def _add_ratios(rows: List[Dict[str, Any]]) -> None:
+    by_key = {(row["mechanism"], row["length"]): row for row in rows}
+    for row in rows:
+        base = by_key.get((BASELINE, row["length"]))
+        if base is not None:
+            row["speed_vs_softmax"] = _ratio(base["forward_backward_ms"], row["forward_backward_ms"])
+            row["forward_speed_vs_softmax"] = _ratio(base["forward_ms"], row["forward_ms"])
+            row["memory_vs_softmax"] = _ratio(row["peak_memory_mib"], base["peak_memory_mib"])
+        twin = by_key.get((row["counterpart"], row["length"])) if row["counterpart"] else None
+        if twin is not None:
+            row["speed_vs_counterpart"] = _ratio(twin["forward_backward_ms"], row["forward_backward_ms"])
+            row["memory_vs_counterpart"] = _ratio(row["peak_memory_mib"], twin["peak_memory_mib"])
+
+
+def summarize(rows: Sequence[Dict[str, Any]], lengths: Sequence[int]) -> List[Dict[str, Any]]:
+    """Per mechanism: crossover lengths against softmax and the figures at the longest measured length."""
+    baseline = {row["length"]: row for row in rows if row["mechanism"] == BASELINE}
+    summary = []
+    for mechanism in dict.fromkeys(row["mechanism"] for row in rows):
+        own = sorted((row for row in rows if row["mechanism"] == mechanism), key=lambda row: row["length"])
+        crossovers = {}
+        for column in ("forward_ms", "forward_backward_ms"):
+            points = [(row["length"], row[column], baseline[row["length"]][column])
+                      for row in own if row["length"] in baseline]
+            crossovers[column] = crossover_length(points)
+        measured = [row for row in own if row["forward_backward_ms"] is not None]
+        last = measured[-1] if measured else own[-1]
+        summary.append({
+            "mechanism": mechanism, "source": own[0]["source"], "counterpart": own[0]["counterpart"],
+            "approximate": own[0]["approximate"],
+            "crossover_forward": crossovers["forward_ms"],
+            "crossover_forward_backward": crossovers["forward_backward_ms"],
+            "longest_length": last["length"] if measured else None,
+            "speed_vs_softmax": last["speed_vs_softmax"], "memory_vs_softmax": last["memory_vs_softmax"],
+            "error": last["error"],
+            "statuses": {row["length"]: row["status"] for row in own},
+        })
+    return summary
+
+
+def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[Progress] = None,
+                progress_total: Optional[Callable[[int], None]] = None) -> CompareResult:
+    """Measure everything ``config`` asks for and return the results (writes nothing).
+
+    ``progress(label)`` is called after each worker job; ``progress_total(n)`` once with the job count.
+    """
+    import_user_modules(config.imports)
+    config.validate()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    entries, missing_peers = planned_entries(config)
+    lengths = sorted(set(config.lengths))
+    sweeps = sweep_plan(config, entries) if config.sweep else []
+    if progress_total:
+        progress_total(len(lengths) * (1 + len(entries)) + len(sweeps))
+    report = progress or (lambda label: None)
+
+    rows: List[Dict[str, Any]] = []
+    uniform_error: Dict[int, Optional[float]] = {}
+    stopped: Dict[str, str] = {}  # entry key -> why longer lengths are skipped
+    preload = list(config.imports) + [PEERS[e["name"]].module for e in entries if e["kind"] == "peer"]
+    with Launcher(config.launch, preload=preload) as launcher:
+        for length in lengths:
+            base = _job_base(config, length)
+            length_rows = {entry["key"]: _empty_row(config, entry, length) for entry in entries}
+            active = [entry for entry in entries if entry["key"] not in stopped]
+            for entry in entries:
+                if entry["key"] in stopped:
+                    length_rows[entry["key"]].update(status="skipped", reason=stopped[entry["key"]])
+            timed, uniform_error[length] = _time_length(launcher, config, base, active, report, length)
+            for entry in active:
+                row = length_rows[entry["key"]]
+                _apply_time(row, timed.get(entry["key"], {"status": "failed", "reason": "no result"}))
+            for entry in entries:
+                row = length_rows[entry["key"]]
+                if entry in active and row["status"] == "ok":
+                    memory_job = dict(base, kind="memory", entry=entry)
+                    _apply_memory(row, launcher.run(memory_job, timeout_s=4 * config.budget_s + 60))
+                report(f"memory {row['mechanism']} N={length}")
+                if row["status"] in ("oom", "timeout") and entry["key"] not in stopped:
+                    stopped[entry["key"]] = f"skipped: {row['status']} at N={length}"
+            rows.extend(length_rows.values())
+
+        sweep_results = []
+        for entry, option in sweeps:
+            job = dict(_job_base(config, config.sweep_length), kind="sweep", entry=entry, option=option,
+                       values=list(config.sweep_values))
+            result = launcher.run(job, timeout_s=len(config.sweep_values) * config.budget_s + 60)
+            sweep_results.append({"mechanism": entry["name"], "option": option, "length": config.sweep_length,
+                                  "causal": config.causal, "status": result.get("status"),
+                                  "reason": result.get("reason"), "points": result.get("points", []),
+                                  "uniform_error": result.get("uniform_error")})
+            report(f"sweep {entry['name']}.{option}")
+
+    _add_ratios(rows)
+    finished = _dt.datetime.now(_dt.timezone.utc)
+    data = {
+        "schema": SCHEMA,
+        "command": " ".join(shlex.quote(arg) for arg in argv),
+        "argv": list(argv),
+        "started": started.isoformat(timespec="seconds"),
+        "finished": finished.isoformat(timespec="seconds"),
+        "duration_s": round((finished - started).total_seconds(), 1),
+        "machine": machine_description(config.device, config.resolved_threads()),
+        "config": asdict(config),
+        "launch": launcher.method,
+        "baseline": BASELINE,
+        "rows": rows,
+        "summary": summarize(rows, lengths),
+        "uniform_error": [{"length": length, "error": uniform_error.get(length)} for length in lengths],
+        "sweeps": sweep_results,
+        "missing_peers": missing_peers,
+        "accuracy": None,
+    }
+    return CompareResult(finite(data))
+
+
+def _time_length(launcher: Launcher, config: CompareConfig, base: Dict[str, Any], active: List[Entry],
+                 report: Progress, length: int) -> Tuple[Dict[str, Dict[str, Any]], Optional[float]]:
+    """Timings of every active entry at one length (and the error of uniform attention there); if the
+    shared worker dies, each entry is measured alone."""
+    job = dict(base, kind="time", entries=active, repeats=config.repeats, budget_s=config.budget_s,
+               min_sample_s=config.min_sample_s)
+    # The budget bounds each entry's measured repeats; warm-up, calibration and the error pass come on top.
+    timeout = len(active) * 3 * config.budget_s + 60
+    result = launcher.run(job, timeout_s=timeout)
+    report(f"time N={length}")
+    if result.get("status") == "ok":
+        return dict(result["entries"]), result.get("uniform_error")
+    # One entry hung or took the process down: measure each alone so the others still get numbers.
+    entries: Dict[str, Dict[str, Any]] = {}
+    uniform_error = None
+    for entry in active:
+        alone = launcher.run(dict(job, entries=[entry]), timeout_s=3 * config.budget_s + 60)
+        if alone.get("status") == "ok":
+            entries[entry["key"]] = alone["entries"][entry["key"]]
+            uniform_error = alone.get("uniform_error")
+        else:
+            entries[entry["key"]] = alone
+    return entries, uniform_error
+
+
+# -- files ---------------------------------------------------------------------------------------------------
+def write_results(result: CompareResult, output: Path) -> Dict[str, Path]:
+    """results.json and results.csv in ``output``; returns their paths."""
+    output.mkdir(parents=True, exist_ok=True)
+    paths = {"json": output / "results.json", "csv": output / "results.csv"}
+    paths["json"].write_text(json.dumps(result.data, indent=2, allow_nan=False) + "\n")
+    with paths["csv"].open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({key: ("" if value is None else value) for key, value in row.items()})
+    return paths

@@ -1,0 +1,242 @@
+"""Adapters that put the attention of other PyPI libraries (the ``peers`` extra) behind the benchmark's shape.
+
+Each adapter returns either an attention callable ``fn(q, k, v, causal) -> out`` on (batch, heads, seq,
+head_dim) tensors, or a string saying why it cannot run (package missing, configuration unsupported).
+Where a library only ships a whole attention layer, its input and output projections are replaced by
+slices/identities, so what is timed is the library's attention itself on our q, k and v. Hyper-parameters
+(feature count, projected length, landmarks, window, bucket size) follow the default of the attnzoo
+counterpart when it is registered, so rows compare like with like.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..mechanisms import available, mechanism_options
+
+class PeerAttention(nn.Module):
+    """A peer's module with the call that adapts it to ``(q, k, v, causal) -> out`` on (batch, heads, seq, dim).
+
+    Being a module, it moves to the benchmark's device and dtype with ``.to()`` like attnzoo's mechanisms.
+    """
+
+    def __init__(self, inner: nn.Module, call: Callable[[nn.Module, Tensor, Tensor, Tensor], Tensor]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.call = call
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+        return self.call(self.inner, q, k, v)
+
+
+Adapter = Callable[[int, int, int, bool], Union[PeerAttention, str]]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One peer library: how to find it, what it is compared with, and how to build it."""
+
+    name: str  # the PyPI distribution name
+    module: str  # the import name that tells whether it is installed
+    counterparts: Tuple[str, ...]  # attnzoo mechanisms it implements, the first registered one is used
+    build: Adapter
+
+    def counterpart(self) -> Optional[str]:
+        registered = set(available())
+        return next((name for name in self.counterparts if name in registered), None)
+
+
+def _option(counterparts: Sequence[str], names: Sequence[str], fallback: int) -> int:
+    """The default of the first matching integer option of a registered counterpart, else ``fallback``."""
+    registered = set(available())
+    for mechanism in counterparts:
+        if mechanism not in registered:
+            continue
+        options = mechanism_options(mechanism)
+        for name in names:
+            if isinstance(options.get(name), int) and not isinstance(options.get(name), bool):
+                return int(options[name])
+    return fallback
+
+
+class _Slice(nn.Module):
+    """Stands in for a projection layer: takes a block of features from the concatenated q|k|v input."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__()
+        self.start, self.stop = start, stop
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[..., self.start : self.stop]
+
+
+def _merge_heads(t: Tensor) -> Tensor:
+    """(batch, heads, seq, dim) -> (batch, seq, heads * dim)."""
+    b, h, n, d = t.shape
+    return t.transpose(1, 2).reshape(b, n, h * d)
+
+
+def _split_heads(t: Tensor, heads: int) -> Tensor:
+    """(batch, seq, heads * dim) -> (batch, heads, seq, dim)."""
+    b, n, hd = t.shape
+    return t.reshape(b, n, heads, hd // heads).transpose(1, 2)
+
+
+def _concatenated_call(heads: int) -> Callable[[nn.Module, Tensor, Tensor, Tensor], Tensor]:
+    """Feeds a layer-level module q|k|v concatenated on the feature axis, (batch, seq, 3 * heads * dim)."""
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        x = torch.cat([_merge_heads(q), _merge_heads(k), _merge_heads(v)], dim=-1)
+        return _split_heads(module(x), heads)
+
+    return call
+
+
+# -- adapters ------------------------------------------------------------------------------------------------
+_PERFORMER = ("performer",)
+_LINFORMER = ("linformer",)
+_NYSTROM = ("nystrom", "nystromformer")
+_LOCAL = ("local", "sliding_window", "window", "sparse")
+_REFORMER = ("reformer", "lsh")
+_LINEAR = ("linear",)
+
+
+def _performer(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    from performer_pytorch import FastAttention
+
+    features = _option(_PERFORMER, ("nb_features", "num_features", "features"), 256)
+    return PeerAttention(FastAttention(dim_heads=head_dim, nb_features=features, causal=causal),
+                         lambda m, q, k, v: m(q, k, v))
+
+
+def _linformer(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    if causal:
+        return "unsupported: linformer has no causal mode"
+    from linformer import LinformerSelfAttention
+
+    inner = heads * head_dim
+    rank = _option(_LINFORMER, ("k", "proj_dim", "rank", "projected_length"), 256)
+    module = LinformerSelfAttention(dim=3 * inner, seq_len=length, k=rank, heads=heads, dim_head=head_dim)
+    # q|k|v arrive concatenated on the feature axis; each former projection takes its own block.
+    module.to_q, module.to_k, module.to_v = _Slice(0, inner), _Slice(inner, 2 * inner), _Slice(2 * inner, 3 * inner)
+    module.to_out = nn.Identity()
+
+    return PeerAttention(module, _concatenated_call(heads))
+
+
+def _nystrom(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    if causal:
+        return "unsupported: nystrom-attention has no causal mode"
+    from nystrom_attention import NystromAttention
+
+    landmarks = _option(_NYSTROM, ("landmarks", "num_landmarks", "n_landmarks"), 64)
+    # residual=False: the optional depth-wise convolution on v is not attention and attnzoo has none.
+    module = NystromAttention(dim=heads * head_dim, dim_head=head_dim, heads=heads, num_landmarks=landmarks,
+                              residual=False)
+    module.to_qkv = nn.Identity()  # chunk(3) of the concatenated q|k|v then yields ours unchanged
+    module.to_out = nn.Identity()
+
+    return PeerAttention(module, _concatenated_call(heads))
+
+
+def _local(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    from local_attention import LocalAttention
+
+    window = _option(_LOCAL, ("window", "window_size", "block_size"), 128)
+    module = LocalAttention(window_size=window, causal=causal, look_backward=1, look_forward=0 if causal else 1,
+                            autopad=True)
+    return PeerAttention(module, lambda m, q, k, v: m(q, k, v))
+
+
+def _reformer(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    from reformer_pytorch.reformer_pytorch import LSHAttention
+
+    bucket = _option(_REFORMER, ("bucket_size",), 64)
+    hashes = _option(_REFORMER, ("n_hashes", "hashes", "num_hashes"), 4)
+    if length % (2 * bucket):
+        return f"unsupported: reformer-pytorch needs the length to be a multiple of 2 x bucket_size = {2 * bucket}"
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # Reformer shares queries and keys by design: k is not used.
+        b, h, n, d = q.shape
+        out, _, _ = module(q.reshape(b * h, n, d), v.reshape(b * h, n, d))
+        return out.reshape(b, h, n, d)
+
+    return PeerAttention(LSHAttention(bucket_size=bucket, n_hashes=hashes, causal=causal), call)
+
+
+def _fast_transformers(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    from fast_transformers.masking import FullMask, LengthMask, TriangularCausalMask
+
+    if causal:
+        from fast_transformers.attention.causal_linear_attention import CausalLinearAttention as Layer
+    else:
+        from fast_transformers.attention.linear_attention import LinearAttention as Layer
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, h, n, d = q.shape
+        mask = TriangularCausalMask(n, device=q.device) if causal else FullMask(N=n, device=q.device)
+        lengths = LengthMask(torch.full((b,), n, dtype=torch.long, device=q.device), max_len=n)
+        # The library works on (batch, seq, heads, dim).
+        out = module(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, lengths, lengths)
+        return out.transpose(1, 2)
+
+    return PeerAttention(Layer(head_dim), call)
+
+
+def _x_transformers(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    from x_transformers.attend import Attend
+
+    return PeerAttention(Attend(causal=causal), lambda m, q, k, v: m(q, k, v)[0])
+
+
+PEERS: Dict[str, Peer] = {
+    peer.name: peer
+    for peer in [
+        Peer("performer-pytorch", "performer_pytorch", _PERFORMER, _performer),
+        Peer("linformer", "linformer", _LINFORMER, _linformer),
+        Peer("nystrom-attention", "nystrom_attention", _NYSTROM, _nystrom),
+        Peer("local-attention", "local_attention", _LOCAL, _local),
+        Peer("reformer-pytorch", "reformer_pytorch", _REFORMER, _reformer),
+        Peer("pytorch-fast-transformers", "fast_transformers", _LINEAR, _fast_transformers),
+        Peer("x-transformers", "x_transformers", ("softmax",), _x_transformers),
+    ]
+}
+
+
+def peer_installed(name: str) -> bool:
+    return importlib.util.find_spec(PEERS[name].module) is not None
+
+
+def installed_peers() -> Tuple[List[str], List[Dict[str, str]]]:
+    """(names of installed peers, [{"name", "reason"}] for the missing ones)."""
+    present, missing = [], []
+    for name in PEERS:
+        if peer_installed(name):
+            present.append(name)
+        else:
+            missing.append({"name": name, "reason": f"not installed (pip install {name}, or scripts/install-peers.sh)"})
+    return present, missing
+
+
+def build_peer(name: str, heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+    """The peer's attention callable, or a reason it cannot run in this configuration."""
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}; valid choices: {', '.join(PEERS)}")
+    if not peer_installed(name):
+        return f"not installed (pip install {name})"
+    try:
+        return PEERS[name].build(heads, head_dim, length, causal)
+    except ImportError as error:
+        return f"import failed: {error}"
+
+
+def peer_settings(name: str) -> Dict[str, Any]:
+    """What a peer row is compared with, for the results file."""
+    return {"counterpart": PEERS[name].counterpart()}

@@ -1,0 +1,252 @@
+"""The PNG figures of ``attnzoo compare`` (matplotlib, Agg backend: no display needed).
+
+time.png    time against N, log-log, one line per mechanism (forward and forward+backward panels)
+memory.png  peak memory against N, log-log
+error.png   error against exact softmax as the feature count / rank grows, for approximate mechanisms
+bubble.png  speed (x) against quality (y), bubble area = peak memory, as in the Long Range Arena paper
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from .compare import BASELINE  # noqa: E402
+
+EXACT_FLOOR = 1e-3  # errors below this are rounding; plotted at this floor and labelled exact
+
+
+def _subtitle(data: Dict[str, Any]) -> str:
+    config, machine = data["config"], data["machine"]
+    return (f"batch {config['batch']}, {config['heads']} heads, head dim {config['head_dim']}, {config['dtype']}, "
+            f"{'causal' if config['causal'] else 'non-causal'}; {machine['cpu']}, {machine['threads']} threads, "
+            f"torch {machine['torch']}")
+
+
+def _styles(names: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """One colour per attnzoo mechanism; a peer takes its counterpart's colour with a dashed line."""
+    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    markers = "osD^v<>pPX*h"
+    styles: Dict[str, Dict[str, Any]] = {}
+    own = [name for name in names if not name.startswith("peer:")]
+    for index, name in enumerate(own):
+        styles[name] = dict(color="black" if name == BASELINE else palette[index % len(palette)],
+                            marker=markers[index % len(markers)], linestyle="-",
+                            linewidth=2.6 if name == BASELINE else 1.6)
+    for index, name in enumerate(n for n in names if n.startswith("peer:")):
+        styles[name] = dict(color=palette[(len(own) + index) % len(palette)], marker=markers[index % len(markers)],
+                            linestyle="--", linewidth=1.3)
+    return styles
+
+
+def _series(rows: Sequence[Dict[str, Any]], column: str) -> Dict[str, Tuple[List[int], List[float]]]:
+    series: Dict[str, Tuple[List[int], List[float]]] = {}
+    for row in sorted(rows, key=lambda row: row["length"]):
+        xs, ys = series.setdefault(row["mechanism"], ([], []))
+        if row.get(column) is not None and row[column] > 0:
+            xs.append(row["length"])
+            ys.append(row[column])
+    return series
+
+
+def _stop_notes(rows: Sequence[Dict[str, Any]]) -> Dict[str, str]:
+    """Mechanism -> why its line ends early ("oom at 4096"), for the legend."""
+    notes: Dict[str, str] = {}
+    for row in sorted(rows, key=lambda row: row["length"]):
+        if row["status"] in ("oom", "timeout", "failed", "unsupported") and row["mechanism"] not in notes:
+            kind = {"timeout": "too slow", "unsupported": "unsupported"}.get(row["status"], row["status"])
+            notes[row["mechanism"]] = f"{kind} at N={row['length']}"
+    return notes
+
+
+def _lines_panel(ax: Any, data: Dict[str, Any], column: str, styles: Dict[str, Dict[str, Any]], ylabel: str,
+                 title: str) -> None:
+    notes = _stop_notes(data["rows"])
+    for name, (xs, ys) in _series(data["rows"], column).items():
+        label = f"{name} ({notes[name]})" if name in notes else name
+        if xs:
+            ax.plot(xs, ys, label=label, markersize=5, **styles[name])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    lengths = sorted({row["length"] for row in data["rows"]})
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([str(n) for n in lengths])
+
+
+def _legend_right(fig: Any, ax: Any) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.995, 0.5), fontsize=8, frameon=False)
+
+
+def plot_time(data: Dict[str, Any], path: Path) -> None:
+    styles = _styles(list(dict.fromkeys(row["mechanism"] for row in data["rows"])))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
+    _lines_panel(axes[0], data, "forward_ms", styles, "median time per call (ms)", "forward")
+    _lines_panel(axes[1], data, "forward_backward_ms", styles, "median time per call (ms)", "forward + backward")
+    fig.suptitle(f"Time against sequence length (lower is faster)\n{_subtitle(data)}", fontsize=10)
+    _legend_right(fig, axes[1])
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_memory(data: Dict[str, Any], path: Path) -> None:
+    styles = _styles(list(dict.fromkeys(row["mechanism"] for row in data["rows"])))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
+    _lines_panel(axes[0], data, "forward_peak_memory_mib", styles, "peak memory above inputs (MiB)",
+                 "forward (inference, no autograd graph)")
+    _lines_panel(axes[1], data, "peak_memory_mib", styles, "peak memory above inputs (MiB)",
+                 "forward + backward (training)")
+    method = "GPU allocator peak" if data["config"]["device"].startswith("cuda") else "resident-set peak"
+    fig.suptitle(f"Peak memory against sequence length ({method}, each configuration in a fresh process)\n"
+                 f"{_subtitle(data)}", fontsize=10)
+    _legend_right(fig, axes[1])
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _message_figure(path: Path, title: str, message: str) -> None:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.axis("off")
+    ax.set_title(title)
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, fontsize=11)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_error(data: Dict[str, Any], path: Path) -> None:
+    """Error against the swept option (left) and, for approximate mechanisms, against N (right)."""
+    sweeps = [sweep for sweep in data.get("sweeps", []) if any(p.get("error") for p in sweep["points"])]
+    approximate_rows = [row for row in data["rows"] if row.get("approximate") and row.get("error")]
+    if not sweeps and not approximate_rows:
+        _message_figure(path, "Approximation error against exact softmax",
+                        "No approximate mechanism was measured,\nso there is no approximation error to show.")
+        return
+    styles = _styles(list(dict.fromkeys(row["mechanism"] for row in data["rows"])))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
+    ax = axes[0]
+    uniform_levels = []
+    for sweep in sweeps:
+        points = [p for p in sweep["points"] if p.get("error")]
+        style = dict(styles.get(sweep["mechanism"], {}), linestyle="-")
+        ax.plot([p["value"] for p in points], [p["error"] for p in points], markersize=5,
+                label=f"{sweep['mechanism']} ({sweep['option']})", **style)
+        if sweep.get("uniform_error"):
+            uniform_levels.append(sweep["uniform_error"])
+    if uniform_levels:
+        ax.axhline(uniform_levels[0], color="gray", linestyle=":", linewidth=1.5,
+                   label="uniform attention (ignores q, k)")
+    if sweeps:
+        values = sorted({p["value"] for sweep in sweeps for p in sweep["points"]})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(values)
+        ax.set_xticklabels([str(v) for v in values])
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+        ax.set_title(f"error against feature count / rank at N={sweeps[0]['length']}")
+    else:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no approximate mechanism takes a\nfeature-count or rank option", ha="center",
+                va="center")
+    ax.set_xlabel("features / rank / landmarks (the mechanism's option)")
+    ax.set_ylabel("relative error ||out - softmax|| / ||softmax||")
+    ax.grid(True, which="both", alpha=0.3)
+
+    ax = axes[1]
+    for name, (xs, ys) in _series(approximate_rows, "error").items():
+        ax.plot(xs, ys, label=name, markersize=5, **styles[name])
+    uniform = [(item["length"], item["error"]) for item in data.get("uniform_error", []) if item.get("error")]
+    if uniform:
+        ax.plot(*zip(*uniform), color="gray", linestyle=":", linewidth=1.5, label="uniform attention")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    lengths = sorted({row["length"] for row in data["rows"]})
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([str(n) for n in lengths])
+    ax.set_xlabel("sequence length N (default options)")
+    ax.set_ylabel("relative error against exact softmax")
+    ax.set_title("error against sequence length")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.suptitle("Approximation error against exact softmax on the same random inputs (lower is better; "
+                 "above the dotted line the output carries less about q, k than a plain average)\n"
+                 + _subtitle(data), fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _bubble_length(data: Dict[str, Any]) -> Optional[int]:
+    """The longest length at which softmax was measured: every ratio there has its baseline."""
+    measured = [row["length"] for row in data["rows"] if row["mechanism"] == BASELINE and row["forward_backward_ms"]]
+    return max(measured) if measured else None
+
+
+def plot_bubble(data: Dict[str, Any], path: Path, accuracy: Optional[Dict[str, float]] = None) -> None:
+    """Speed against quality with bubble area proportional to peak memory, at the longest softmax length."""
+    length = _bubble_length(data)
+    rows = [row for row in data["rows"] if row["length"] == length and row["forward_backward_ms"]
+            and row["peak_memory_mib"] is not None]
+    if accuracy:
+        points = [(row, accuracy[row["mechanism"]]) for row in rows if row["mechanism"] in accuracy]
+        ylabel, title_quality = "accuracy (from --accuracy; higher is better)", "accuracy"
+    else:
+        points = [(row, max(row["error"], EXACT_FLOOR)) for row in rows if row.get("error") is not None]
+        ylabel, title_quality = "relative error against exact softmax (log; better is up)", "approximation error"
+    if not points:
+        _message_figure(path, "Speed, quality and memory", "Nothing to plot: no mechanism has both a time and a "
+                        "quality measurement." if length else "Softmax, the baseline, was not measured.")
+        return
+    tokens_per_s = [row["batch"] * row["length"] / (row["forward_backward_ms"] / 1e3) for row, _ in points]
+    memory = [row["peak_memory_mib"] for row, _ in points]
+    largest = max(max(memory), 1e-9)
+    sizes = [60 + 2400 * m / largest for m in memory]  # area proportional to memory, smallest still visible
+    styles = _styles([row["mechanism"] for row, _ in points])
+    fig, ax = plt.subplots(figsize=(10, 6.5), constrained_layout=True)
+    for (row, quality), x, size in zip(points, tokens_per_s, sizes):
+        style = styles[row["mechanism"]]
+        ax.scatter([x], [quality], s=size, color=style["color"], alpha=0.45, edgecolors="black", linewidths=0.8)
+        label = row["mechanism"] + (" (exact)" if not accuracy and row["error"] < EXACT_FLOOR else "")
+        if not accuracy and row.get("approximate") is False and row["error"] >= EXACT_FLOOR:
+            label += " *"
+        ax.annotate(label, (x, quality), textcoords="offset points", xytext=(0, 0), ha="center", va="center",
+                    fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"speed: tokens per second, forward+backward at N={length} (log; faster to the right)")
+    ax.set_ylabel(ylabel)
+    if not accuracy:
+        ax.set_yscale("log")
+        ax.invert_yaxis()
+    ax.grid(True, which="both", alpha=0.3)
+    for reference in sorted({min(memory), largest}):
+        ax.scatter([], [], s=60 + 2400 * reference / largest, color="gray", alpha=0.4, edgecolors="black",
+                   label=f"{reference:.1f} MiB")
+    ax.legend(title="peak memory (bubble area)", loc="best", fontsize=8, labelspacing=2.2, borderpad=1.2)
+    ax.margins(0.15)
+    note = ("\n* a different attention, not an approximation of softmax: its distance from softmax is not a quality "
+            "measure" if any(not accuracy and row.get("approximate") is False and row["error"] >= EXACT_FLOOR
+                             for row, _ in points) else "")
+    fig.suptitle(f"Speed against {title_quality}, bubble area = peak memory (N={length})\n{_subtitle(data)}"
+                 + note, fontsize=10)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_plots(data: Dict[str, Any], output: Path, accuracy: Optional[Dict[str, float]] = None) -> Dict[str, Path]:
+    """All four figures in ``output``; returns their paths by name."""
+    paths = {name: output / f"{name}.png" for name in ("time", "memory", "error", "bubble")}
+    plot_time(data, paths["time"])
+    plot_memory(data, paths["memory"])
+    plot_error(data, paths["error"])
+    plot_bubble(data, paths["bubble"], accuracy)
+    return paths

@@ -1,0 +1,120 @@
+"""report.md: the figures of a comparison tied together with the exact command, machine and method."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .compare import BASELINE, describe_crossover
+from .table import format_error
+
+
+def _cell(value: Optional[float], digits: int = 1, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _markdown_table(header: List[str], rows: List[List[str]]) -> List[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> str:
+    config, machine = data["config"], data["machine"]
+    lengths = sorted({row["length"] for row in data["rows"]})
+    lines = [
+        "# attnzoo compare",
+        "",
+        "Reproduce with:",
+        "",
+        "```bash",
+        data["command"],
+        "```",
+        "",
+        "## Machine",
+        "",
+        f"- CPU: {machine['cpu']}, {machine['cores']} cores, {machine['threads']} torch threads"
+        + (f", {machine['memory_gib']} GiB memory" if machine.get("memory_gib") else ""),
+        f"- device: {machine['device']}" + (f" ({machine['gpu']}, CUDA {machine['cuda']})" if machine.get("gpu") else ""),
+        f"- Python {machine['python']}, torch {machine['torch']}, {machine['platform']}",
+        f"- run: {data['started']} to {data['finished']} ({data['duration_s']} s)",
+        "",
+        "## Setting",
+        "",
+        f"Batch {config['batch']}, {config['heads']} heads, head dim {config['head_dim']}, {config['dtype']}, "
+        f"{'causal' if config['causal'] else 'non-causal'}, lengths {', '.join(map(str, lengths))}. "
+        f"Times are medians of {config['repeats']} repeats after a warm-up; the mechanisms are timed "
+        "round-robin on the same inputs within one process per length, so machine drift affects them alike. "
+        "Peak memory is measured in a fresh process per configuration "
+        + ("(the CUDA allocator's peak above the inputs). " if config["device"].startswith("cuda") else
+           "(the resident-set high-water mark above the resident size after inputs and a warm-up call, with "
+           "glibc's mmap threshold fixed so freed tensors return to the system). ")
+        + "Error is `||out - softmax|| / ||softmax||` on the same standard-normal q, k, v (exact softmax in "
+          "float64). Each configuration has a budget of "
+        f"{config['budget_s']:.0f} s; slower ones, and those out of memory, are reported and skipped at longer "
+        "lengths.",
+        "",
+        "## Time",
+        "",
+        "![time against N](time.png)",
+        "",
+        "## Memory",
+        "",
+        "![peak memory against N](memory.png)",
+        "",
+        "## Approximation error",
+        "",
+        "![error against feature count](error.png)",
+        "",
+        "The dotted line is uniform attention (every query averages the values): an approximation above it "
+        "carries less information about q and k than a plain average.",
+        "",
+        "## Speed, quality and memory",
+        "",
+        "![bubble chart](bubble.png)",
+        "",
+        ("Quality is the accuracy from `" + accuracy_path + "`." if accuracy_path else
+         "Quality is the approximation error against softmax (no `--accuracy` file was given); for mechanisms "
+         "that are not approximations of softmax it is a distance, not a quality."),
+        "",
+        "## Summary",
+        "",
+        "Speed = softmax time / mechanism time (forward+backward, > 1 is faster); memory = mechanism peak / "
+        "softmax peak (< 1 is leaner); crossover = the length from which the mechanism is faster than softmax.",
+        "",
+    ]
+    summary_rows = []
+    for item in data["summary"]:
+        if item["mechanism"] == BASELINE:
+            continue
+        summary_rows.append([
+            item["mechanism"], describe_crossover(item["crossover_forward_backward"], lengths),
+            describe_crossover(item["crossover_forward"], lengths), str(item["longest_length"] or "-"),
+            _cell(item["speed_vs_softmax"], 2, "x"), _cell(item["memory_vs_softmax"], 2, "x"), format_error(item),
+        ])
+    lines += _markdown_table(["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed", "memory",
+                              "error"], summary_rows)
+    lines += ["", "## All measurements", ""]
+    detail_rows = []
+    for row in sorted(data["rows"], key=lambda row: (row["length"], row["mechanism"] != BASELINE)):
+        detail_rows.append([
+            str(row["length"]), row["mechanism"], row["status"], _cell(row["forward_ms"]),
+            _cell(row["forward_backward_ms"]), _cell(row["peak_memory_mib"]), _cell(row["speed_vs_softmax"], 2, "x"),
+            _cell(row["memory_vs_softmax"], 2, "x"), format_error(row), row["reason"] or "",
+        ])
+    lines += _markdown_table(["N", "mechanism", "status", "fwd ms", "fwd+bwd ms", "peak MiB", "speed", "memory",
+                              "error", "note"], detail_rows)
+    if any(format_error(row).endswith("*") for row in data["rows"]):
+        lines += ["", "\\* not an approximation of softmax (a different attention): distance from softmax, "
+                      "not an error."]
+    if data.get("missing_peers"):
+        lines += ["", "Peers not installed (install with `scripts/install-peers.sh .venv/bin/python`): "
+                  + ", ".join(peer["name"] for peer in data["missing_peers"]) + "."]
+    lines += ["", "Raw numbers: `results.json` (with the full configuration) and `results.csv`.", ""]
+    return "\n".join(lines)
+
+
+def write_report(data: Dict[str, Any], output: Path, accuracy_path: Optional[str] = None) -> Path:
+    path = output / "report.md"
+    path.write_text(render_report(data, accuracy_path))
+    return path

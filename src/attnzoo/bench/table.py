@@ -1,0 +1,91 @@
+"""The terminal tables of ``attnzoo compare``: one block per length, then crossovers per mechanism."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from .compare import BASELINE, describe_crossover
+
+EXACT_BELOW = 1e-3  # relative errors under this are float rounding: the mechanism computes softmax
+
+
+def format_error(row: Dict[str, Any]) -> str:
+    """Relative error against softmax; "exact" for rounding-level errors, a star for non-approximations."""
+    error = row.get("error")
+    if error is None:
+        return "-"
+    if error < EXACT_BELOW:
+        return "exact"
+    # A mechanism that does not declare itself an approximation of softmax (e.g. a gated linear
+    # attention) is a different model: its distance from softmax is shown, but it is not an error.
+    return f"{error:.3g}*" if row.get("approximate") is False else f"{error:.3g}"
+
+
+def _number(value: Optional[float], digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> List[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = []
+    for index, row in enumerate([list(header), ["-" * width for width in widths], *rows]):
+        cells = [str(cell).rjust(width) if right[i] and index != 1 else str(cell).ljust(width)
+                 for i, (cell, width) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def results_table(data: Dict[str, Any]) -> str:
+    """The per-length blocks and the crossover summary, as plain text."""
+    config = data["config"]
+    lengths = sorted({row["length"] for row in data["rows"]})
+    lines = [
+        f"attnzoo compare: batch {config['batch']}, {config['heads']} heads, head dim {config['head_dim']}, "
+        f"{config['dtype']}, {'causal' if config['causal'] else 'non-causal'}, {config['device']}, "
+        f"{data['machine']['threads']} threads ({data['machine']['cpu']})",
+        "speed = softmax time / mechanism time (forward+backward; >1 is faster); "
+        "memory = mechanism peak / softmax peak (<1 is leaner)",
+    ]
+    header = ["mechanism", "fwd ms", "fwd+bwd ms", "peak MiB", "speed", "memory", "error", "note"]
+    right = [False, True, True, True, True, True, True, False]
+    uniform = {item["length"]: item["error"] for item in data.get("uniform_error", [])}
+    starred = False
+    for length in lengths:
+        rows = [row for row in data["rows"] if row["length"] == length]
+        body = []
+        for row in rows:
+            note = "" if row["status"] == "ok" and not row["reason"] else (row["reason"] or row["status"])
+            if row["counterpart"] and row["speed_vs_counterpart"] is not None:
+                note = (f"vs {row['counterpart']}: speed {_ratio(row['speed_vs_counterpart'])}, memory "
+                        f"{_ratio(row['memory_vs_counterpart'])}" + (f"; {note}" if note else ""))
+            error = format_error(row)
+            starred = starred or error.endswith("*")
+            body.append([row["mechanism"], _number(row["forward_ms"]), _number(row["forward_backward_ms"]),
+                         _number(row["peak_memory_mib"]), _ratio(row["speed_vs_softmax"]),
+                         _ratio(row["memory_vs_softmax"]), error, _shorten(note, 70)])
+        floor = f"; uniform attention's error here: {uniform[length]:.3g}" if uniform.get(length) else ""
+        lines += ["", f"N = {length}{floor}"] + render_table(header, body, right)
+    lines += ["", "crossover: the length from which a mechanism is faster than softmax (log-log interpolation)"]
+    header = ["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed", "memory", "error"]
+    body = []
+    for item in data["summary"]:
+        if item["mechanism"] == BASELINE:
+            continue
+        body.append([item["mechanism"], describe_crossover(item["crossover_forward_backward"], lengths),
+                     describe_crossover(item["crossover_forward"], lengths), str(item["longest_length"] or "-"),
+                     _ratio(item["speed_vs_softmax"]), _ratio(item["memory_vs_softmax"]), format_error(item)])
+    lines += render_table(header, body, [False, True, True, True, True, True, True])
+    if starred:
+        lines.append("* not an approximation of softmax (a different attention): distance from softmax, not error")
+    if data.get("missing_peers"):
+        lines.append("peers not installed: " + ", ".join(peer["name"] for peer in data["missing_peers"])
+                     + " (scripts/install-peers.sh)")
+    return "\n".join(lines)
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

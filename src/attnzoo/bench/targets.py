@@ -1,0 +1,96 @@
+"""What a benchmark row measures: an attnzoo mechanism or a peer library, built for one configuration.
+
+An *entry* is a plain dict (it travels to worker processes as JSON)::
+
+    {"key": "performer", "kind": "mechanism", "name": "performer", "options": {"nb_features": 64}}
+    {"key": "peer:linformer", "kind": "peer", "name": "linformer", "options": {}}
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..mechanisms import UnsupportedOptionError, build_mechanism, capabilities, mechanism_options
+from .measure import AttentionFn
+from .peers import build_peer
+
+Entry = Dict[str, Any]
+
+# Mechanisms whose parameters depend on the sequence length (a learned projection over positions) take the
+# length as one of these options; the benchmark sets it to the measured length.
+LENGTH_OPTIONS = ("max_length", "seq_len", "max_seq_len", "sequence_length")
+
+
+def mechanism_entry(name: str, options: Optional[Dict[str, Any]] = None) -> Entry:
+    return {"key": name, "kind": "mechanism", "name": name, "options": dict(options or {})}
+
+
+def peer_entry(name: str) -> Entry:
+    return {"key": f"peer:{name}", "kind": "peer", "name": name, "options": {}}
+
+
+def import_user_modules(specs: Sequence[str]) -> None:
+    """Import modules (dotted names or paths of .py files) that register extra mechanisms."""
+    for spec in specs:
+        if spec.endswith(".py") or "/" in spec:
+            path = Path(spec).resolve()
+            module_name = f"attnzoo_user_{abs(hash(str(path)))}"
+            if module_name in sys.modules:
+                continue
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            if loader_spec is None or loader_spec.loader is None:
+                raise ImportError(f"cannot import {spec!r}: not a Python file")
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            importlib.import_module(spec)
+
+
+def build_target(entry: Entry, heads: int, head_dim: int, length: int, causal: bool, device: str,
+                 dtype: torch.dtype) -> Union[AttentionFn, str]:
+    """The entry's attention callable for this configuration, or the reason it does not apply.
+
+    Raises whatever building raises (a broken mechanism is a failed row, not an unsupported one).
+    """
+    if entry["kind"] == "peer":
+        peer = build_peer(entry["name"], heads, head_dim, length, causal)
+        if isinstance(peer, str):
+            return peer
+        return peer.to(device=device, dtype=dtype).eval()
+    name = entry["name"]
+    caps = capabilities(name)
+    if causal and not caps.causal:
+        return f"unsupported: {name} does not support causal attention"
+    if caps.max_length is not None and length > caps.max_length:
+        return f"unsupported: {name} accepts at most {caps.max_length} positions"
+    options = dict(entry.get("options") or {})
+    for option in LENGTH_OPTIONS:
+        if option in mechanism_options(name) and option not in options:
+            options[option] = length
+    try:
+        module = build_mechanism(name, heads, head_dim, **options)
+    except UnsupportedOptionError as error:
+        return f"unsupported: {error}"
+    module = module.to(device=device, dtype=dtype).eval()
+    if module.max_length is not None and length > module.max_length:
+        return f"unsupported: {name} built with max_length={module.max_length}"
+    return lambda q, k, v, c: module(q, k, v, causal=c)
+
+
+def classify_failure(error: BaseException) -> Tuple[str, str]:
+    """(status, reason) for an exception raised while building or running an entry."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = f"{type(error).__name__}: {message}"[:300]
+    lowered = message.lower()
+    if isinstance(error, MemoryError) or "out of memory" in lowered or "can't allocate memory" in lowered:
+        return "oom", f"out of memory ({text})"
+    if isinstance(error, UnsupportedOptionError):
+        return "unsupported", f"unsupported: {message}"
+    return "failed", text

@@ -1,0 +1,348 @@
+"""Feature maps phi for kernelized attention: ``softmax(q k^T) v`` is replaced by ``phi(q) (phi(k)^T v)``.
+
+Each map is a small ``nn.Module`` taking (batch, heads, seq, head_dim) to (batch, heads, seq, nb_features),
+usable on its own or through :func:`attnzoo.functional.linear_attention`.
+
+Three entry points per map:
+
+* ``forward(x)``: the features as defined mathematically (for random features, ``forward(q) . forward(k)``
+  is the unbiased estimate of the kernel). May overflow for large inputs; used by the float64 references.
+* ``query_features(x)``: the features up to a positive factor per query row, which cancels in the
+  normalised output (numerator and normaliser of one row share it). Numerically safe.
+* ``key_features(x, key_padding_mask)``: ``(features, log_scale)`` with ``true features = features *
+  exp(log_scale)``; ``log_scale`` is one number per (batch, head), shared by every key, so it too cancels in
+  the normalised output, and a recurrent state can carry it to merge later keys exactly. ``None`` when the
+  map needs no rescaling.
+
+Random-feature maps keep their projection in a registered buffer (saved in the ``state_dict``, so a reloaded
+model gives identical outputs) and change it only through an explicit :meth:`RandomFeatureMap.redraw` or
+:meth:`RandomFeatureMap.maybe_redraw` call, never as a side effect of a forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._validation import check_floating, check_positive_int
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """Features are computed in at least float32: exp() of half-precision logits overflows easily."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# -- projection samplers -------------------------------------------------------------------------------------
+def gaussian_projection(
+    nb_rows: int, dim: int, *, generator: Optional[torch.Generator] = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """(nb_rows, dim) matrix of iid N(0, 1) entries: the plain random features of Rahimi & Recht."""
+    check_positive_int("nb_rows", nb_rows)
+    check_positive_int("dim", dim)
+    return torch.randn(nb_rows, dim, generator=generator, dtype=dtype)
+
+
+def orthogonal_projection(
+    nb_rows: int, dim: int, *, generator: Optional[torch.Generator] = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """(nb_rows, dim) block-orthogonal random matrix (Performer, Choromanski et al. 2021).
+
+    Rows come in blocks of ``dim`` exactly orthogonal directions (the last block truncated); each row is then
+    given the norm of an independent ``dim``-dimensional Gaussian vector (chi-distributed), so every row has
+    the same marginal law as an iid Gaussian row, which keeps the kernel estimate unbiased, while rows within
+    a block are orthogonal, which lowers its variance.
+    """
+    check_positive_int("nb_rows", nb_rows)
+    check_positive_int("dim", dim)
+    blocks = []
+    for _ in range(math.ceil(nb_rows / dim)):
+        gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(gaussian)
+        # Sign fix makes Q Haar-distributed (QR alone is biased by its sign convention).
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+        blocks.append(q.T)
+    directions = torch.cat(blocks, dim=0)[:nb_rows]
+    norms = torch.randn(nb_rows, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
+    return (directions * norms).to(dtype)
+
+
+# -- base classes ---------------------------------------------------------------------------------------------
+class FeatureMap(nn.Module):
+    """Base of every feature map: (batch, heads, seq, head_dim) -> (batch, heads, seq, nb_features).
+
+    Attributes:
+        positive: every feature is >= 0, so the normaliser ``phi(q) . sum_j phi(k_j)`` never changes sign.
+    """
+
+    positive: bool = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def query_features(self, x: Tensor) -> Tensor:
+        """Features up to a positive factor per row (cancels in normalised attention)."""
+        return self(x)
+
+    def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(features, log_scale)``: true features are ``features * exp(log_scale)``, ``log_scale`` of shape
+        (batch, heads, 1, 1) or None. Padded keys (``key_padding_mask`` (batch, seq) True) must not influence
+        the scale; their features are zeroed later by the attention core."""
+        return self(x), None
+
+
+class EluFeatureMap(FeatureMap):
+    """``elu(x) + 1`` (Katharopoulos et al. 2020): positive, cheap, deterministic."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_floating("x", x)
+        return F.elu(x) + 1.0
+
+
+class ReluFeatureMap(FeatureMap):
+    """``relu(x)``: non-negative; a query orthogonal to every key gets a zero normaliser and outputs zeros."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_floating("x", x)
+        return F.relu(x)
+
+
+class RandomFeatureMap(FeatureMap):
+    """Shared machinery of maps built on a random projection ``W`` of shape (nb_projections, head_dim).
+
+    Args:
+        head_dim: width of the inputs; inputs of another width raise an error naming ``head_dim``.
+        nb_projections: rows of ``W``.
+        orthogonal: block-orthogonal rows (lower variance) instead of iid Gaussian rows.
+        input_scale: inputs are multiplied by it before projecting; ``head_dim ** -0.25`` on both queries and
+            keys turns the kernel ``exp(q . k)`` into the softmax kernel ``exp(q . k / sqrt(head_dim))``.
+        redraw_interval: with :meth:`maybe_redraw`, draw a new projection every that many calls made in
+            training mode (None: only explicit :meth:`redraw` calls change it).
+        generator: RNG for the initial projection (the global RNG when None).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        nb_projections: int,
+        *,
+        orthogonal: bool = True,
+        input_scale: Optional[float] = None,
+        redraw_interval: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.nb_projections = nb_projections
+        self.orthogonal = bool(orthogonal)
+        self.input_scale = head_dim ** -0.25 if input_scale is None else float(input_scale)
+        if redraw_interval is not None:
+            check_positive_int("redraw_interval", redraw_interval)
+        self.redraw_interval = redraw_interval
+        self.register_buffer("projection", self.sample_projection(generator))
+        # Persistent so that a resumed training run keeps the same redraw schedule.
+        self.register_buffer("calls_since_redraw", torch.zeros((), dtype=torch.long))
+
+    def sample_projection(self, generator: Optional[torch.Generator] = None) -> Tensor:
+        sampler = orthogonal_projection if self.orthogonal else gaussian_projection
+        return sampler(self.nb_projections, self.head_dim, generator=generator)
+
+    @torch.no_grad()
+    def redraw(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new projection (in place, keeping the buffer's device and dtype)."""
+        new = self.sample_projection(generator)
+        self.projection.copy_(new.to(self.projection.dtype))
+        self.calls_since_redraw.zero_()
+
+    @torch.no_grad()
+    def maybe_redraw(self, generator: Optional[torch.Generator] = None) -> bool:
+        """Count one training step and redraw when ``redraw_interval`` of them have passed.
+
+        Call it explicitly from the training loop (e.g. once per optimiser step). It does nothing in eval mode
+        or without a ``redraw_interval``. Returns whether a redraw happened.
+        """
+        if self.redraw_interval is None or not self.training:
+            return False
+        self.calls_since_redraw += 1
+        if int(self.calls_since_redraw) >= self.redraw_interval:
+            self.redraw(generator)
+            return True
+        return False
+
+    def project(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(x' @ W^T, x')`` with ``x' = input_scale * x`` in at least float32: (batch, heads, seq, head_dim)
+        -> ((batch, heads, seq, nb_projections), (batch, heads, seq, head_dim))."""
+        check_floating("x", x)
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"{type(self).__name__}: input has last dim {x.shape[-1]}, but the projection was drawn for "
+                f"head_dim={self.head_dim}"
+            )
+        dtype = _compute_dtype(x)
+        x = x.to(dtype) * self.input_scale
+        return x @ self.projection.to(dtype).T, x
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, nb_features={self.nb_features}, orthogonal={self.orthogonal}, "
+            f"input_scale={self.input_scale:.4g}, redraw_interval={self.redraw_interval}"
+        )
+
+
+def _key_scale(log_features: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """Max of log-features over keys and features, per (batch, head), ignoring padded keys: (batch, heads, 1, 1).
+
+    Detached: the scale cancels in the normalised output, so it carries no gradient information."""
+    log_features = log_features.detach()
+    if key_padding_mask is not None:
+        log_features = log_features.masked_fill(key_padding_mask[:, None, :, None], -math.inf)
+    scale = log_features.amax(dim=(2, 3), keepdim=True)
+    # A sequence made only of padding: any finite scale will do, its features are zeroed anyway.
+    return torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+
+
+def _projections_for(nb_features: int, paired: Optional[str]) -> int:
+    """Projections needed for ``nb_features`` output features; ``paired`` names the pairing, if any."""
+    check_positive_int("nb_features", nb_features)
+    if paired is None:
+        return nb_features
+    if nb_features % 2:
+        raise ValueError(f"nb_features must be even with {paired}, got {nb_features}")
+    return nb_features // 2
+
+
+class FavorPositiveFeatures(RandomFeatureMap):
+    """FAVOR+ positive random features for the softmax kernel (Choromanski et al. 2021).
+
+    ``phi(x) = exp(-|x|^2 / 2) / sqrt(m) * [exp(w_i . x)]_i`` gives ``E[phi(q) . phi(k)] = exp(q . k)`` with
+    positive features, so the normaliser stays positive and the estimate has low variance where the kernel is
+    small. With ``symmetric=True`` (the "hyperbolic" variant) each projection ``w`` is used as ``w`` and
+    ``-w``: ``[exp(w . x), exp(-w . x)] / sqrt(2)``, an antithetic pair that lowers the variance at the same
+    number of output features.
+
+    Stabiliser without any additive constant: query rows are divided by their own largest feature, keys by
+    the largest feature over the whole (unpadded) key sequence of the head. Both factors cancel exactly in the
+    normalised output, so unlike an added epsilon they never flatten the attention towards uniform.
+
+    Args:
+        head_dim: input width.
+        nb_features: number of output features (even when ``symmetric``).
+        symmetric: use antithetic pairs ``w, -w`` (``nb_features / 2`` projections).
+        Other arguments: see :class:`RandomFeatureMap`.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        nb_features: int = 256,
+        *,
+        symmetric: bool = True,
+        orthogonal: bool = True,
+        input_scale: Optional[float] = None,
+        redraw_interval: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__(
+            head_dim,
+            _projections_for(nb_features, "symmetric features (pairs w, -w)" if symmetric else None),
+            orthogonal=orthogonal,
+            input_scale=input_scale,
+            redraw_interval=redraw_interval,
+            generator=generator,
+        )
+        self.nb_features = nb_features
+        self.symmetric = bool(symmetric)
+
+    def _logits(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        projected, scaled = self.project(x)
+        if self.symmetric:
+            projected = torch.cat([projected, -projected], dim=-1)
+        return projected, scaled
+
+    def _log_normaliser(self) -> float:
+        return -0.5 * math.log(self.nb_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits, scaled = self._logits(x)
+        half_norm = 0.5 * scaled.pow(2).sum(-1, keepdim=True)
+        return torch.exp(logits - half_norm + self._log_normaliser())
+
+    def query_features(self, x: Tensor) -> Tensor:
+        logits, _ = self._logits(x)
+        # exp(-|x|^2/2) and 1/sqrt(m) are per-row factors too, so they are dropped with the row maximum.
+        return torch.exp(logits - logits.detach().amax(-1, keepdim=True))
+
+    def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        logits, scaled = self._logits(x)
+        log_features = logits - 0.5 * scaled.pow(2).sum(-1, keepdim=True)
+        shift = _key_scale(log_features, key_padding_mask)
+        return torch.exp(log_features - shift), shift + self._log_normaliser()
+
+
+class FavorTrigFeatures(RandomFeatureMap):
+    """FAVOR trigonometric random features for the softmax kernel (Performer's first estimator).
+
+    ``phi(x) = exp(|x|^2 / 2) / sqrt(m) * [sin(w_i . x), cos(w_i . x)]_i`` with ``m = nb_features / 2``
+    projections gives ``E[phi(q) . phi(k)] = exp(q . k)``. Features can be negative, so the normaliser can
+    come close to zero: the attention core guards its magnitude (see ``denominator_eps`` in
+    :func:`attnzoo.functional.kernel_attention`). Prefer :class:`FavorPositiveFeatures` for the softmax
+    kernel; this map serves RFA (Peng et al. 2021), whose inputs are unit vectors, where the ``exp(|x|^2/2)``
+    factors are constant.
+    """
+
+    positive = False
+
+    def __init__(
+        self,
+        head_dim: int,
+        nb_features: int = 256,
+        *,
+        orthogonal: bool = True,
+        input_scale: Optional[float] = None,
+        redraw_interval: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__(
+            head_dim,
+            _projections_for(nb_features, "trigonometric features (pairs sin, cos)"),
+            orthogonal=orthogonal,
+            input_scale=input_scale,
+            redraw_interval=redraw_interval,
+            generator=generator,
+        )
+        self.nb_features = nb_features
+
+    def _unit_features(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        projected, scaled = self.project(x)
+        features = torch.cat([torch.sin(projected), torch.cos(projected)], dim=-1)
+        return features, 0.5 * scaled.pow(2).sum(-1, keepdim=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        features, half_norm = self._unit_features(x)
+        return features * torch.exp(half_norm - 0.5 * math.log(self.nb_projections))
+
+    def query_features(self, x: Tensor) -> Tensor:
+        return self._unit_features(x)[0]
+
+    def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        features, half_norm = self._unit_features(x)
+        shift = _key_scale(half_norm, key_padding_mask)
+        return features * torch.exp(half_norm - shift), shift - 0.5 * math.log(self.nb_projections)
+
+
+_NAMED_MAPS = {"elu": EluFeatureMap, "relu": ReluFeatureMap}
+
+
+def resolve_feature_map(feature_map: object) -> FeatureMap:
+    """``"elu"``, ``"relu"`` or a :class:`FeatureMap` instance -> a :class:`FeatureMap`."""
+    if isinstance(feature_map, FeatureMap):
+        return feature_map
+    if isinstance(feature_map, str) and feature_map in _NAMED_MAPS:
+        return _NAMED_MAPS[feature_map]()
+    raise ValueError(
+        f"feature_map must be one of {', '.join(repr(n) for n in _NAMED_MAPS)} or a FeatureMap instance, "
+        f"got {feature_map!r}"
+    )

@@ -1,0 +1,142 @@
+"""Decayed and gated linear attention: ``retention`` (RetNet) and ``gla`` (gated linear attention).
+
+Both use the raw scaled dot product ``(q_i . k_j) / sqrt(d)`` as kernel (no feature map) and a recurrent state
+that forgets: ``S_t = a_t S_{t-1} + k_t v_t^T``. They are attentions of their own, not approximations of
+softmax. Normalisation (``normalize=True``, the default) follows RetNet: each output row is divided by
+``max(|sum_j w_ij|, 1)`` where ``w_ij`` are its decayed scores, which bounds the output without the
+positivity a softmax-style normaliser needs, and is computed from the same state in every path.
+RetNet's extra per-row rescaling of the decay matrix and its GroupNorm are left to the surrounding model.
+
+The decay weights keys by their distance to the query, so queries and keys must come from one sequence
+(no cross-attention). ``causal=False`` applies the decays in both directions (``gamma^|i - j|``). Padded
+positions are skipped: they add no key and do not decay the state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..functional.gated import constant_log_decay, gla_log_gates, key_gate_logits, retention_log_decays
+from ..functional.linear import DEFAULT_CHUNK_SIZE
+from .base import Capabilities, register
+from .kernelized import KernelizedMechanism
+
+
+class _DotProductDecayed(KernelizedMechanism):
+    """Identity features with the 1/sqrt(d) scale on the queries, RetNet normalisation."""
+
+    def __init__(self, heads: int, head_dim: int, *, normalize: bool, chunk_size: int) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size)
+        self.normalize = bool(normalize)
+        self.normalizer = "max_abs" if self.normalize else "none"
+
+    def features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.to(dtype) / math.sqrt(self.head_dim), k.to(dtype), None
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, normalize={self.normalize}"
+
+
+@register
+class RetentionAttention(_DotProductDecayed):
+    """Retention (Sun et al. 2023, RetNet): a fixed decay ``gamma_h`` per head.
+
+    ``o_i = sum_{j <= i} gamma^(i - j) (q_i . k_j / sqrt(d)) v_j``, normalised as described in the module
+    docstring. Parallel, chunked (RetNet's chunkwise form) and recurrent paths give the same output.
+
+    Options:
+        decays: one gamma in (0, 1) per head; RetNet's ``1 - 2^(-5 - h)`` by default.
+        normalize: divide each row by ``max(|sum of its decayed scores|, 1)``.
+        chunk_size: chunk length of the causal path.
+    """
+
+    name = "retention"
+    capabilities = Capabilities(
+        causal=True,
+        cross=False,
+        key_padding=True,
+        recurrent_step=True,
+        approximate=False,
+        complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
+        summary="retention with a fixed per-head decay, chunkwise and recurrent (Sun et al. 2023, RetNet)",
+    )
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        decays: Optional[Sequence[float]] = None,
+        normalize: bool = True,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        super().__init__(heads, head_dim, normalize=normalize, chunk_size=chunk_size)
+        if decays is None:
+            log_decays = retention_log_decays(heads)
+        else:
+            values = torch.as_tensor(list(decays), dtype=torch.float64)
+            if values.shape != (heads,) or not bool(((values > 0) & (values < 1)).all()):
+                raise ValueError(f"decays must be {heads} values in (0, 1), one per head, got {list(decays)!r}")
+            log_decays = torch.log(values)
+        # A buffer, so it follows the module's device and is saved with it.
+        self.register_buffer("log_decays", log_decays.float())
+
+    def log_decay(self, k: Tensor) -> Tensor:
+        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        return constant_log_decay(self.log_decays.to(dtype), k.shape[0], k.shape[2])
+
+
+@register
+class GatedLinearAttention(_DotProductDecayed):
+    """Gated linear attention (Yang et al. 2024): data-dependent forget gates.
+
+    The gate is computed from the key (the mechanism sees only q, k, v): ``a_t = sigmoid(k_t . w_h +
+    b_h)^(1 / gate_temperature)``, one scalar per head and position, with learned ``w`` (heads, head_dim) and
+    ``b`` (heads,). The paper uses one gate per key dimension; a scalar gate per head (as in Mamba-2 and
+    gated RetNet variants) keeps the chunked algorithm exact and stable in log space for any gate value.
+
+    Options:
+        gate_temperature: the ``1 / temperature`` power keeps gates near 1 at initialisation (16 in the paper).
+        normalize: RetNet-style row normalisation (see the module docstring).
+        chunk_size: chunk length of the causal path.
+    """
+
+    name = "gla"
+    capabilities = Capabilities(
+        causal=True,
+        cross=False,
+        key_padding=True,
+        recurrent_step=True,
+        approximate=False,
+        complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
+        summary="gated linear attention with data-dependent per-head forget gates (Yang et al. 2024)",
+    )
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        gate_temperature: float = 16.0,
+        normalize: bool = True,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        super().__init__(heads, head_dim, normalize=normalize, chunk_size=chunk_size)
+        if not gate_temperature > 0:
+            raise ValueError(f"gate_temperature must be > 0, got {gate_temperature!r}")
+        self.gate_temperature = float(gate_temperature)
+        self.gate_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
+        self.gate_bias = nn.Parameter(torch.zeros(heads))
+
+    def log_decay(self, k: Tensor) -> Tensor:
+        return gla_log_gates(key_gate_logits(k, self.gate_weight, self.gate_bias), self.gate_temperature)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gate_temperature={self.gate_temperature}"

@@ -1,0 +1,335 @@
+"""Kernelized attention: ``phi(q) (phi(k)^T v)`` in O(N) time and memory, and an RNN at decoding time.
+
+``performer`` (FAVOR+ random features for the softmax kernel), ``linear`` (elu + 1) and ``rfa`` (random
+feature attention, optionally gated). All share :class:`KernelizedMechanism`, which the decayed/gated family
+in :mod:`attnzoo.mechanisms.gated` builds on too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._validation import check_positive_int
+from ..feature_maps import (
+    EluFeatureMap,
+    FavorPositiveFeatures,
+    FavorTrigFeatures,
+    FeatureMap,
+    RandomFeatureMap,
+    ReluFeatureMap,
+)
+from ..functional.gated import key_gate_logits, rfa_gates
+from ..functional.linear import (
+    DEFAULT_CHUNK_SIZE,
+    SIGNED_DENOMINATOR_EPS,
+    kernel_attention,
+    kernel_attention_prefill,
+    kernel_attention_step,
+)
+from .base import Capabilities, Mechanism, State, register
+
+
+def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    return torch.Generator().manual_seed(seed)
+
+
+class KernelizedMechanism(Mechanism):
+    """Shared wiring of the kernelized family: subclasses say how to get features and (optionally) decays.
+
+    Subclasses implement :meth:`features` and may override :meth:`log_decay` and :meth:`key_weight`. The
+    parallel, chunked-causal, prefill and step paths then all follow from the same functions of
+    :mod:`attnzoo.functional.linear`, so step equals parallel by construction.
+
+    Decoding state: ``{"kv": (batch, heads, m, head_dim_v + 1), "log_scale": (batch, heads, 1, 1)}`` (float32
+    for half-precision inputs), of constant size whatever the context length.
+    """
+
+    normalizer: str = "sum"
+
+    def __init__(self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        super().__init__(heads, head_dim)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+
+    # -- what subclasses define -------------------------------------------------------------------------------
+    def features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """(phi_q (B, H, Nq, m), phi_k (B, H, Nk, m), key log scale (B, H, 1, 1) or None)."""
+        raise NotImplementedError
+
+    def log_decay(self, k: Tensor) -> Optional[Tensor]:
+        """(B, H, N) per-position log decay, or None for plain linear attention."""
+        return None
+
+    @property
+    def denominator_eps(self) -> float:
+        return 0.0
+
+    # -- shared paths -----------------------------------------------------------------------------------------
+    def _keys(self, k: Tensor, phi_k: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """Hook for mechanisms that weight each key by a gate: returns (phi_k, log_decay)."""
+        return phi_k, self.log_decay(k)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+        phi_q, phi_k, _ = self.features(q, k, key_padding_mask)
+        phi_k, log_decay = self._keys(k, phi_k)
+        return kernel_attention(
+            phi_q,
+            phi_k,
+            v,
+            causal,
+            key_padding_mask,
+            log_decay=log_decay,
+            normalizer=self.normalizer,
+            chunk_size=self.chunk_size,
+            denominator_eps=self.denominator_eps,
+        )
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
+        self.check_inputs(q, k, v, True, None)
+        phi_q, phi_k, key_log_scale = self.features(q, k, None)
+        phi_k, log_decay = self._keys(k, phi_k)
+        return kernel_attention_prefill(
+            phi_q,
+            phi_k,
+            v,
+            key_log_scale=key_log_scale,
+            log_decay=log_decay,
+            normalizer=self.normalizer,
+            chunk_size=self.chunk_size,
+            denominator_eps=self.denominator_eps,
+        )
+
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
+        self.check_step_inputs(q_t, k_t, v_t)
+        phi_q, phi_k, key_log_scale = self.features(q_t, k_t, None)
+        phi_k, log_decay = self._keys(k_t, phi_k)
+        return kernel_attention_step(
+            phi_q,
+            phi_k,
+            v_t,
+            state,
+            key_log_scale=key_log_scale,
+            log_decay_t=log_decay,
+            normalizer=self.normalizer,
+            denominator_eps=self.denominator_eps,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
+
+
+class _FeatureMapMechanism(KernelizedMechanism):
+    """A kernelized mechanism whose features come from one :class:`FeatureMap` module."""
+
+    feature_map: FeatureMap
+
+    def features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask)
+        return self.feature_map.query_features(q), phi_k, key_log_scale
+
+    @property
+    def denominator_eps(self) -> float:
+        return 0.0 if self.feature_map.positive else SIGNED_DENOMINATOR_EPS
+
+
+class _RandomFeatureMechanism(_FeatureMapMechanism):
+    """Explicit, seeded control of the random projection; nothing changes it during a forward pass."""
+
+    feature_map: RandomFeatureMap
+
+    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new random projection now (seeded by ``generator``, else the global RNG)."""
+        self.feature_map.redraw(generator)
+
+    def maybe_redraw_features(self, generator: Optional[torch.Generator] = None) -> bool:
+        """Count one training step; redraw every ``redraw_interval`` of them (training mode only).
+
+        Call it from the training loop, e.g. after each optimiser step. Returns whether a redraw happened."""
+        return self.feature_map.maybe_redraw(generator)
+
+
+@register
+class PerformerAttention(_RandomFeatureMechanism):
+    """Performer (Choromanski et al. 2021): FAVOR+ positive random features approximating softmax attention.
+
+    Options:
+        nb_features: number of random features m (cost grows linearly in it, error falls as 1/sqrt(m)).
+        orthogonal: block-orthogonal projections (lower variance than iid Gaussian ones).
+        symmetric: antithetic pairs ``exp(w.x), exp(-w.x)`` (the paper's hyperbolic features), using
+            ``nb_features / 2`` projections: lower error at the same cost. ``nb_features`` must then be even.
+        redraw_interval: redraw the projection every that many :meth:`maybe_redraw_features` calls in
+            training mode; None redraws only on :meth:`redraw_features`.
+        seed: seed of the initial projection (the global RNG when None).
+        chunk_size: chunk length of the causal path.
+
+    The projection is a buffer: saved with the model, identical after reloading. The stabiliser divides
+    each query row by its largest feature and all keys of a head by their largest feature; both cancel
+    exactly in the output, so it never flattens attention towards uniform as an added constant would.
+    """
+
+    name = "performer"
+    capabilities = Capabilities(
+        causal=True,
+        cross=True,
+        key_padding=True,
+        recurrent_step=True,
+        approximate=True,
+        complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
+        summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
+    )
+    test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0}
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        nb_features: int = 256,
+        orthogonal: bool = True,
+        symmetric: bool = True,
+        redraw_interval: Optional[int] = None,
+        seed: Optional[int] = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size)
+        self.feature_map = FavorPositiveFeatures(
+            head_dim,
+            nb_features,
+            symmetric=symmetric,
+            orthogonal=orthogonal,
+            redraw_interval=redraw_interval,
+            generator=_generator(seed),
+        )
+
+
+@register
+class LinearAttention(_FeatureMapMechanism):
+    """Linear transformer (Katharopoulos et al. 2020): ``phi(x) = elu(x) + 1``.
+
+    Not an approximation of softmax attention but an attention of its own, with the positive kernel
+    ``phi(q) . phi(k)``. Options: ``feature_map`` (``"elu"`` or ``"relu"``), ``chunk_size`` (causal path).
+    """
+
+    name = "linear"
+    capabilities = Capabilities(
+        causal=True,
+        cross=True,
+        key_padding=True,
+        recurrent_step=True,
+        approximate=False,
+        complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
+        summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
+    )
+
+    def __init__(
+        self, heads: int, head_dim: int, *, feature_map: str = "elu", chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size)
+        maps = {"elu": EluFeatureMap, "relu": ReluFeatureMap}
+        if feature_map not in maps:
+            raise ValueError(f"feature_map must be one of {', '.join(maps)}, got {feature_map!r}")
+        self.feature_map = maps[feature_map]()
+
+
+@register
+class RandomFeatureAttention(_RandomFeatureMechanism):
+    """Random feature attention (Peng et al. 2021), optionally gated.
+
+    Queries and keys are scaled to unit length, so ``exp(s q.k)`` is a Gaussian kernel of width
+    ``1/sqrt(s)`` (s = ``sharpness``, learned per head) that trigonometric random features estimate without
+    the norm factors that make them unstable on raw inputs. It approximates softmax attention over the
+    cosine similarities of q and k.
+
+    Options:
+        nb_features: number of features (sin and cos of ``nb_features / 2`` projections; must be even).
+        orthogonal, redraw_interval, seed, chunk_size: as for ``performer``.
+        sharpness: initial inverse temperature s of the cosine logits.
+        gated: a learned recency gate ``g_t = sigmoid(k_t . w + b)`` per head and position, as in RFA-Gate:
+            ``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T``. With it the mechanism weights keys by their
+            distance, so it needs queries and keys from one sequence (no cross-attention); non-causal use
+            applies the gates in both directions.
+    """
+
+    name = "rfa"
+    capabilities = Capabilities(
+        causal=True,
+        cross=True,
+        key_padding=True,
+        recurrent_step=True,
+        approximate=True,
+        complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
+        summary="random feature attention: trigonometric features on unit q, k, optional gate (Peng et al. 2021)",
+    )
+    test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0}
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        nb_features: int = 128,
+        orthogonal: bool = True,
+        sharpness: float = 4.0,
+        gated: bool = False,
+        redraw_interval: Optional[int] = None,
+        seed: Optional[int] = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size)
+        if not sharpness > 0:
+            raise ValueError(f"sharpness must be > 0, got {sharpness!r}")
+        self.feature_map = FavorTrigFeatures(
+            head_dim,
+            nb_features,
+            orthogonal=orthogonal,
+            input_scale=1.0,
+            redraw_interval=redraw_interval,
+            generator=_generator(seed),
+        )
+        self.log_sharpness = nn.Parameter(torch.full((heads,), math.log(sharpness)))
+        self.gated = bool(gated)
+        if self.gated:
+            self.gate_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
+            # Bias 2: gates start near sigmoid(2) = 0.88, a memory of about ten positions that training adjusts.
+            self.gate_bias = nn.Parameter(torch.full((heads,), 2.0))
+
+    def check_inputs(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]
+    ) -> None:
+        super().check_inputs(q, k, v, causal, key_padding_mask)
+        if self.gated and q.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"rfa with gated=True weights keys by their position relative to the query, so queries and keys "
+                f"must come from one sequence; got seq_q={q.shape[2]}, seq_kv={k.shape[2]}"
+            )
+
+    def _unit(self, x: Tensor) -> Tensor:
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        scale = torch.exp(0.5 * self.log_sharpness).to(dtype).view(1, -1, 1, 1)
+        return F.normalize(x.to(dtype), dim=-1) * scale
+
+    def features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        return super().features(self._unit(q), self._unit(k), key_padding_mask)
+
+    def _keys(self, k: Tensor, phi_k: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        if not self.gated:
+            return phi_k, None
+        log_decay, key_weight = rfa_gates(key_gate_logits(k, self.gate_weight, self.gate_bias))
+        return phi_k * key_weight.unsqueeze(-1), log_decay
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gated={self.gated}"

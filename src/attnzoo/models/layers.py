@@ -1,0 +1,265 @@
+"""Transformer building blocks: feed-forward, encoder layer, decoder layer.
+
+Every layer works on (batch, seq, dim) and supports pre-norm (``norm_first=True``: ``x + f(norm(x))``) and
+post-norm (``norm_first=False``: ``norm(x + f(x))``, the original Transformer and
+``torch.nn.TransformerEncoderLayer``'s default). Each attention slot takes its own mechanism name and a dict
+of that mechanism's options, so one model can mix mechanisms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._validation import check_positive_int
+from ..attention import AttentionState, MultiHeadAttention
+
+ACTIVATIONS = ("relu", "gelu", "swiglu")
+
+
+def check_dropout(dropout: float) -> None:
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+
+
+def _options(name: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise TypeError(f"{name} must be a dict of mechanism options or None, got {type(options).__name__}")
+    return dict(options)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network, (batch, seq, dim) -> (batch, seq, dim).
+
+    ``relu`` / ``gelu``: ``W2 · dropout(act(W1 x))``. ``swiglu`` (Shazeer 2020): ``W2 · dropout(silu(W x) ⊙ V x)``,
+    with the two input projections fused into one ``in_proj`` of width ``2 * hidden_dim``.
+    """
+
+    def __init__(
+        self, dim: int, hidden_dim: int, activation: str = "gelu", dropout: float = 0.0, bias: bool = True
+    ) -> None:
+        super().__init__()
+        check_positive_int("dim", dim)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_dropout(dropout)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; valid choices: {', '.join(ACTIVATIONS)}")
+        self.activation = activation
+        gated = activation == "swiglu"
+        self.in_proj = nn.Linear(dim, 2 * hidden_dim if gated else hidden_dim, bias=bias)
+        self.out_proj = nn.Linear(hidden_dim, dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.in_proj(x)
+        if self.activation == "swiglu":
+            gate, value = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * value
+        elif self.activation == "gelu":
+            hidden = F.gelu(hidden)
+        else:
+            hidden = F.relu(hidden)
+        return self.out_proj(self.dropout(hidden))
+
+
+class _Sublayer(nn.Module):
+    """A residual branch with its layer norm and dropout, placed pre- or post-norm."""
+
+    def __init__(self, dim: int, norm_first: bool, dropout: float, eps: float) -> None:
+        super().__init__()
+        self.norm_first = norm_first
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, branch: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(branch(self.norm(x)))
+        return self.norm(x + self.dropout(branch(x)))
+
+
+@dataclass
+class LayerState:
+    """Decoding state of one decoder layer: its self-attention state and, with cross-attention, the
+    encoder memory projected to keys and values once, each (batch, heads, seq_mem, head_dim)."""
+
+    self_attention: AttentionState
+    memory_k: Optional[Tensor] = None
+    memory_v: Optional[Tensor] = None
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention + feed-forward, (batch, seq, dim) -> (batch, seq, dim).
+
+    Args:
+        dim, heads: model width and attention heads.
+        ff_dim: hidden width of the feed-forward network, ``4 * dim`` by default.
+        activation: "relu", "gelu" or "swiglu".
+        norm_first: pre-norm (True) or post-norm (False).
+        dropout: on each residual branch and inside the feed-forward network.
+        self_attention: mechanism name (see :func:`attnzoo.available`); self_attention_options: its options.
+        rotary: rotary position embedding on the self-attention queries and keys.
+        layer_norm_eps: epsilon of the layer norms.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        rotary: bool = False,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        check_dropout(dropout)
+        self.self_attention = MultiHeadAttention(
+            dim, heads, self_attention, rotary=rotary, **_options("self_attention_options", self_attention_options)
+        )
+        self.feed_forward = FeedForward(dim, 4 * dim if ff_dim is None else ff_dim, activation, dropout)
+        self.attention_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+        self.feed_forward_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
+        x = self.attention_block(x, lambda h: self.self_attention(h, key_padding_mask=key_padding_mask))
+        return self.feed_forward_block(x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention + cross-attention to an encoder memory + feed-forward, (batch, seq, dim).
+
+    With ``cross_attention=None`` the layer has no cross-attention: the block of a decoder-only language
+    model. Arguments as for :class:`EncoderLayer`, plus ``cross_attention`` / ``cross_attention_options``
+    for the cross-attention slot and ``memory_dim`` (width of the memory, ``dim`` by default).
+
+    Incremental decoding: :meth:`prefill` over a prefix, then :meth:`step` one position at a time; the
+    memory's keys and values are projected once (:meth:`project_memory`) and carried in the state.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        cross_attention: Optional[str] = "softmax",
+        cross_attention_options: Optional[Dict[str, Any]] = None,
+        memory_dim: Optional[int] = None,
+        rotary: bool = False,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        check_dropout(dropout)
+        self.self_attention = MultiHeadAttention(
+            dim, heads, self_attention, rotary=rotary, **_options("self_attention_options", self_attention_options)
+        )
+        self.attention_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+        self.cross_attention: Optional[MultiHeadAttention] = None
+        self.cross_attention_block: Optional[_Sublayer] = None
+        if cross_attention is not None:
+            self.cross_attention = MultiHeadAttention(
+                dim, heads, cross_attention, context_dim=memory_dim,
+                **_options("cross_attention_options", cross_attention_options),
+            )
+            self.cross_attention_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+        elif cross_attention_options:
+            raise ValueError("cross_attention_options given but cross_attention=None (no cross-attention slot)")
+        self.feed_forward = FeedForward(dim, 4 * dim if ff_dim is None else ff_dim, activation, dropout)
+        self.feed_forward_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+
+    def _check_memory(self, memory: Optional[Tensor]) -> None:
+        if self.cross_attention is None and memory is not None:
+            raise ValueError("memory given to a decoder layer built with cross_attention=None")
+        if self.cross_attention is not None and memory is None:
+            raise ValueError("memory (batch, seq_mem, memory_dim) is required: the layer has cross-attention")
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Optional[Tensor] = None,
+        *,
+        padding_mask: Optional[Tensor] = None,
+        memory_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim); padding_mask: (batch, seq) and
+        memory_padding_mask: (batch, seq_mem), bool, True = padding. Returns (batch, seq, dim)."""
+        self._check_memory(memory)
+        x = self.attention_block(
+            x, lambda h: self.self_attention(h, causal=True, key_padding_mask=padding_mask)
+        )
+        if self.cross_attention is not None:
+            x = self.cross_attention_block(
+                x, lambda h: self.cross_attention(h, memory, key_padding_mask=memory_padding_mask)
+            )
+        return self.feed_forward_block(x, self.feed_forward)
+
+    # -- incremental decoding ------------------------------------------------------------------------------
+    def project_memory(self, memory: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """The memory's cross-attention keys and values, (batch, heads, seq_mem, head_dim) each, or (None, None)."""
+        self._check_memory(memory)
+        if self.cross_attention is None:
+            return None, None
+        return self.cross_attention.project_context(memory)
+
+    def _cross(self, x: Tensor, state: LayerState, memory_padding_mask: Optional[Tensor]) -> Tensor:
+        if self.cross_attention is None:
+            return x
+        return self.cross_attention_block(
+            x,
+            lambda h: self.cross_attention.attend_projected(
+                h, state.memory_k, state.memory_v, key_padding_mask=memory_padding_mask
+            ),
+        )
+
+    def prefill(
+        self,
+        x: Tensor,
+        memory_kv: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
+        memory_padding_mask: Optional[Tensor] = None,
+    ) -> Tuple[Tensor, LayerState]:
+        """Causal pass over a prefix x (batch, seq, dim) that also returns the decoding state.
+
+        ``memory_kv`` comes from :meth:`project_memory`. Returns (batch, seq, dim) and the state.
+        """
+        attention_state: Optional[AttentionState] = None
+
+        def self_branch(h: Tensor) -> Tensor:
+            nonlocal attention_state
+            out, attention_state = self.self_attention.prefill(h)
+            return out
+
+        x = self.attention_block(x, self_branch)
+        state = LayerState(attention_state, *memory_kv)
+        x = self._cross(x, state, memory_padding_mask)
+        return self.feed_forward_block(x, self.feed_forward), state
+
+    def step(
+        self, x_t: Tensor, state: LayerState, memory_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, LayerState]:
+        """One position: x_t (batch, 1, dim) -> (batch, 1, dim) and the new state."""
+        attention_state: Optional[AttentionState] = None
+
+        def self_branch(h: Tensor) -> Tensor:
+            nonlocal attention_state
+            out, attention_state = self.self_attention.step(h, state.self_attention)
+            return out
+
+        x_t = self.attention_block(x_t, self_branch)
+        state = LayerState(attention_state, state.memory_k, state.memory_v)
+        x_t = self._cross(x_t, state, memory_padding_mask)
+        return self.feed_forward_block(x_t, self.feed_forward), state

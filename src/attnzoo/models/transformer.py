@@ -1,0 +1,463 @@
+"""Transformer models: encoder and decoder stacks, a sequence-to-sequence model, a decoder-only language model
+and a sequence classifier.
+
+The token models run: token embedding -> positional encoding -> blocks -> final norm (pre-norm only) -> head.
+Positional kinds: "sinusoidal" and "learned" are added to the embeddings, "rotary" rotates queries and keys in
+every self-attention, "none" adds nothing. Each attention slot takes its own mechanism name and options, e.g.
+``Seq2SeqTransformer(..., encoder_self_attention="performer", cross_attention="softmax")``.
+
+Padding masks are (batch, seq) bool tensors, True marking padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .._validation import check_positive_int
+from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
+from .layers import DecoderLayer, EncoderLayer, LayerState, check_dropout
+
+POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
+POOLING_KINDS = ("mean", "cls")
+
+
+# -- input checks --------------------------------------------------------------------------------------------
+def check_tokens(name: str, tokens: Tensor, vocab_size: int, rank: int = 2) -> None:
+    """Token ids: an integer tensor of the given rank ((batch, seq) or (batch,)), ids in [0, vocab_size)."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got {tokens.dtype}")
+    shape = "(batch, seq)" if rank == 2 else "(batch,)"
+    if tokens.dim() != rank:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tokens.shape)}")
+    if tokens.numel() == 0:
+        raise ValueError(f"{name} is empty (shape {tuple(tokens.shape)}): give at least one token per sequence")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} holds ids in [{low}, {high}], outside the vocabulary [0, {vocab_size})")
+
+
+def check_padding_mask(name: str, mask: Optional[Tensor], tokens: Tensor) -> None:
+    """A padding mask is a bool tensor shaped like the tokens (batch, seq), on their device; True = padding."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, Tensor) else type(mask).__name__
+        raise TypeError(f"{name} must be a bool tensor (True = padding), got {got}")
+    if mask.shape != tokens.shape:
+        raise ValueError(f"{name} must have shape (batch, seq) = {tuple(tokens.shape)}, got {tuple(mask.shape)}")
+    if mask.device != tokens.device:
+        raise ValueError(f"{name} must be on {tokens.device}, got {mask.device}")
+
+
+def _choice(name: str, value: str, choices: Tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
+    return value
+
+
+# -- embeddings ----------------------------------------------------------------------------------------------
+class TokenEmbedding(nn.Module):
+    """Token embedding plus an absolute positional encoding, then dropout: (batch, seq) -> (batch, seq, dim).
+
+    ``positional`` is one of "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none"; the last two
+    add nothing here ("rotary" acts inside attention, see :attr:`rotary`).
+    """
+
+    def __init__(
+        self, vocab_size: int, dim: int, positional: str, max_length: Optional[int], dropout: float
+    ) -> None:
+        super().__init__()
+        check_positive_int("vocab_size", vocab_size)
+        check_positive_int("dim", dim)
+        check_dropout(dropout)
+        self.vocab_size = vocab_size
+        self.positional = _choice("positional", positional, POSITIONAL_KINDS)
+        self.embedding = nn.Embedding(vocab_size, dim)
+        self.position: Optional[nn.Module] = None
+        if positional == "sinusoidal":
+            self.position = SinusoidalPositionalEncoding(dim)
+        elif positional == "learned":
+            if max_length is None:
+                raise ValueError("positional='learned' needs max_length (the longest sequence), got None")
+            self.position = LearnedPositionalEmbedding(dim, check_positive_int("max_length", max_length))
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def rotary(self) -> bool:
+        return self.positional == "rotary"
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """(batch, seq) token ids -> (batch, seq, dim), without positions."""
+        return self.embedding(tokens)
+
+    def add_positions(self, x: Tensor, start: int = 0) -> Tensor:
+        """Add the encoding of positions start..start+seq-1 to x (batch, seq, dim), then dropout."""
+        if self.position is not None:
+            x = self.position(x, start=start)
+        return self.dropout(x)
+
+    def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
+        return self.add_positions(self.embed_tokens(tokens), start)
+
+
+# -- stacks --------------------------------------------------------------------------------------------------
+class Encoder(nn.Module):
+    """A stack of :class:`EncoderLayer` on vectors, (batch, seq, dim) -> (batch, seq, dim).
+
+    Like ``torch.nn.TransformerEncoder``: no embedding; with pre-norm a final layer norm closes the stack.
+    Arguments are those of :class:`EncoderLayer` plus ``depth`` (number of layers).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        depth: int,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        rotary: bool = False,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        check_positive_int("depth", depth)
+        self.layers = nn.ModuleList(
+            EncoderLayer(
+                dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+                self_attention=self_attention, self_attention_options=self_attention_options, rotary=rotary,
+                layer_norm_eps=layer_norm_eps,
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding."""
+        for layer in self.layers:
+            x = layer(x, key_padding_mask=key_padding_mask)
+        return self.norm(x)
+
+
+@dataclass
+class DecoderState:
+    """Decoding state of a :class:`Decoder`: one :class:`LayerState` per layer, the next position, and the
+    memory's padding mask (batch, seq_mem) or None. Reorder beams with :func:`attnzoo.state.select_batch`."""
+
+    layers: List[LayerState]
+    position: int
+    memory_padding_mask: Optional[Tensor] = None
+
+
+class Decoder(nn.Module):
+    """A stack of :class:`DecoderLayer` on vectors, (batch, seq, dim) -> (batch, seq, dim); causal.
+
+    ``cross_attention=None`` gives a decoder-only stack (no memory). Arguments are those of
+    :class:`DecoderLayer` plus ``depth``. Incremental decoding: :meth:`prefill`, then :meth:`step`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        depth: int,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        cross_attention: Optional[str] = "softmax",
+        cross_attention_options: Optional[Dict[str, Any]] = None,
+        memory_dim: Optional[int] = None,
+        rotary: bool = False,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        check_positive_int("depth", depth)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+                self_attention=self_attention, self_attention_options=self_attention_options,
+                cross_attention=cross_attention, cross_attention_options=cross_attention_options,
+                memory_dim=memory_dim, rotary=rotary, layer_norm_eps=layer_norm_eps,
+            )
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Optional[Tensor] = None,
+        *,
+        padding_mask: Optional[Tensor] = None,
+        memory_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim) or None without cross-attention;
+        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding."""
+        for layer in self.layers:
+            x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask)
+        return self.norm(x)
+
+    def prefill(
+        self, x: Tensor, memory: Optional[Tensor] = None, *, memory_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, DecoderState]:
+        """Causal pass over a prefix x (batch, seq, dim), projecting the memory once for the later steps.
+
+        Returns the output (batch, seq, dim) and the :class:`DecoderState` after the prefix.
+        """
+        states = []
+        for layer in self.layers:
+            x, layer_state = layer.prefill(x, layer.project_memory(memory), memory_padding_mask)
+            states.append(layer_state)
+        return self.norm(x), DecoderState(states, x.shape[1], memory_padding_mask)
+
+    def step(self, x_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
+        """One position: x_t (batch, 1, dim) -> (batch, 1, dim) and the new state."""
+        if not isinstance(state, DecoderState):
+            raise TypeError(f"state must be the DecoderState returned by prefill or step, got {type(state).__name__}")
+        states = []
+        for layer, layer_state in zip(self.layers, state.layers):
+            x_t, layer_state = layer.step(x_t, layer_state, state.memory_padding_mask)
+            states.append(layer_state)
+        return self.norm(x_t), DecoderState(states, state.position + 1, state.memory_padding_mask)
+
+
+# -- token models --------------------------------------------------------------------------------------------
+def _check_step_token(token_t: Tensor, state: Any, vocab_size: int) -> None:
+    check_tokens("token_t", token_t, vocab_size, rank=1)
+    if not isinstance(state, DecoderState):
+        raise TypeError(f"state must be the DecoderState returned by prefill or step, got {type(state).__name__}")
+
+
+class LanguageModel(nn.Module):
+    """Decoder-only (GPT-style) language model: tokens (batch, seq) -> next-token logits (batch, seq, vocab).
+
+    Args:
+        vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
+        ff_dim, activation, norm_first, dropout, layer_norm_eps: as for :class:`DecoderLayer`.
+        positional: "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none".
+        max_length: the longest sequence, required by ``positional="learned"``.
+        self_attention, self_attention_options: mechanism name and options of every self-attention.
+
+    Decoding: ``logits, state = model.prefill(prompt)`` then ``logits_t, state = model.step(token_t, state)``;
+    see :mod:`attnzoo.decoding` for greedy, sampling and beam search.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int = 128,
+        heads: int = 4,
+        depth: int = 2,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout)
+        self.decoder = Decoder(
+            dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            self_attention=self_attention, self_attention_options=self_attention_options, cross_attention=None,
+            rotary=self.embedding.rotary, layer_norm_eps=layer_norm_eps,
+        )
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, vocab)."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        check_padding_mask("padding_mask", padding_mask, tokens)
+        return self.head(self.decoder(self.embedding(tokens), padding_mask=padding_mask))
+
+    def prefill(self, tokens: Tensor) -> Tuple[Tensor, DecoderState]:
+        """Run a prompt (batch, seq); returns its logits (batch, seq, vocab) and the decoding state."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        hidden, state = self.decoder.prefill(self.embedding(tokens))
+        return self.head(hidden), state
+
+    def step(self, token_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
+        """Feed one token per sequence, token_t (batch,); returns the next logits (batch, vocab) and the state."""
+        _check_step_token(token_t, state, self.vocab_size)
+        hidden, state = self.decoder.step(self.embedding(token_t[:, None], start=state.position), state)
+        return self.head(hidden[:, 0]), state
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder-decoder Transformer: source (batch, seq_src) and target (batch, seq_tgt) -> (batch, seq_tgt, vocab).
+
+    Args:
+        src_vocab_size, tgt_vocab_size: vocabularies of source and target.
+        dim, heads, encoder_depth, decoder_depth: width, heads and the two stack depths.
+        ff_dim, activation, norm_first, dropout, positional, max_length, layer_norm_eps: as for
+            :class:`LanguageModel` (the positional kind applies to both sides).
+        encoder_self_attention, decoder_self_attention, cross_attention (+ ``*_options``): the mechanism
+            of each attention slot, e.g. an approximate encoder with exact cross-attention.
+
+    Decoding: ``logits, state = model.prefill(src, tgt_prefix, src_padding_mask=...)`` encodes the source and
+    projects its keys and values once; then ``model.step(token_t, state)``.
+    """
+
+    def __init__(
+        self,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        dim: int = 128,
+        heads: int = 4,
+        *,
+        encoder_depth: int = 2,
+        decoder_depth: int = 2,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        encoder_self_attention: str = "softmax",
+        encoder_self_attention_options: Optional[Dict[str, Any]] = None,
+        decoder_self_attention: str = "softmax",
+        decoder_self_attention_options: Optional[Dict[str, Any]] = None,
+        cross_attention: str = "softmax",
+        cross_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        self.src_embedding = TokenEmbedding(src_vocab_size, dim, positional, max_length, dropout)
+        self.tgt_embedding = TokenEmbedding(tgt_vocab_size, dim, positional, max_length, dropout)
+        rotary = self.src_embedding.rotary
+        self.encoder = Encoder(
+            dim, heads, encoder_depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
+            dropout=dropout, self_attention=encoder_self_attention,
+            self_attention_options=encoder_self_attention_options, rotary=rotary, layer_norm_eps=layer_norm_eps,
+        )
+        self.decoder = Decoder(
+            dim, heads, decoder_depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
+            dropout=dropout, self_attention=decoder_self_attention,
+            self_attention_options=decoder_self_attention_options, cross_attention=cross_attention,
+            cross_attention_options=cross_attention_options, rotary=rotary, layer_norm_eps=layer_norm_eps,
+        )
+        self.head = nn.Linear(dim, tgt_vocab_size, bias=False)
+
+    def encode(self, src: Tensor, *, src_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """Source ids (batch, seq_src) -> memory (batch, seq_src, dim)."""
+        check_tokens("src", src, self.src_vocab_size)
+        check_padding_mask("src_padding_mask", src_padding_mask, src)
+        return self.encoder(self.src_embedding(src), key_padding_mask=src_padding_mask)
+
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_padding_mask: Optional[Tensor] = None,
+        tgt_padding_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Teacher-forced logits (batch, seq_tgt, tgt_vocab) for target ids tgt (batch, seq_tgt)."""
+        memory = self.encode(src, src_padding_mask=src_padding_mask)
+        check_tokens("tgt", tgt, self.tgt_vocab_size)
+        check_padding_mask("tgt_padding_mask", tgt_padding_mask, tgt)
+        if tgt.shape[0] != src.shape[0]:
+            raise ValueError(f"tgt batch {tgt.shape[0]} does not match src batch {src.shape[0]}")
+        hidden = self.decoder(
+            self.tgt_embedding(tgt), memory, padding_mask=tgt_padding_mask, memory_padding_mask=src_padding_mask
+        )
+        return self.head(hidden)
+
+    def prefill(
+        self, src: Tensor, tgt: Tensor, *, src_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, DecoderState]:
+        """Encode src and run the target prefix tgt (batch, seq_tgt); returns (logits (batch, seq_tgt, vocab),
+        state). The memory's cross-attention keys and values are projected here, once."""
+        memory = self.encode(src, src_padding_mask=src_padding_mask)
+        check_tokens("tgt", tgt, self.tgt_vocab_size)
+        if tgt.shape[0] != src.shape[0]:
+            raise ValueError(f"tgt batch {tgt.shape[0]} does not match src batch {src.shape[0]}")
+        hidden, state = self.decoder.prefill(self.tgt_embedding(tgt), memory, memory_padding_mask=src_padding_mask)
+        return self.head(hidden), state
+
+    def step(self, token_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
+        """Feed one target token per sequence, token_t (batch,); returns logits (batch, vocab) and the state."""
+        _check_step_token(token_t, state, self.tgt_vocab_size)
+        hidden, state = self.decoder.step(self.tgt_embedding(token_t[:, None], start=state.position), state)
+        return self.head(hidden[:, 0]), state
+
+
+class SequenceClassifier(nn.Module):
+    """Encoder-only classifier: tokens (batch, seq) -> class logits (batch, num_classes).
+
+    ``pooling="mean"`` averages the final vectors of the non-padding positions; ``pooling="cls"`` prepends a
+    learned classification vector (at position 0) and reads its final vector. With ``positional="learned"``,
+    ``max_length`` counts the tokens only. Other arguments as for :class:`LanguageModel`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        dim: int = 128,
+        heads: int = 4,
+        depth: int = 2,
+        *,
+        pooling: str = "mean",
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        check_positive_int("num_classes", num_classes)
+        self.vocab_size = vocab_size
+        self.pooling = _choice("pooling", pooling, POOLING_KINDS)
+        use_cls = pooling == "cls"
+        positions = None if max_length is None else max_length + int(use_cls)
+        self.embedding = TokenEmbedding(vocab_size, dim, positional, positions, dropout)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if use_cls else None
+        self.encoder = Encoder(
+            dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            self_attention=self_attention, self_attention_options=self_attention_options,
+            rotary=self.embedding.rotary, layer_norm_eps=layer_norm_eps,
+        )
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, classes)."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        check_padding_mask("padding_mask", padding_mask, tokens)
+        x = self.embedding.embed_tokens(tokens)
+        if self.cls is not None:
+            x = torch.cat([self.cls.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
+            if padding_mask is not None:
+                padding_mask = torch.cat([padding_mask.new_zeros(x.shape[0], 1), padding_mask], dim=1)
+        hidden = self.encoder(self.embedding.add_positions(x), key_padding_mask=padding_mask)
+        if self.cls is not None:
+            return self.head(hidden[:, 0])
+        if padding_mask is None:
+            return self.head(hidden.mean(dim=1))
+        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
+        # A row of padding only pools to zeros instead of 0/0.
+        pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        return self.head(pooled)

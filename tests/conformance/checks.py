@@ -1,0 +1,816 @@
+"""Reusable conformance checks for attention mechanisms.
+
+Every check takes a mechanism *instance* (or, for :func:`check_declaration`, a class) and raises
+``AssertionError`` with a message naming the broken rule. Checks read nothing but the mechanism's declared
+:class:`~attnzoo.Capabilities` and its ``heads`` / ``head_dim`` / ``max_length``: where a capability is
+declared it is exercised, where it is not the check asserts that using it raises
+:class:`~attnzoo.UnsupportedOptionError` naming the option. No check knows any mechanism by name.
+
+Comparisons of quantities that are mathematically equal (padding invariance, no look-ahead, ``step`` against
+the parallel form, batch independence) run in float64 with tight tolerances, so they hold for approximate
+mechanisms too: approximation error is the same on both sides, a leak is not.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import Tensor
+from torch.autograd.gradcheck import GradcheckError
+
+import attnzoo
+from attnzoo.functional import softmax_attention_reference
+from attnzoo.mechanisms import Capabilities, Mechanism, UnsupportedOptionError, mechanism_class
+from attnzoo.state import map_tensors, select_batch
+
+HEADS = 2
+HEAD_DIM = 8
+BATCH = 3
+# 11 is a multiple of no block, chunk or bucket size a mechanism is likely to use.
+SEQ = 11
+
+# Equal-in-exact-arithmetic comparisons in float64: rounding differences are ~1e-15, real leaks >> 1e-6.
+TIGHT = {"rtol": 1e-6, "atol": 1e-8}
+# An exact mechanism in float32 against the float64 reference.
+FLOAT32 = {"rtol": 1e-4, "atol": 1e-5}
+# An exact mechanism in half precision against itself in float64: catches garbage, not rounding.
+LOW_PRECISION = {torch.float16: {"rtol": 3e-2, "atol": 3e-2}, torch.bfloat16: {"rtol": 1e-1, "atol": 1e-1}}
+
+Qkv = Tuple[Tensor, Tensor, Tensor]
+
+
+# -- building ------------------------------------------------------------------------------------------------
+def build(
+    name: str, heads: int = HEADS, head_dim: int = HEAD_DIM, *, dtype: torch.dtype = torch.float64, seed: int = 0
+) -> Mechanism:
+    """A registered mechanism with its declared ``test_options``, in eval mode, of the given dtype.
+
+    Randomness drawn at construction (e.g. random features kept in buffers) comes from ``seed`` without
+    disturbing the global generator.
+    """
+    cls = mechanism_class(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mechanism = attnzoo.build_mechanism(name, heads, head_dim, **dict(cls.test_options))
+    return mechanism.to(dtype).eval()
+
+
+def as_dtype(mechanism: Mechanism, dtype: torch.dtype) -> Mechanism:
+    """An eval-mode copy of ``mechanism`` with floating parameters and buffers in ``dtype``."""
+    return copy.deepcopy(mechanism).to(dtype).eval()
+
+
+def fit(mechanism: Mechanism, length: int) -> int:
+    """``length`` capped at the mechanism's ``max_length``."""
+    limit = mechanism.max_length
+    return length if limit is None else max(1, min(length, limit))
+
+
+def random_qkv(
+    mechanism: Mechanism, batch: int, q_len: int, k_len: int, dtype: torch.dtype, seed: int, scale: float = 1.0
+) -> Qkv:
+    """Standard normal q, k, v (times ``scale``) of shape (batch, heads, len, head_dim); drawn in float64 and
+    cast, so every dtype sees the same values."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(length: int) -> Tensor:
+        shape = (batch, mechanism.heads, length, mechanism.head_dim)
+        return (torch.randn(shape, generator=generator, dtype=torch.float64) * scale).to(dtype)
+
+    return draw(q_len), draw(k_len), draw(k_len)
+
+
+def padding_pattern(batch: int, k_len: int, *, fully_padded: bool = True) -> Tensor:
+    """(batch, k_len) bool key padding mask, True = padding.
+
+    Element 0 has no padding; element 1 is padded at the start, in the middle and at the end (so causal
+    rows at the start see no key at all); element 2, if any, is entirely padding (or, with
+    ``fully_padded=False``, only its last key); further elements alternate the patterns.
+    """
+    mask = torch.zeros(batch, k_len, dtype=torch.bool)
+    for b in range(batch):
+        kind = b % 3
+        if kind == 1:
+            mask[b, 0] = True
+            mask[b, k_len // 2] = True
+            mask[b, -2:] = True
+        elif kind == 2:
+            if fully_padded:
+                mask[b] = True
+            else:
+                mask[b, -1] = True
+    return mask
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of calling a mechanism: lengths, causality, padding."""
+
+    q_len: int
+    k_len: int
+    causal: bool
+    padded: bool
+
+    def describe(self) -> str:
+        kind = "self-attention" if self.q_len == self.k_len else "cross-attention"
+        return (
+            f"{kind} q_len={self.q_len} k_len={self.k_len} causal={self.causal} "
+            f"key_padding_mask={'yes' if self.padded else 'no'}"
+        )
+
+
+def variants(mechanism: Mechanism, length: int = SEQ) -> List[Variant]:
+    """Every combination of causal / key padding / cross-attention the mechanism declares."""
+    caps = mechanism.capabilities
+    n = fit(mechanism, length)
+    causal_options = [False, True] if caps.causal else [False]
+    padding_options = [False, True] if caps.key_padding else [False]
+    lengths = [(n, n)]
+    if caps.cross and n > 1:
+        short = max(1, n // 2)
+        lengths += [(short, n), (n, short)]
+    return [Variant(lq, lk, c, p) for lq, lk in lengths for c in causal_options for p in padding_options]
+
+
+def call(mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Optional[Tensor]) -> Tensor:
+    q, k, v = qkv
+    return mechanism(q, k, v, causal=causal, key_padding_mask=mask)
+
+
+def variant_inputs(
+    mechanism: Mechanism, variant: Variant, dtype: torch.dtype, seed: int, batch: int = BATCH
+) -> Tuple[Qkv, Optional[Tensor]]:
+    qkv = random_qkv(mechanism, batch, variant.q_len, variant.k_len, dtype, seed)
+    mask = padding_pattern(batch, variant.k_len) if variant.padded else None
+    return qkv, mask
+
+
+# -- assertions ----------------------------------------------------------------------------------------------
+def assert_finite(x: Tensor, what: str) -> None:
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        first = torch.nonzero(~finite)[0].tolist()
+        raise AssertionError(f"{what}: {int((~finite).sum())} non-finite value(s), first at index {first}")
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str, *, rtol: float, atol: float) -> None:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}")
+    assert_finite(actual, what)
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    difference = (a - e).abs()
+    bad = ~(difference <= atol + rtol * e.abs())
+    if bool(bad.any()):
+        first = torch.nonzero(bad)[0].tolist()
+        raise AssertionError(
+            f"{what}: max abs difference {difference.max().item():.3g} exceeds "
+            f"atol={atol:g} + rtol={rtol:g}*|expected| "
+            f"({int(bad.sum())} of {bad.numel()} elements), first at index {first}"
+        )
+
+
+def expect_error(
+    action: Callable[[], object],
+    errors: Union[Type[BaseException], Tuple[Type[BaseException], ...]],
+    pattern: str,
+    what: str,
+) -> None:
+    """``action`` must raise one of ``errors`` whose message matches the regex ``pattern`` (case-insensitive)."""
+    errors = errors if isinstance(errors, tuple) else (errors,)
+    expected = " or ".join(e.__name__ for e in errors)
+    try:
+        action()
+    except errors as error:
+        if not re.search(pattern, str(error), flags=re.IGNORECASE):
+            raise AssertionError(
+                f"{what}: raised {type(error).__name__} as expected, but its message does not name "
+                f"/{pattern}/: {error}"
+            ) from error
+        return
+    except Exception as error:  # any other failure is a contract violation, reported as such
+        raise AssertionError(
+            f"{what}: expected {expected} naming /{pattern}/, got {type(error).__name__}: {error}"
+        ) from error
+    raise AssertionError(f"{what}: expected {expected} naming /{pattern}/, but nothing was raised")
+
+
+def expect_unsupported(mechanism: Mechanism, option: str) -> None:
+    """Using an undeclared capability raises UnsupportedOptionError naming it."""
+    n = fit(mechanism, 6)
+    qkv = random_qkv(mechanism, 2, n, n, torch.float32, seed=7)
+    q, k, v = qkv
+    m = as_dtype(mechanism, torch.float32)
+    where = f"{type(mechanism).__name__} (capability {option}=False)"
+    if option == "causal":
+        expect_error(lambda: call(m, qkv, True, None), UnsupportedOptionError, r"causal", f"{where}: causal=True")
+    elif option == "key_padding":
+        mask = torch.zeros(2, n, dtype=torch.bool)
+        expect_error(
+            lambda: call(m, qkv, False, mask), UnsupportedOptionError, r"key_padding_mask", f"{where}: key_padding_mask"
+        )
+    elif option == "cross":
+        longer = random_qkv(mechanism, 2, n, n + 1, torch.float32, seed=8)
+        longer = (q, longer[1], longer[2])
+        expect_error(lambda: call(m, longer, False, None), UnsupportedOptionError, r"cross", f"{where}: k_len != q_len")
+    elif option == "recurrent_step":
+        one = (q[:, :, :1], k[:, :, :1], v[:, :, :1])
+        expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"step", f"{where}: step()")
+        expect_error(lambda: m.prefill(q, k, v), UnsupportedOptionError, r"step", f"{where}: prefill()")
+    else:
+        raise ValueError(f"unknown capability {option!r}")
+
+
+def state_tensors(state: object) -> List[Tensor]:
+    found: List[Tensor] = []
+    map_tensors(state, lambda t: found.append(t) or t)
+    return found
+
+
+# -- declaration ---------------------------------------------------------------------------------------------
+def check_declaration(cls: Type[Mechanism]) -> None:
+    """Capabilities, name, constructor signature and ``test_options`` follow the contract."""
+    where = cls.__qualname__
+    if not isinstance(cls.name, str) or not cls.name:
+        raise AssertionError(f"{where}: class attribute 'name' must be a non-empty string, got {cls.name!r}")
+    caps = getattr(cls, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        raise AssertionError(f"{where}: 'capabilities' must be a Capabilities instance, got {type(caps).__name__}")
+    for field in ("complexity", "summary"):
+        value = getattr(caps, field)
+        if not isinstance(value, str) or not value.strip():
+            raise AssertionError(f"{where}: capabilities.{field} must be a non-empty string, got {value!r}")
+    limit = caps.max_length
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise AssertionError(f"{where}: capabilities.max_length must be None or a positive int, got {limit!r}")
+    if caps.recurrent_step and not caps.causal:
+        raise AssertionError(f"{where}: recurrent_step=True needs causal=True (step equals the causal forward)")
+
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    for p in parameters:
+        if p.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+            raise AssertionError(f"{where}.__init__ takes {p}: a mechanism must not swallow unknown arguments")
+    positional = [p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    if positional != ["heads", "head_dim"]:
+        raise AssertionError(
+            f"{where}.__init__ must take (heads, head_dim, *, options...); positional parameters are {positional}"
+        )
+    options = {p.name: p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    required = [name for name, p in options.items() if p.default is inspect.Parameter.empty]
+    if required:
+        raise AssertionError(f"{where}: options {required} have no default; every option needs one")
+
+    test_options = cls.test_options
+    if not isinstance(test_options, dict):
+        raise AssertionError(f"{where}.test_options must be a dict, got {type(test_options).__name__}")
+    unknown = sorted(set(test_options) - set(options))
+    if unknown:
+        raise AssertionError(
+            f"{where}.test_options names {unknown}, which are not options of {where}: {sorted(options)}"
+        )
+    expect_error(
+        lambda: cls(HEADS, HEAD_DIM, **dict(test_options), no_such_option=1),
+        TypeError,
+        r"no_such_option",
+        f"{where}: an unknown keyword option",
+    )
+
+
+# -- parallel form -------------------------------------------------------------------------------------------
+def check_output_shape_and_dtype(mechanism: Mechanism) -> None:
+    """(batch, heads, q_len, head_dim) output of the input dtype, finite, in float32 and float64, for every
+    declared variant; inputs are not modified in place."""
+    name = type(mechanism).__name__
+    for dtype in (torch.float32, torch.float64):
+        m = as_dtype(mechanism, dtype)
+        for variant in variants(mechanism):
+            qkv, mask = variant_inputs(mechanism, variant, dtype, seed=1)
+            originals = [t.clone() for t in qkv] + ([mask.clone()] if mask is not None else [])
+            out = call(m, qkv, variant.causal, mask)
+            what = f"{name} {dtype} {variant.describe()}"
+            expected = (BATCH, mechanism.heads, variant.q_len, mechanism.head_dim)
+            if not isinstance(out, Tensor) or tuple(out.shape) != expected:
+                shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                raise AssertionError(
+                    f"{what}: output shape {shape}, expected (batch, heads, q_len, head_dim) = {expected}"
+                )
+            if out.dtype != dtype:
+                raise AssertionError(f"{what}: output dtype {out.dtype}, expected the input dtype {dtype}")
+            assert_finite(out, what)
+            now = list(qkv) + ([mask] if mask is not None else [])
+            for label, before, after in zip(("q", "k", "v", "key_padding_mask"), originals, now):
+                if not torch.equal(before, after):
+                    raise AssertionError(f"{what}: forward modified its input {label} in place")
+    if not mechanism.capabilities.cross:
+        expect_unsupported(mechanism, "cross")
+
+
+def check_low_precision(mechanism: Mechanism) -> None:
+    """float16 and bfloat16 run on CPU, keep their dtype, give the right shape and finite output (fully
+    padded rows included). Exact mechanisms also stay near their float64 result; an approximate estimator may
+    be ill-conditioned by design (a random-feature normaliser near zero amplifies rounding), so how well it
+    keeps its accuracy in half precision belongs to its own tests."""
+    name = type(mechanism).__name__
+    reference = as_dtype(mechanism, torch.float64)
+    for dtype, tolerance in LOW_PRECISION.items():
+        m = as_dtype(mechanism, dtype)
+        for variant in variants(mechanism):
+            if variant.q_len != variant.k_len:
+                continue
+            qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=2)
+            out = call(m, tuple(t.to(dtype) for t in qkv), variant.causal, mask)
+            what = f"{name} {dtype} {variant.describe()}"
+            expected_shape = (BATCH, mechanism.heads, variant.q_len, mechanism.head_dim)
+            if tuple(out.shape) != expected_shape:
+                raise AssertionError(f"{what}: output shape {tuple(out.shape)}, expected {expected_shape}")
+            if out.dtype != dtype:
+                raise AssertionError(f"{what}: output dtype {out.dtype}, expected the input dtype {dtype}")
+            assert_finite(out, what)
+            if not mechanism.capabilities.approximate:
+                expected = call(reference, qkv, variant.causal, mask)
+                assert_close(out, expected, f"{what} against float64", **tolerance)
+
+
+def check_unsupported_options(mechanism: Mechanism) -> None:
+    """Every capability the mechanism does not declare is refused with UnsupportedOptionError naming it."""
+    caps = mechanism.capabilities
+    for option in ("causal", "key_padding", "cross", "recurrent_step"):
+        if not getattr(caps, option):
+            expect_unsupported(mechanism, option)
+
+
+def check_deterministic(mechanism: Mechanism) -> None:
+    """In eval mode the same inputs give bit-identical outputs (randomness lives in buffers, not calls)."""
+    m = as_dtype(mechanism, torch.float64)
+    for variant in variants(mechanism):
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=3)
+        first = call(m, qkv, variant.causal, mask)
+        second = call(m, qkv, variant.causal, mask)
+        if not torch.equal(first, second):
+            difference = (first - second).abs().max().item()
+            raise AssertionError(
+                f"{type(mechanism).__name__} {variant.describe()}: two eval-mode calls on the same inputs differ "
+                f"by {difference:.3g}"
+            )
+
+
+def check_output_depends_on_values(mechanism: Mechanism) -> None:
+    """Changing every value changes the output: the mechanism really attends over v."""
+    m = as_dtype(mechanism, torch.float64)
+    n = fit(mechanism, SEQ)
+    q, k, v = random_qkv(mechanism, BATCH, n, n, torch.float64, seed=4)
+    with torch.no_grad():
+        before = m(q, k, v)
+        after = m(q, k, _perturb(v, (slice(None),), seed=4))
+    if float((before - after).abs().max()) < 1e-3:
+        raise AssertionError(f"{type(mechanism).__name__}: replacing every value left the output unchanged")
+
+
+def _perturb(x: Tensor, index: Tuple, seed: int) -> Tensor:
+    """A copy of ``x`` with ``x[index]`` replaced by different (larger, shifted) random values."""
+    generator = torch.Generator().manual_seed(seed)
+    out = x.clone()
+    region = out[index]
+    out[index] = (torch.randn(region.shape, generator=generator, dtype=torch.float64) * 3.0 + 2.0).to(x.dtype)
+    return out
+
+
+def padding_invariance(mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Tensor, what: str, seed: int = 0) -> None:
+    """Replacing the keys and values at padded positions changes no output row. ``mechanism`` in float64."""
+    q, k, v = qkv
+    expected = mechanism(q, k, v, causal=causal, key_padding_mask=mask)
+    assert_finite(expected, what)
+    padded = mask[:, None, :, None].expand_as(k)
+    k2 = torch.where(padded, _perturb(k, (slice(None),), seed), k)
+    v2 = torch.where(padded, _perturb(v, (slice(None),), seed + 1), v)
+    actual = mechanism(q, k2, v2, causal=causal, key_padding_mask=mask)
+    assert_close(actual, expected, f"{what}: changing padded keys/values changed the output", **TIGHT)
+
+
+def check_key_padding(mechanism: Mechanism) -> None:
+    """Padded keys and values are ignored (causal and not, self and cross, with a fully padded element)."""
+    if not mechanism.capabilities.key_padding:
+        expect_unsupported(mechanism, "key_padding")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    for variant in variants(mechanism):
+        if not variant.padded:
+            continue
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=5)
+        padding_invariance(m, qkv, variant.causal, mask, f"{type(mechanism).__name__} {variant.describe()}")
+
+
+def no_lookahead(
+    mechanism: Mechanism, qkv: Qkv, mask: Optional[Tensor], cut: int, what: str, seed: int = 0
+) -> None:
+    """With ``causal=True``, changing queries after position ``cut`` and the keys, values and padding that
+    query ``cut`` may not see (bottom-right alignment) changes no output row up to ``cut``."""
+    q, k, v = qkv
+    q_len, k_len = q.shape[2], k.shape[2]
+    expected = mechanism(q, k, v, causal=True, key_padding_mask=mask)
+    assert_finite(expected, what)
+    first_future_key = max(0, cut + 1 + k_len - q_len)
+    future_q = (slice(None), slice(None), slice(cut + 1, None))
+    future_kv = (slice(None), slice(None), slice(first_future_key, None))
+    q2, k2, v2 = _perturb(q, future_q, seed), _perturb(k, future_kv, seed + 1), _perturb(v, future_kv, seed + 2)
+    mask2 = None
+    if mask is not None:
+        mask2 = mask.clone()
+        mask2[:, first_future_key:] = ~mask2[:, first_future_key:]
+    actual = mechanism(q2, k2, v2, causal=True, key_padding_mask=mask2)
+    assert_close(
+        actual[:, :, : cut + 1],
+        expected[:, :, : cut + 1],
+        f"{what}: changing the future (queries > {cut}, keys >= {first_future_key}) changed output rows <= {cut}",
+        **TIGHT,
+    )
+
+
+def check_no_lookahead(mechanism: Mechanism) -> None:
+    """Causal output at a position depends on no later query, key, value or padding flag."""
+    if not mechanism.capabilities.causal:
+        expect_unsupported(mechanism, "causal")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    for variant in variants(mechanism):
+        if not variant.causal:
+            continue
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=6)
+        for cut in sorted({0, variant.q_len // 2, max(0, variant.q_len - 2)}):
+            no_lookahead(m, qkv, mask, cut, f"{type(mechanism).__name__} {variant.describe()}")
+
+
+def check_batch_independence(mechanism: Mechanism) -> None:
+    """Each batch element's output equals running it alone, and changing other elements leaves it unchanged."""
+    m = as_dtype(mechanism, torch.float64)
+    for variant in variants(mechanism):
+        fullest = (mechanism.capabilities.causal, mechanism.capabilities.key_padding)
+        if (variant.causal, variant.padded) not in {(False, False), fullest}:
+            continue  # the plain call and the one with everything declared suffice
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=9)
+        what = f"{type(mechanism).__name__} {variant.describe()}"
+        together = call(m, qkv, variant.causal, mask)
+        for b in range(BATCH):
+            alone = call(m, tuple(t[b : b + 1] for t in qkv), variant.causal, None if mask is None else mask[b : b + 1])
+            assert_close(together[b : b + 1], alone, f"{what}: batch element {b} run with the batch vs alone", **TIGHT)
+        others = (slice(1, None),)
+        changed = tuple(_perturb(t, others, seed=20 + i) for i, t in enumerate(qkv))
+        again = call(m, changed, variant.causal, mask)
+        assert_close(again[:1], together[:1], f"{what}: changing batch elements 1.. changed element 0", **TIGHT)
+
+
+# -- gradients -----------------------------------------------------------------------------------------------
+def check_gradients_finite(mechanism: Mechanism) -> None:
+    """Backward gives finite gradients for q, k, v (and any parameter) in float32, for every declared variant,
+    including a fully padded batch element."""
+    m = as_dtype(mechanism, torch.float32)
+    for variant in variants(mechanism):
+        qkv, mask = variant_inputs(mechanism, variant, torch.float32, seed=10)
+        qkv = tuple(t.requires_grad_() for t in qkv)
+        m.zero_grad(set_to_none=True)
+        out = call(m, qkv, variant.causal, mask)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(11))
+        (out * weights).sum().backward()
+        what = f"{type(mechanism).__name__} {variant.describe()}"
+        for label, t in zip("qkv", qkv):
+            if t.grad is None:
+                raise AssertionError(f"{what}: no gradient reached {label}")
+            assert_finite(t.grad, f"{what}: gradient of {label}")
+        for label, parameter in m.named_parameters():
+            if parameter.grad is not None:
+                assert_finite(parameter.grad, f"{what}: gradient of parameter {label}")
+
+
+def check_gradcheck(mechanism: Mechanism) -> None:
+    """float64 ``torch.autograd.gradcheck`` on small sizes: plain, causal with padding, causal cross-attention
+    (each where declared)."""
+    m = as_dtype(mechanism, torch.float64)
+    caps = mechanism.capabilities
+    n = fit(mechanism, 5)
+    cases = [Variant(n, n, False, False)]
+    if caps.causal or caps.key_padding:
+        cases.append(Variant(n, n, caps.causal, caps.key_padding))
+    if caps.cross and n > 1:
+        cases.append(Variant(n - 1, n, caps.causal, caps.key_padding))
+    for variant in cases:
+        q, k, v = random_qkv(mechanism, 2, variant.q_len, variant.k_len, torch.float64, seed=12)
+        mask = padding_pattern(2, variant.k_len) if variant.padded else None
+        inputs = tuple(t.requires_grad_() for t in (q, k, v))
+
+        def run(q: Tensor, k: Tensor, v: Tensor, variant: Variant = variant, mask: Optional[Tensor] = mask) -> Tensor:
+            return m(q, k, v, causal=variant.causal, key_padding_mask=mask)
+
+        try:
+            # Fast mode compares random projections of the Jacobian: any wrong entry shows, at a fraction of
+            # the cost of building the full Jacobian.
+            torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True)
+        except GradcheckError as error:
+            what = f"{type(mechanism).__name__} {variant.describe()}"
+            raise AssertionError(f"{what}: gradcheck failed: {error}") from error
+
+
+# -- incremental decoding ------------------------------------------------------------------------------------
+def _steps(mechanism: Mechanism, qkv: Qkv, start: int, state: object) -> Tuple[List[Tensor], object]:
+    q, k, v = qkv
+    outputs = []
+    for t in range(start, q.shape[2]):
+        out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+        outputs.append(out_t)
+    return outputs, state
+
+
+def _compare_steps(outputs: Sequence[Tensor], full: Tensor, start: int, what: str) -> None:
+    for offset, out_t in enumerate(outputs):
+        t = start + offset
+        expected = full[:, :, t : t + 1]
+        assert_close(out_t, expected, f"{what}: step output at position {t} vs the causal forward", **TIGHT)
+
+
+def check_step_matches_parallel(mechanism: Mechanism) -> None:
+    """``step`` from an empty state, token by token, equals the causal parallel forward."""
+    if not mechanism.capabilities.recurrent_step:
+        expect_unsupported(mechanism, "recurrent_step")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    qkv = random_qkv(mechanism, 2, fit(mechanism, 9), fit(mechanism, 9), torch.float64, seed=13)
+    full = call(m, qkv, True, None)
+    outputs, _ = _steps(m, qkv, 0, None)
+    _compare_steps(outputs, full, 0, type(mechanism).__name__)
+
+
+def check_prefill_then_step(mechanism: Mechanism) -> None:
+    """``prefill`` on a prefix equals the causal forward on it, and stepping on from its state continues it."""
+    if not mechanism.capabilities.recurrent_step:
+        expect_unsupported(mechanism, "recurrent_step")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    n = fit(mechanism, 9)
+    qkv = random_qkv(mechanism, 2, n, n, torch.float64, seed=14)
+    full = call(m, qkv, True, None)
+    for prefix in sorted({1, n // 2, n}):
+        what = f"{type(mechanism).__name__} prefill({prefix} positions)"
+        out, state = m.prefill(*(t[:, :, :prefix] for t in qkv))
+        assert_close(out, full[:, :, :prefix], f"{what}: output vs the causal forward", **TIGHT)
+        outputs, _ = _steps(m, qkv, prefix, state)
+        _compare_steps(outputs, full, prefix, f"{what} then step")
+
+
+def check_step_state_is_explicit(mechanism: Mechanism) -> None:
+    """Two sequences decoded in alternation each match their own forward: no state hides on the module."""
+    if not mechanism.capabilities.recurrent_step:
+        expect_unsupported(mechanism, "recurrent_step")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    n = fit(mechanism, 6)
+    streams = [random_qkv(mechanism, 2, n, n, torch.float64, seed=s) for s in (15, 16)]
+    fulls = [call(m, qkv, True, None) for qkv in streams]
+    states: List[object] = [None, None]
+    for t in range(n):
+        for i, (qkv, full) in enumerate(zip(streams, fulls)):
+            q, k, v = (x[:, :, t : t + 1] for x in qkv)
+            out_t, states[i] = m.step(q, k, v, states[i])
+            assert_close(
+                out_t,
+                full[:, :, t : t + 1],
+                f"{type(mechanism).__name__}: stream {i} at position {t}, decoded alternately with another stream",
+                **TIGHT,
+            )
+
+
+def check_step_state_batch_first(mechanism: Mechanism) -> None:
+    """Every tensor in a decoding state has the batch as its first dim, so ``select_batch`` (beam search)
+    can reorder and repeat sequences and decoding continues correctly."""
+    if not mechanism.capabilities.recurrent_step:
+        expect_unsupported(mechanism, "recurrent_step")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    n = fit(mechanism, 7)
+    batch = 3 if mechanism.heads != 3 else 4  # differs from heads, so a heads-first state shows
+    qkv = random_qkv(mechanism, batch, n, n, torch.float64, seed=17)
+    full = call(m, qkv, True, None)
+    prefix = max(1, n // 2)
+    name = type(mechanism).__name__
+    for label, state in (
+        ("prefill", m.prefill(*(t[:, :, :prefix] for t in qkv))[1]),
+        ("step", _steps(m, tuple(t[:, :, :prefix] for t in qkv), 0, None)[1]),
+    ):
+        for tensor in state_tensors(state):
+            if tensor.dim() == 0 or tensor.shape[0] != batch:
+                raise AssertionError(
+                    f"{name}: a state tensor from {label} has shape {tuple(tensor.shape)}; every state tensor must "
+                    f"have the batch ({batch}) as its first dim"
+                )
+        index = torch.tensor([2, 0, 0, 1])
+        try:
+            chosen = select_batch(state, index)
+            outputs, _ = _steps(m, tuple(t[index] for t in qkv), prefix, chosen)
+        except Exception as error:
+            raise AssertionError(
+                f"{name}: decoding after select_batch(state from {label}, {index.tolist()}) raised "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        _compare_steps(outputs, full[index], prefix, f"{name}: after select_batch(state from {label})")
+
+
+# -- exactness, limits, bad input ----------------------------------------------------------------------------
+def check_matches_reference(mechanism: Mechanism) -> None:
+    """The fast path equals the mechanism's own float64 quadratic ``reference`` in every declared variant
+    (float64 tightly, float32 within rounding), and a mechanism declaring approximate=False has a reference
+    equal to exact softmax attention."""
+    for variant in variants(mechanism):
+        for dtype in (torch.float64, torch.float32):
+            m = as_dtype(mechanism, dtype)
+            qkv, mask = variant_inputs(mechanism, variant, dtype, seed=18)
+            out = call(m, qkv, variant.causal, mask)
+            what = f"{type(mechanism).__name__} {dtype} {variant.describe()}"
+            assert_finite(out, what)
+            with torch.no_grad():
+                expected = m.reference(*qkv, variant.causal, mask)
+            if expected.dtype != torch.float64:
+                raise AssertionError(f"{what}: reference() returned {expected.dtype}, expected float64")
+            tolerance = TIGHT if dtype == torch.float64 else FLOAT32
+            assert_close(out.double(), expected, f"{what}: differs from its own float64 reference()", **tolerance)
+            if not mechanism.capabilities.approximate:
+                exact = softmax_attention_reference(*qkv, variant.causal, mask)
+                assert_close(
+                    expected,
+                    exact,
+                    f"{what}: declares approximate=False, i.e. that it computes exact softmax attention, but its "
+                    f"reference differs from softmax_attention_reference",
+                    **TIGHT,
+                )
+
+
+# Beyond this a rejected length would cost too much memory to build; such limits are effectively None.
+_LARGEST_CHECKED_LIMIT = 1 << 16
+
+
+def check_max_length(mechanism: Mechanism) -> None:
+    """A sequence longer than ``max_length`` raises ValueError naming it; the limit itself (or, without one,
+    a few hundred positions) runs."""
+    limit = mechanism.max_length
+    m = as_dtype(mechanism, torch.float32)
+    name = type(mechanism).__name__
+    if limit is None or limit > _LARGEST_CHECKED_LIMIT:
+        n = 257
+        out = m(*random_qkv(mechanism, 1, n, n, torch.float32, seed=19))
+        assert_finite(out, f"{name} (no max_length) at length {n}")
+        return
+    over = random_qkv(mechanism, 1, limit + 1, limit + 1, torch.float32, seed=19)
+    expect_error(
+        lambda: m(*over), ValueError, r"max_length", f"{name}: sequence length {limit + 1} > max_length={limit}"
+    )
+    if mechanism.capabilities.cross:
+        q = over[0][:, :, :1]
+        expect_error(
+            lambda: m(q, over[1], over[2]),
+            ValueError,
+            r"max_length",
+            f"{name}: key length {limit + 1} > max_length={limit}",
+        )
+    if limit <= 512:
+        out = m(*(t[:, :, :limit] for t in over))
+        assert_finite(out, f"{name} at length max_length={limit}")
+
+
+def check_bad_input(mechanism: Mechanism) -> None:
+    """Malformed input raises a clear exception naming the argument, never silent broadcasting."""
+    m = as_dtype(mechanism, torch.float32)
+    n = fit(mechanism, 6)
+    h, d = mechanism.heads, mechanism.head_dim
+    q, k, v = random_qkv(mechanism, 2, n, n, torch.float32, seed=21)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    pad = mask if mechanism.capabilities.key_padding else None
+    randn = torch.randn
+
+    cases: List[Tuple[str, Callable[[], object], Tuple[Type[BaseException], ...], str]] = [
+        ("q of rank 3", lambda: m(q[:, 0], k, v), (ValueError,), r"\bq\b"),
+        ("k of rank 5", lambda: m(q, k[None], v), (ValueError,), r"\bk\b"),
+        ("v of rank 3", lambda: m(q, k, v[:, 0]), (ValueError,), r"\bv\b"),
+        ("heads + 1 in q, k, v", lambda: m(randn(2, h + 1, n, d), randn(2, h + 1, n, d), randn(2, h + 1, n, d)),
+         (ValueError,), r"heads"),
+        ("head_dim + 1 in q, k, v", lambda: m(randn(2, h, n, d + 1), randn(2, h, n, d + 1), randn(2, h, n, d + 1)),
+         (ValueError,), r"head_dim"),
+        ("k with another head_dim than q", lambda: m(q, randn(2, h, n, d + 1), v), (ValueError,), r"head_dim"),
+        ("v with another length than k", lambda: m(q, k, randn(2, h, n + 1, d)), (ValueError,), r"\bv\b"),
+        ("k, v with another batch than q", lambda: m(q, k[:1], v[:1]), (ValueError,), r"batch"),
+        ("k of another dtype", lambda: m(q, k.double(), v), (TypeError,), r"dtype"),
+        ("integer q", lambda: m(q.long(), k, v), (TypeError,), r"\bq\b"),
+        ("zero-length sequence", lambda: m(q[:, :, :0], k[:, :, :0], v[:, :, :0]), (ValueError,), r"seq|length"),
+        ("key_padding_mask of shape (batch, seq_kv + 1)",
+         lambda: m(q, k, v, key_padding_mask=torch.zeros(2, n + 1, dtype=torch.bool)),
+         (ValueError, TypeError), r"key_padding_mask"),
+        ("key_padding_mask of shape (batch + 1, seq_kv)",
+         lambda: m(q, k, v, key_padding_mask=torch.zeros(3, n, dtype=torch.bool)),
+         (ValueError, TypeError), r"key_padding_mask"),
+        ("float key_padding_mask", lambda: m(q, k, v, key_padding_mask=torch.zeros(2, n)),
+         (ValueError, TypeError), r"key_padding_mask"),
+        ("key_padding_mask given as a list", lambda: m(q, k, v, key_padding_mask=[[False] * n] * 2),
+         (ValueError, TypeError), r"key_padding_mask"),
+    ]
+    if pad is not None:
+        cases.append(
+            ("q of rank 3 with a mask", lambda: m(q[:, 0], k, v, key_padding_mask=pad), (ValueError,), r"\bq\b")
+        )
+    if mechanism.capabilities.recurrent_step and n > 1:
+        cases += [
+            ("step with two positions", lambda: m.step(q[:, :, :2], k[:, :, :2], v[:, :, :2], None), (ValueError,),
+             r"step|position|seq"),
+            ("step with q_t of rank 3", lambda: m.step(q[:, 0, :1], k[:, :, :1], v[:, :, :1], None), (ValueError,),
+             r"\bq"),
+        ]
+    name = type(mechanism).__name__
+    for label, action, errors, pattern in cases:
+        expect_error(action, errors, pattern, f"{name}: {label}")
+
+
+# -- property-test cases -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One randomly drawn call: sizes, causality, a padding pattern (True = padding) and a look-ahead cut."""
+
+    batch: int
+    heads: int
+    q_len: int
+    k_len: int
+    causal: bool
+    padding: Optional[Tuple[Tuple[bool, ...], ...]]
+    cut: int
+    seed: int
+
+    def mask(self) -> Optional[Tensor]:
+        if self.padding is None:
+            return None
+        return torch.tensor(self.padding, dtype=torch.bool).view(self.batch, self.k_len)
+
+    def describe(self) -> str:
+        # Padding rows drawn as strings, x = padded: "x..x."
+        rows = None if self.padding is None else ["".join("x" if p else "." for p in row) for row in self.padding]
+        return (
+            f"batch={self.batch} heads={self.heads} q_len={self.q_len} k_len={self.k_len} causal={self.causal} "
+            f"padding={rows}"
+        )
+
+
+def case_inputs(mechanism: Mechanism, case: Case, dtype: torch.dtype) -> Qkv:
+    return random_qkv(mechanism, case.batch, case.q_len, case.k_len, dtype, seed=case.seed)
+
+
+def check_case_finite(mechanism: Mechanism, case: Case) -> None:
+    """float32 output of the right shape and finite, also for rows with no visible key (fully padded, or
+    causal rows before the first key)."""
+    m = as_dtype(mechanism, torch.float32)
+    out = call(m, case_inputs(mechanism, case, torch.float32), case.causal, case.mask())
+    expected = (case.batch, case.heads, case.q_len, mechanism.head_dim)
+    if tuple(out.shape) != expected:
+        raise AssertionError(
+            f"{type(mechanism).__name__} {case.describe()}: output shape {tuple(out.shape)}, expected {expected}"
+        )
+    assert_finite(out, f"{type(mechanism).__name__} {case.describe()}")
+
+
+def check_case_padding_invariance(mechanism: Mechanism, case: Case) -> None:
+    """Changing the keys and values the case's padding marks changes no output (float64)."""
+    if case.padding is None:
+        raise ValueError("a padding-invariance case needs a padding pattern")
+    m = as_dtype(mechanism, torch.float64)
+    qkv = case_inputs(mechanism, case, torch.float64)
+    what = f"{type(mechanism).__name__} {case.describe()}"
+    padding_invariance(m, qkv, case.causal, case.mask(), what, seed=case.seed)
+
+
+def check_case_no_lookahead(mechanism: Mechanism, case: Case) -> None:
+    """Causal output rows up to ``case.cut`` ignore everything after it (float64)."""
+    if not case.causal:
+        raise ValueError("a look-ahead case must be causal")
+    m = as_dtype(mechanism, torch.float64)
+    qkv = case_inputs(mechanism, case, torch.float64)
+    what = f"{type(mechanism).__name__} {case.describe()} cut={case.cut}"
+    no_lookahead(m, qkv, case.mask(), case.cut, what, seed=case.seed)
+
+
+#: Every instance-level check, in the order a failure is easiest to read.
+INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
+    check_output_shape_and_dtype,
+    check_unsupported_options,
+    check_bad_input,
+    check_max_length,
+    check_deterministic,
+    check_output_depends_on_values,
+    check_key_padding,
+    check_no_lookahead,
+    check_batch_independence,
+    check_matches_reference,
+    check_low_precision,
+    check_gradients_finite,
+    check_gradcheck,
+    check_step_matches_parallel,
+    check_prefill_then_step,
+    check_step_state_is_explicit,
+    check_step_state_batch_first,
+)

@@ -1,0 +1,329 @@
+"""The conformance checks can fail: each one rejects a toy mechanism broken in exactly the way it guards.
+
+The toys are never registered. ``GoodToy`` (exact softmax with a KV cache) and ``MinimalToy`` (no optional
+capability at all) pass every check, so each broken toy, one defect away from ``GoodToy``, fails because of
+its defect and nothing else.
+"""
+
+import math
+from dataclasses import replace
+from typing import Callable, Optional
+
+import pytest
+import torch
+from hypothesis import HealthCheck, find, settings
+from torch import Tensor
+
+from attnzoo._validation import check_qkv
+from attnzoo.functional import allowed_mask, softmax_attention
+from attnzoo.mechanisms import Mechanism, SoftmaxAttention
+
+from . import checks
+from .checks import Case
+from .test_properties import cases
+
+CAPS = SoftmaxAttention.capabilities
+
+
+class GoodToy(SoftmaxAttention):
+    """Exact softmax attention under another name: the baseline every broken toy departs from."""
+
+    name = "toy"
+
+
+class MinimalToy(GoodToy):
+    """Non-causal self-attention only, no padding, no step: exercises the 'refused' side of every check."""
+
+    name = "minimal-toy"
+    capabilities = replace(CAPS, causal=False, cross=False, key_padding=False, recurrent_step=False)
+    step = Mechanism.step
+    prefill = Mechanism.prefill
+
+
+class BoundedToy(GoodToy):
+    name = "bounded-toy"
+    capabilities = replace(CAPS, max_length=16)
+
+
+# -- one defect each -----------------------------------------------------------------------------------------
+class SwallowsKwargs(GoodToy):
+    def __init__(self, heads: int, head_dim: int, **options: object) -> None:
+        super().__init__(heads, head_dim)
+
+
+class WrongDtype(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return super().attend(q, k, v, causal, key_padding_mask).float()
+
+
+class OneRowPerKey(GoodToy):
+    """Cross-attention returns one row per key instead of per query."""
+
+    def attend(self, q, k, v, causal, key_padding_mask):
+        if q.shape[2] != k.shape[2]:
+            q = k
+        return super().attend(q, k, v, causal, key_padding_mask)
+
+
+class UpcastsHalf(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return super().attend(q.float(), k.float(), v.float(), causal, key_padding_mask)
+        return super().attend(q, k, v, causal, key_padding_mask)
+
+
+class LiesAboutCausal(GoodToy):
+    """Declares no causal support but silently accepts causal=True (and ignores it)."""
+
+    capabilities = replace(CAPS, causal=False, recurrent_step=False)
+    step = Mechanism.step
+    prefill = Mechanism.prefill
+
+    def check_inputs(self, q, k, v, causal, key_padding_mask):
+        super().check_inputs(q, k, v, False, key_padding_mask)
+
+
+class Nondeterministic(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        out = super().attend(q, k, v, causal, key_padding_mask)
+        return out + 1e-3 * torch.randn_like(out)
+
+
+class IgnoresValues(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return super().attend(q, k, q.clone(), causal, key_padding_mask)
+
+
+class IgnoresPadding(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return super().attend(q, k, v, causal, None)
+
+
+class PeeksAtFuture(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return super().attend(q, k, v, False, key_padding_mask)
+
+
+class MixesBatch(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return super().attend(q, k + 0.1 * k.mean(0, keepdim=True), v, causal, key_padding_mask)
+
+
+def _masked_softmax(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]):
+    """Textbook masked softmax: rows with no visible key come out as 0/0."""
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    allowed = allowed_mask(q.shape[0], q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+    if allowed is None:
+        return logits.softmax(-1) @ v, None
+    return logits.masked_fill(~allowed, -math.inf).softmax(-1) @ v, allowed
+
+
+class DriftsFromReference(GoodToy):
+    """Declares itself approximate, yet its fast path does not compute what its reference does."""
+
+    capabilities = replace(CAPS, approximate=True)
+
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return softmax_attention(q, k, v, causal, key_padding_mask, scale=0.9 / math.sqrt(q.shape[-1]))
+
+
+class NaNOnEmptyRows(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return _masked_softmax(q, k, v, causal, key_padding_mask)[0]
+
+
+class NaNGradientOnEmptyRows(GoodToy):
+    """Zeroes empty rows after the fact: the forward is finite, the backward through 0/0 is not."""
+
+    def attend(self, q, k, v, causal, key_padding_mask):
+        out, allowed = _masked_softmax(q, k, v, causal, key_padding_mask)
+        if allowed is None:
+            return out
+        return torch.where(allowed.any(-1, keepdim=True), out, torch.zeros_like(out))
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 1.5 * grad
+
+
+class WrongGradient(GoodToy):
+    def attend(self, q, k, v, causal, key_padding_mask):
+        return _ScaleGradient.apply(super().attend(q, k, v, causal, key_padding_mask))
+
+
+class ForgetfulStep(GoodToy):
+    def step(self, q_t, k_t, v_t, state):
+        return super().step(q_t, k_t, v_t, None)
+
+
+class PrefillKeepsLastPosition(GoodToy):
+    def prefill(self, q, k, v):
+        out, state = super().prefill(q, k, v)
+        return out, {"k": state["k"][:, :, -1:], "v": state["v"][:, :, -1:]}
+
+
+class StateOnModule(GoodToy):
+    """Keeps the KV cache on the module and hands out only a position counter."""
+
+    def step(self, q_t, k_t, v_t, state):
+        self.check_step_inputs(q_t, k_t, v_t)
+        if state is None:
+            self.cache_k, self.cache_v = k_t, v_t
+        else:
+            self.cache_k = torch.cat([self.cache_k, k_t], dim=2)
+            self.cache_v = torch.cat([self.cache_v, v_t], dim=2)
+        out = softmax_attention(q_t, self.cache_k, self.cache_v)
+        return out, {"t": torch.full((q_t.shape[0],), self.cache_k.shape[2])}
+
+    prefill = Mechanism.prefill
+
+
+class HeadsFirstState(GoodToy):
+    """Keeps the KV cache as (heads, batch, t, head_dim)."""
+
+    def step(self, q_t, k_t, v_t, state):
+        inner = None if state is None else {name: t.transpose(0, 1) for name, t in state.items()}
+        out, inner = super().step(q_t, k_t, v_t, inner)
+        return out, {name: t.transpose(0, 1) for name, t in inner.items()}
+
+    prefill = Mechanism.prefill
+
+
+class IgnoresMaxLength(BoundedToy):
+    def check_inputs(self, q, k, v, causal, key_padding_mask):
+        check_qkv(q, k, v)
+
+
+class NoValidation(GoodToy):
+    def check_inputs(self, q, k, v, causal, key_padding_mask):
+        pass
+
+
+def toy(cls, heads: int = checks.HEADS, **options) -> Mechanism:
+    return cls(heads, checks.HEAD_DIM, **options).double().eval()
+
+
+# -- the checks pass on correct toys -------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [GoodToy, MinimalToy, BoundedToy], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", checks.INSTANCE_CHECKS, ids=lambda c: c.__name__[len("check_"):])
+def test_correct_toys_pass(cls, check):
+    check(toy(cls))
+
+
+@pytest.mark.parametrize("cls", [GoodToy, MinimalToy, BoundedToy], ids=lambda c: c.__name__)
+def test_correct_toy_declarations_pass(cls):
+    checks.check_declaration(cls)
+
+
+# -- and fail on broken ones ---------------------------------------------------------------------------------
+BROKEN = [
+    (checks.check_output_shape_and_dtype, WrongDtype, {}, r"output dtype torch.float32, expected the input dtype"),
+    (checks.check_output_shape_and_dtype, OneRowPerKey, {}, r"cross-attention .* output shape"),
+    (checks.check_low_precision, UpcastsHalf, {}, r"float16 .* output dtype torch.float32"),
+    (checks.check_unsupported_options, LiesAboutCausal, {}, r"causal=True: expected UnsupportedOptionError"),
+    (checks.check_deterministic, Nondeterministic, {}, r"two eval-mode calls"),
+    (checks.check_output_depends_on_values, IgnoresValues, {}, r"replacing every value"),
+    (checks.check_key_padding, IgnoresPadding, {}, r"changing padded keys/values changed the output"),
+    (checks.check_no_lookahead, PeeksAtFuture, {}, r"changing the future"),
+    (checks.check_batch_independence, MixesBatch, {}, r"batch element"),
+    (checks.check_matches_reference, GoodToy, {"scale": 1.0}, r"reference differs from softmax_attention_reference"),
+    (checks.check_matches_reference, DriftsFromReference, {}, r"differs from its own float64 reference"),
+    (checks.check_matches_reference, NaNOnEmptyRows, {}, r"non-finite"),
+    (checks.check_gradients_finite, NaNGradientOnEmptyRows, {}, r"gradient of v: .* non-finite"),
+    (checks.check_gradcheck, WrongGradient, {}, r"gradcheck failed"),
+    (checks.check_step_matches_parallel, ForgetfulStep, {}, r"step output at position 1"),
+    (checks.check_prefill_then_step, PrefillKeepsLastPosition, {}, r"then step: step output"),
+    (checks.check_step_state_is_explicit, StateOnModule, {}, r"decoded alternately"),
+    (checks.check_step_state_batch_first, HeadsFirstState, {}, r"batch \(3\) as its first dim"),
+    (checks.check_max_length, IgnoresMaxLength, {}, r"max_length=16: expected ValueError"),
+    (checks.check_bad_input, NoValidation, {}, r"expected ValueError"),
+]
+
+
+@pytest.mark.parametrize(
+    "check, cls, options, message", BROKEN, ids=[f"{c.__name__[6:]}-{k.__name__}" for c, k, _, _ in BROKEN]
+)
+def test_check_rejects_broken_toy(check, cls, options, message):
+    with pytest.raises(AssertionError, match=message):
+        check(toy(cls, heads=1, **options))  # one head: a failing gradcheck builds the full Jacobian to report
+
+
+def test_every_instance_check_has_a_broken_toy():
+    guarded = {check for check, _, _, _ in BROKEN}
+    assert set(checks.INSTANCE_CHECKS) <= guarded, set(checks.INSTANCE_CHECKS) - guarded
+
+
+def test_declaration_check_rejects_swallowed_kwargs():
+    with pytest.raises(AssertionError, match=r"must not swallow unknown arguments"):
+        checks.check_declaration(SwallowsKwargs)
+
+
+def test_declaration_check_rejects_step_without_causal():
+    class StepWithoutCausal(GoodToy):
+        capabilities = replace(CAPS, causal=False)
+
+    with pytest.raises(AssertionError, match=r"recurrent_step=True needs causal=True"):
+        checks.check_declaration(StepWithoutCausal)
+
+
+def test_declaration_check_rejects_unknown_test_options():
+    class MisspelledTestOption(GoodToy):
+        test_options = {"quite": True}
+
+    with pytest.raises(AssertionError, match=r"test_options names \['quite'\]"):
+        checks.check_declaration(MisspelledTestOption)
+
+
+# -- property checks -----------------------------------------------------------------------------------------
+FULLY_PADDED = Case(batch=2, heads=2, q_len=5, k_len=5, causal=False,
+                    padding=((False,) * 5, (True,) * 5), cut=2, seed=3)
+PARTLY_PADDED = Case(batch=2, heads=2, q_len=6, k_len=6, causal=True,
+                     padding=((False,) * 6, (True, False, False, True, False, True)), cut=2, seed=4)
+
+
+@pytest.mark.parametrize(
+    "check, cls, case",
+    [
+        (checks.check_case_finite, NaNOnEmptyRows, FULLY_PADDED),
+        (checks.check_case_padding_invariance, IgnoresPadding, PARTLY_PADDED),
+        (checks.check_case_no_lookahead, PeeksAtFuture, PARTLY_PADDED),
+    ],
+    ids=["finite", "padding", "lookahead"],
+)
+def test_property_check_rejects_broken_toy_and_passes_good_one(check, cls, case):
+    check(toy(GoodToy, heads=case.heads), case)
+    with pytest.raises(AssertionError):
+        check(toy(cls, heads=case.heads), case)
+
+
+def _fails(check: Callable, cls: type, case: Case) -> bool:
+    try:
+        check(toy(cls, heads=case.heads), case)
+    except AssertionError:
+        return True
+    return False
+
+
+SEARCH = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize(
+    "check, cls, force",
+    [
+        (checks.check_case_finite, NaNOnEmptyRows, {}),
+        (checks.check_case_padding_invariance, IgnoresPadding, {"padded": True}),
+        (checks.check_case_no_lookahead, PeeksAtFuture, {"causal": True}),
+    ],
+    ids=["finite", "padding", "lookahead"],
+)
+def test_property_strategy_finds_the_defect(check, cls, force):
+    """Within the property tests' example budget, the strategy draws a case that exposes the defect."""
+    found = find(cases(CAPS, None, **force), lambda case: _fails(check, cls, case), settings=SEARCH)
+    assert _fails(check, cls, found)
