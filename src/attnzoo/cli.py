@@ -90,7 +90,8 @@ def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None]
 
 
 def compare_command(args: argparse.Namespace) -> int:
-    from .bench.compare import CompareConfig, load_accuracy, run_compare, write_results
+    from .bench.compare import CompareConfig, run_compare
+    from .bench.results import load_accuracy, write_results
     from .bench.plots import write_plots
     from .bench.report import write_report
     from .bench.table import results_table
@@ -123,7 +124,7 @@ def compare_command(args: argparse.Namespace) -> int:
         result.data["accuracy"] = {"path": str(args.accuracy), "values": accuracy}
 
     output = Path(args.output)
-    paths = write_results(result, output)
+    paths = write_results(result.data, output)
     paths.update(write_plots(result.data, output, accuracy))
     paths["report"] = write_report(result.data, output, str(args.accuracy) if args.accuracy else None)
 

@@ -70,6 +70,57 @@ def orthogonal_projection(
     return (directions * norms).to(dtype)
 
 
+# -- fused exponential features ------------------------------------------------------------------------------
+class _ExpFeatures(torch.autograd.Function):
+    """``exp(p - offset)``, or ``exp([p, -p] - offset)`` when symmetric, written into one buffer.
+
+    The (seq, nb_features) feature tensor is the largest in FAVOR+, so forward and backward each make two
+    passes over it instead of the five or six that neg, cat, sub and exp with their own backwards take.
+    """
+
+    @staticmethod
+    def forward(ctx, projected: Tensor, offset: Tensor, symmetric: bool) -> Tensor:  # type: ignore[override]
+        m = projected.shape[-1]
+        if symmetric:
+            out = projected.new_empty(*projected.shape[:-1], 2 * m)
+            torch.sub(projected, offset, out=out[..., :m])
+            torch.sub(-offset, projected, out=out[..., m:])
+        else:
+            out = projected - offset
+        out.exp_()
+        ctx.save_for_backward(out)
+        ctx.symmetric = symmetric
+        ctx.offset_shape = offset.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor], None]:  # type: ignore[override]
+        (features,) = ctx.saved_tensors
+        weighted = grad * features
+        grad_projected = grad_offset = None
+        if ctx.needs_input_grad[0]:
+            if ctx.symmetric:
+                m = features.shape[-1] // 2
+                grad_projected = weighted[..., :m] - weighted[..., m:]
+            else:
+                grad_projected = weighted
+        if ctx.needs_input_grad[1]:
+            grad_offset = -weighted.sum(-1, keepdim=True)
+            grad_offset = grad_offset.sum_to_size(ctx.offset_shape)
+        return grad_projected, grad_offset, None
+
+
+def exp_features(projected: Tensor, offset: Tensor, symmetric: bool = False) -> Tensor:
+    """``exp(p - offset)`` (or ``exp([p, -p] - offset)`` when ``symmetric``), differentiable in both.
+
+    Args:
+        projected: (..., m) logits p.
+        offset: broadcastable to (..., 1), e.g. one value per row.
+        symmetric: also the mirrored logits -p, giving (..., 2 m).
+    """
+    return _ExpFeatures.apply(projected, offset, symmetric)
+
+
 # -- base classes ---------------------------------------------------------------------------------------------
 class FeatureMap(nn.Module):
     """Base of every feature map: (batch, heads, seq, head_dim) -> (batch, heads, seq, nb_features).
@@ -99,7 +150,8 @@ class EluFeatureMap(FeatureMap):
 
     def forward(self, x: Tensor) -> Tensor:
         check_floating("x", x)
-        return F.elu(x) + 1.0
+        # In place is safe: elu saves its input, not its output, for the backward pass.
+        return F.elu(x).add_(1.0)
 
 
 class ReluFeatureMap(FeatureMap):
@@ -173,8 +225,10 @@ class RandomFeatureMap(FeatureMap):
         return False
 
     def project(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """``(x' @ W^T, x')`` with ``x' = input_scale * x`` in at least float32: (batch, heads, seq, head_dim)
-        -> ((batch, heads, seq, nb_projections), (batch, heads, seq, head_dim))."""
+        """``(x' @ W^T, |x'|^2 / 2)`` with ``x' = input_scale * x``, in at least float32.
+
+        Shapes: (batch, heads, seq, head_dim) -> ((batch, heads, seq, nb_projections), (batch, heads, seq, 1)).
+        """
         check_floating("x", x)
         if x.shape[-1] != self.head_dim:
             raise ValueError(
@@ -182,8 +236,11 @@ class RandomFeatureMap(FeatureMap):
                 f"head_dim={self.head_dim}"
             )
         dtype = _compute_dtype(x)
-        x = x.to(dtype) * self.input_scale
-        return x @ self.projection.to(dtype).T, x
+        x = x.to(dtype)
+        # The scale goes into the small (m, d) matrix rather than over the (N, d) input.
+        projected = x @ (self.projection.to(dtype).T * self.input_scale)
+        half_norm = (0.5 * self.input_scale**2) * x.pow(2).sum(-1, keepdim=True)
+        return projected, half_norm
 
     def extra_repr(self) -> str:
         return (
@@ -220,8 +277,8 @@ class FavorPositiveFeatures(RandomFeatureMap):
     ``phi(x) = exp(-|x|^2 / 2) / sqrt(m) * [exp(w_i . x)]_i`` gives ``E[phi(q) . phi(k)] = exp(q . k)`` with
     positive features, so the normaliser stays positive and the estimate has low variance where the kernel is
     small. With ``symmetric=True`` (the "hyperbolic" variant) each projection ``w`` is used as ``w`` and
-    ``-w``: ``[exp(w . x), exp(-w . x)] / sqrt(2)``, an antithetic pair that lowers the variance at the same
-    number of output features.
+    ``-w``: ``phi(x) = exp(-|x|^2 / 2) / sqrt(m) * [exp(w_i . x), exp(-w_i . x)]_i`` with ``m / 2``
+    projections, an antithetic pair that lowers the variance at the same number of output features m.
 
     Stabiliser without any additive constant: query rows are divided by their own largest feature, keys by
     the largest feature over the whole (unpadded) key sequence of the head. Both factors cancel exactly in the
@@ -256,30 +313,31 @@ class FavorPositiveFeatures(RandomFeatureMap):
         self.nb_features = nb_features
         self.symmetric = bool(symmetric)
 
-    def _logits(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        projected, scaled = self.project(x)
-        if self.symmetric:
-            projected = torch.cat([projected, -projected], dim=-1)
-        return projected, scaled
+    def _row_max(self, projected: Tensor) -> Tensor:
+        """Largest logit of each row, over [p, -p] when symmetric: (..., 1), detached."""
+        projected = projected.detach()
+        if not self.symmetric:
+            return projected.amax(-1, keepdim=True)
+        low, high = torch.aminmax(projected, dim=-1, keepdim=True)
+        return torch.maximum(high, -low)
 
     def _log_normaliser(self) -> float:
         return -0.5 * math.log(self.nb_features)
 
     def forward(self, x: Tensor) -> Tensor:
-        logits, scaled = self._logits(x)
-        half_norm = 0.5 * scaled.pow(2).sum(-1, keepdim=True)
-        return torch.exp(logits - half_norm + self._log_normaliser())
+        projected, half_norm = self.project(x)
+        return exp_features(projected, half_norm - self._log_normaliser(), self.symmetric)
 
     def query_features(self, x: Tensor) -> Tensor:
-        logits, _ = self._logits(x)
+        projected, _ = self.project(x)
         # exp(-|x|^2/2) and 1/sqrt(m) are per-row factors too, so they are dropped with the row maximum.
-        return torch.exp(logits - logits.detach().amax(-1, keepdim=True))
+        return exp_features(projected, self._row_max(projected), self.symmetric)
 
     def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        logits, scaled = self._logits(x)
-        log_features = logits - 0.5 * scaled.pow(2).sum(-1, keepdim=True)
-        shift = _key_scale(log_features, key_padding_mask)
-        return torch.exp(log_features - shift), shift + self._log_normaliser()
+        projected, half_norm = self.project(x)
+        # exp(-|k|^2/2) differs from key to key, so it stays (with its gradient); only the shared shift goes.
+        shift = _key_scale(self._row_max(projected) - half_norm, key_padding_mask)
+        return exp_features(projected, half_norm + shift, self.symmetric), shift + self._log_normaliser()
 
 
 class FavorTrigFeatures(RandomFeatureMap):
@@ -316,9 +374,8 @@ class FavorTrigFeatures(RandomFeatureMap):
         self.nb_features = nb_features
 
     def _unit_features(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        projected, scaled = self.project(x)
-        features = torch.cat([torch.sin(projected), torch.cos(projected)], dim=-1)
-        return features, 0.5 * scaled.pow(2).sum(-1, keepdim=True)
+        projected, half_norm = self.project(x)
+        return torch.cat([torch.sin(projected), torch.cos(projected)], dim=-1), half_norm
 
     def forward(self, x: Tensor) -> Tensor:
         features, half_norm = self._unit_features(x)

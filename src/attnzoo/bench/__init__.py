@@ -5,7 +5,8 @@
     result.rows  # one dict per (mechanism, length): times, peak memory, error, ratios, status and reason
 """
 
-from .compare import PRESETS, CompareConfig, CompareResult, crossover_length, load_accuracy, run_compare, write_results
+from .compare import PRESETS, CompareConfig, CompareResult, run_compare
+from .results import crossover_length, load_accuracy, write_results
 
 __all__ = ["PRESETS", "CompareConfig", "CompareResult", "crossover_length", "load_accuracy", "run_compare",
            "write_results"]

@@ -9,18 +9,12 @@ length a mechanism is skipped at the longer ones.
 
 from __future__ import annotations
 
-import csv
 import datetime as _dt
-import json
-import math
 import os
 import platform
 import shlex
-import sys
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,10 +22,8 @@ from ..mechanisms import available, capabilities, mechanism_options
 from .launch import Launcher
 from .peers import PEERS, installed_peers
 from .targets import Entry, import_user_modules, mechanism_entry, peer_entry
+from .results import BASELINE, CSV_COLUMNS, SCHEMA, add_ratios, summarize
 from .worker import finite
-
-SCHEMA = "attnzoo.compare/1"
-BASELINE = "softmax"
 
 # Integer options that set how many features / what rank / how many landmarks an approximation uses: the
 # error figure sweeps the first one a mechanism takes.
@@ -40,21 +32,12 @@ SWEEP_OPTIONS = ("nb_features", "num_features", "features", "feature_dim", "rank
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # Fits in about two minutes on two CPU cores with a dozen mechanisms.
-    "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=5, budget_s=10.0,
-                  sweep_length=1024, sweep_values=[16, 32, 64, 128, 256]),
+    "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=10.0,
+                  sweep_values=[16, 32, 64, 128, 256]),
     # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
     "full": dict(lengths=[512, 1024, 2048, 4096, 8192, 16384], batch=1, heads=8, head_dim=64, repeats=7,
-                 budget_s=120.0, sweep_length=4096, sweep_values=[16, 32, 64, 128, 256, 512, 1024]),
+                 budget_s=120.0, sweep_values=[16, 32, 64, 128, 256, 512, 1024]),
 }
-
-STATUSES = ("ok", "unsupported", "oom", "timeout", "failed", "skipped")
-
-CSV_COLUMNS = [
-    "mechanism", "source", "counterpart", "approximate", "length", "batch", "heads", "head_dim", "dtype",
-    "causal", "device", "status", "reason", "forward_ms", "forward_backward_ms", "peak_memory_mib",
-    "forward_peak_memory_mib", "error", "speed_vs_softmax", "forward_speed_vs_softmax", "memory_vs_softmax",
-    "speed_vs_counterpart", "memory_vs_counterpart", "repeats",
-]
 
 
 @dataclass
@@ -70,14 +53,14 @@ class CompareConfig:
     dtype: str = "float32"
     causal: bool = False
     device: str = "cpu"
-    repeats: int = 5
+    repeats: int = 9
     budget_s: float = 10.0  # time budget of one configuration; slower ones are "too slow" rows
     threads: int = 0  # 0: every core os.cpu_count() reports
     peers: bool = False
     sweep: bool = True
-    sweep_length: int = 1024
+    sweep_length: Optional[int] = None  # None: the middle of ``lengths``
     sweep_values: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["sweep_values"]))
-    min_sample_s: float = 0.02
+    min_sample_s: float = 0.05
     memory_fraction: float = 0.8
     imports: List[str] = field(default_factory=list)
     seed: int = 0
@@ -90,6 +73,9 @@ class CompareConfig:
         values = dict(PRESETS[preset], preset=preset)
         values.update({key: value for key, value in overrides.items() if value is not None})
         return cls(**values)
+
+    def resolved_sweep_length(self) -> int:
+        return self.sweep_length or sorted(self.lengths)[len(self.lengths) // 2]
 
     def resolved_threads(self) -> int:
         return self.threads or os.cpu_count() or 1
@@ -127,8 +113,12 @@ def machine_description(device: str, threads: int) -> Dict[str, Any]:
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError, AttributeError):
         pass
+    try:
+        load = [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        load = None
     description: Dict[str, Any] = {
-        "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "memory_gib": memory_gib,
+        "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "memory_gib": memory_gib, "load_average": load,
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "device": device,
     }
@@ -136,77 +126,6 @@ def machine_description(device: str, threads: int) -> Dict[str, Any]:
         description["gpu"] = torch.cuda.get_device_name(torch.device(device))
         description["cuda"] = torch.version.cuda
     return description
-
-
-# -- derived numbers -----------------------------------------------------------------------------------------
-def crossover_length(points: Sequence[Tuple[int, float, float]]) -> Dict[str, Any]:
-    """Where a mechanism becomes faster than the baseline, from (length, time, baseline time) points.
-
-    The crossover is the length from which on the mechanism stays faster at every measured length; between
-    the last slower and the first faster measurement it is interpolated in log-log (times scale as powers
-    of N). Returns ``{"kind": ..., "length": ...}`` with kind "interpolated", "below_range" (faster already
-    at the shortest length), "not_reached" (not faster at the longest length) or "unknown" (no data).
-    """
-    points = sorted((n, t, b) for n, t, b in points if t and b and t > 0 and b > 0)
-    if not points:
-        return {"kind": "unknown", "length": None}
-    ratios = [(n, t / b) for n, t, b in points]
-    if ratios[-1][1] >= 1.0:
-        return {"kind": "not_reached", "length": None}
-    first_faster = len(ratios) - 1
-    while first_faster > 0 and ratios[first_faster - 1][1] < 1.0:
-        first_faster -= 1
-    if first_faster == 0:
-        return {"kind": "below_range", "length": ratios[0][0]}
-    (n0, r0), (n1, r1) = ratios[first_faster - 1], ratios[first_faster]
-    fraction = math.log(r0) / (math.log(r0) - math.log(r1))
-    length = math.exp(math.log(n0) + fraction * (math.log(n1) - math.log(n0)))
-    return {"kind": "interpolated", "length": round(length)}
-
-
-def describe_crossover(crossover: Dict[str, Any], lengths: Sequence[int]) -> str:
-    kind = crossover["kind"]
-    if kind == "interpolated":
-        return f"~{crossover['length']}"
-    if kind == "below_range":
-        return f"<= {min(lengths)}"
-    if kind == "not_reached":
-        return f"> {max(lengths)}"
-    return "-"
-
-
-def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
-    if numerator is None or denominator is None or denominator <= 0 or numerator <= 0:
-        return None
-    return numerator / denominator
-
-
-def load_accuracy(path: Path) -> Dict[str, float]:
-    """Quality per mechanism from a training benchmark's results file.
-
-    Accepted: ``{"mechanism": accuracy, ...}``, or rows ``[{"mechanism": ..., "accuracy": ...}, ...]``
-    (also under a "rows" or "results" key; "test_accuracy", "score" or "acc" instead of "accuracy"). Several
-    rows for one mechanism (several tasks) are averaged, as the Long Range Arena averages its tasks.
-    """
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--accuracy {path}: cannot read a JSON file ({error})") from error
-    if isinstance(data, dict) and data and all(isinstance(v, (int, float)) for v in data.values()):
-        return {str(k): float(v) for k, v in data.items()}
-    rows = data.get("rows", data.get("results")) if isinstance(data, dict) else data
-    if not isinstance(rows, list):
-        raise ValueError(f"--accuracy {path}: expected {{mechanism: accuracy}} or a list of rows")
-    collected: Dict[str, List[float]] = {}
-    for row in rows:
-        if not isinstance(row, dict) or "mechanism" not in row:
-            continue
-        value = next((row[key] for key in ("accuracy", "test_accuracy", "score", "acc") if key in row), None)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            collected.setdefault(str(row["mechanism"]), []).append(float(value))
-    if not collected:
-        raise ValueError(f"--accuracy {path}: no row has a mechanism and an accuracy")
-    return {name: sum(values) / len(values) for name, values in collected.items()}
 
 
 # -- the run -------------------------------------------------------------------------------------------------
@@ -280,7 +199,8 @@ def _empty_row(config: CompareConfig, entry: Entry, length: int) -> Dict[str, An
 
 def _apply_time(row: Dict[str, Any], measured: Dict[str, Any]) -> None:
     row["status"], row["reason"] = measured.get("status", "failed"), measured.get("reason")
-    for key in ("forward_ms", "forward_backward_ms", "error", "repeats"):
+    for key in ("forward_ms", "forward_backward_ms", "error", "repeats", "forward_spread",
+                "forward_backward_spread", "forward_ms_samples", "forward_backward_ms_samples"):
         if measured.get(key) is not None:
             row[key] = measured[key]
 
@@ -296,46 +216,6 @@ def _apply_memory(row: Dict[str, Any], measured: Dict[str, Any]) -> None:
     row["reason"] = f"memory measurement: {measured.get('reason')}"
 
 
-def _add_ratios(rows: List[Dict[str, Any]]) -> None:
-    by_key = {(row["mechanism"], row["length"]): row for row in rows}
-    for row in rows:
-        base = by_key.get((BASELINE, row["length"]))
-        if base is not None:
-            row["speed_vs_softmax"] = _ratio(base["forward_backward_ms"], row["forward_backward_ms"])
-            row["forward_speed_vs_softmax"] = _ratio(base["forward_ms"], row["forward_ms"])
-            row["memory_vs_softmax"] = _ratio(row["peak_memory_mib"], base["peak_memory_mib"])
-        twin = by_key.get((row["counterpart"], row["length"])) if row["counterpart"] else None
-        if twin is not None:
-            row["speed_vs_counterpart"] = _ratio(twin["forward_backward_ms"], row["forward_backward_ms"])
-            row["memory_vs_counterpart"] = _ratio(row["peak_memory_mib"], twin["peak_memory_mib"])
-
-
-def summarize(rows: Sequence[Dict[str, Any]], lengths: Sequence[int]) -> List[Dict[str, Any]]:
-    """Per mechanism: crossover lengths against softmax and the figures at the longest measured length."""
-    baseline = {row["length"]: row for row in rows if row["mechanism"] == BASELINE}
-    summary = []
-    for mechanism in dict.fromkeys(row["mechanism"] for row in rows):
-        own = sorted((row for row in rows if row["mechanism"] == mechanism), key=lambda row: row["length"])
-        crossovers = {}
-        for column in ("forward_ms", "forward_backward_ms"):
-            points = [(row["length"], row[column], baseline[row["length"]][column])
-                      for row in own if row["length"] in baseline]
-            crossovers[column] = crossover_length(points)
-        measured = [row for row in own if row["forward_backward_ms"] is not None]
-        last = measured[-1] if measured else own[-1]
-        summary.append({
-            "mechanism": mechanism, "source": own[0]["source"], "counterpart": own[0]["counterpart"],
-            "approximate": own[0]["approximate"],
-            "crossover_forward": crossovers["forward_ms"],
-            "crossover_forward_backward": crossovers["forward_backward_ms"],
-            "longest_length": last["length"] if measured else None,
-            "speed_vs_softmax": last["speed_vs_softmax"], "memory_vs_softmax": last["memory_vs_softmax"],
-            "error": last["error"],
-            "statuses": {row["length"]: row["status"] for row in own},
-        })
-    return summary
-
-
 def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[Progress] = None,
                 progress_total: Optional[Callable[[int], None]] = None) -> CompareResult:
     """Measure everything ``config`` asks for and return the results (writes nothing).
@@ -345,6 +225,7 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
     import_user_modules(config.imports)
     config.validate()
     started = _dt.datetime.now(_dt.timezone.utc)
+    machine = machine_description(config.device, config.resolved_threads())
     entries, missing_peers = planned_entries(config)
     lengths = sorted(set(config.lengths))
     sweeps = sweep_plan(config, entries) if config.sweep else []
@@ -380,16 +261,17 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
 
         sweep_results = []
         for entry, option in sweeps:
-            job = dict(_job_base(config, config.sweep_length), kind="sweep", entry=entry, option=option,
-                       values=list(config.sweep_values))
+            job = dict(_job_base(config, config.resolved_sweep_length()), kind="sweep", entry=entry,
+                       option=option, values=list(config.sweep_values))
             result = launcher.run(job, timeout_s=len(config.sweep_values) * config.budget_s + 60)
-            sweep_results.append({"mechanism": entry["name"], "option": option, "length": config.sweep_length,
+            sweep_results.append({"mechanism": entry["name"], "option": option,
+                                  "length": config.resolved_sweep_length(),
                                   "causal": config.causal, "status": result.get("status"),
                                   "reason": result.get("reason"), "points": result.get("points", []),
                                   "uniform_error": result.get("uniform_error")})
             report(f"sweep {entry['name']}.{option}")
 
-    _add_ratios(rows)
+    add_ratios(rows)
     finished = _dt.datetime.now(_dt.timezone.utc)
     data = {
         "schema": SCHEMA,
@@ -398,12 +280,12 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
         "duration_s": round((finished - started).total_seconds(), 1),
-        "machine": machine_description(config.device, config.resolved_threads()),
+        "machine": machine,
         "config": asdict(config),
         "launch": launcher.method,
         "baseline": BASELINE,
         "rows": rows,
-        "summary": summarize(rows, lengths),
+        "summary": summarize(rows),
         "uniform_error": [{"length": length, "error": uniform_error.get(length)} for length in lengths],
         "sweeps": sweep_results,
         "missing_peers": missing_peers,
@@ -437,15 +319,3 @@ def _time_length(launcher: Launcher, config: CompareConfig, base: Dict[str, Any]
     return entries, uniform_error
 
 
-# -- files ---------------------------------------------------------------------------------------------------
-def write_results(result: CompareResult, output: Path) -> Dict[str, Path]:
-    """results.json and results.csv in ``output``; returns their paths."""
-    output.mkdir(parents=True, exist_ok=True)
-    paths = {"json": output / "results.json", "csv": output / "results.csv"}
-    paths["json"].write_text(json.dumps(result.data, indent=2, allow_nan=False) + "\n")
-    with paths["csv"].open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in result.rows:
-            writer.writerow({key: ("" if value is None else value) for key, value in row.items()})
-    return paths

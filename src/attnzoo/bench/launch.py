@@ -12,6 +12,7 @@ Two ways to get a fresh process:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import select
@@ -131,7 +132,10 @@ class Launcher:
             answer = self._lines.read(time.monotonic() + timeout_s)
             if answer is None:
                 _kill(pid)
-                self._lines.read(time.monotonic() + 30)  # the server reports the killed child; ignore it
+                # The server then reports the killed child; without that reply the exchange is out of step,
+                # so the server is replaced before the next job.
+                if self._lines.read(time.monotonic() + 30) is None:
+                    self._stop_server()
                 return {"status": "timeout", "reason": f"timed out after {timeout_s:.0f} s"}
             reply: Dict[str, Any] = json.loads(answer)
         except (EOFError, BrokenPipeError, OSError, ValueError, KeyError) as error:
@@ -189,6 +193,9 @@ def serve(preload: List[str]) -> int:
     from .targets import import_user_modules
     from .worker import finite, run_job
 
+    # torch imports this lazily on the first backward (it pulls in sympy, ~1 s); imported here once, every
+    # child starts with it. Importing runs no tensor operation, so no thread pool is started before forking.
+    importlib.import_module("torch.fx.experimental.symbolic_shapes")
     import_user_modules(preload)
     out = sys.stdout
     for line in sys.stdin:

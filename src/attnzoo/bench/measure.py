@@ -80,6 +80,14 @@ class Timing:
         train = 1e3 * statistics.median(self.forward_backward) if self.forward_backward else None
         return fwd, train
 
+    @staticmethod
+    def spread(samples: List[float]) -> Optional[float]:
+        """Interquartile range over median: how noisy the samples were (0.1 = 10%)."""
+        if len(samples) < 3:
+            return None
+        q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        return (q3 - q1) / median if median > 0 else None
+
 
 def _timed(call: Callable[[], object], inner: int, device: str) -> float:
     _sync(device)
@@ -90,14 +98,17 @@ def _timed(call: Callable[[], object], inner: int, device: str) -> float:
     return (time.perf_counter() - start) / inner
 
 
-def calibrate(fn: AttentionFn, inputs: Inputs, causal: bool, device: str, min_sample_s: float) -> Tuple[int, float]:
+def calibrate(fn: AttentionFn, inputs: Inputs, causal: bool, device: str, min_sample_s: float,
+              budget_s: float = math.inf) -> Tuple[int, float]:
     """Warm up (first calls pay for lazy initialisation) and choose how many calls make one timed sample.
 
     Returns (inner, seconds of one forward+backward). Short calls are repeated ``inner`` times per sample so
-    that a sample lasts at least ``min_sample_s``: timer resolution and scheduler noise then stay small.
+    that a sample lasts at least ``min_sample_s``: timer resolution and scheduler noise then stay small. A
+    first forward+backward already over ``budget_s`` is returned as is, without spending more time on it.
     """
-    run_forward(fn, inputs, causal)
-    run_forward_backward(fn, inputs, causal)
+    first = _timed(lambda: run_forward_backward(fn, inputs, causal), 1, device)
+    if first > budget_s:
+        return 1, first
     one = _timed(lambda: run_forward_backward(fn, inputs, causal), 1, device)
     inner = max(1, min(1000, math.ceil(min_sample_s / max(one, 1e-9))))
     return inner, one
@@ -113,8 +124,12 @@ def time_interleaved(fns: Dict[str, AttentionFn], inputs: Inputs, causal: bool, 
     """
     timings = {name: Timing(inner=inner[name]) for name in fns}
     failures: Dict[str, BaseException] = {}
+    names = list(fns)
     for round_index in range(max(repeats.values(), default=0)):
-        for name, fn in fns.items():
+        # The starting mechanism rotates, so none always runs right after the same neighbour.
+        shift = round_index % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             if name in failures or round_index >= repeats[name]:
                 continue
             n = inner[name]
@@ -147,7 +162,7 @@ def uniform_attention(v: Tensor, causal: bool) -> Tensor:
 
 def relative_error(out: Tensor, reference: Tensor) -> float:
     """``||out - reference||_F / ||reference||_F`` over the whole batch (0 = exact softmax)."""
-    out = out.to(reference.dtype)
+    out = out.detach().to(reference.dtype)
     if out.shape != reference.shape:
         raise ValueError(f"output shape {tuple(out.shape)} differs from the reference {tuple(reference.shape)}")
     return float(torch.linalg.vector_norm(out - reference) / torch.linalg.vector_norm(reference))
@@ -157,17 +172,18 @@ def relative_error(out: Tensor, reference: Tensor) -> float:
 _M_MMAP_THRESHOLD = -3
 
 
-def fix_malloc_threshold() -> bool:
-    """Make glibc return every large freed block to the system at once.
+def fix_malloc_threshold(threshold: int = 4096) -> bool:
+    """Make glibc map every block of ``threshold`` bytes or more on its own, and unmap it when freed.
 
     By default glibc raises its mmap threshold after large frees and then keeps freed tensors in the heap,
-    so the resident size stops following live memory and peaks depend on what ran before. A fixed
-    threshold (which also switches the adjustment off) makes resident size track live tensors. Returns
-    False where glibc's ``mallopt`` is unavailable.
+    so the resident size stops following live memory and peaks depend on what ran before. A fixed small
+    threshold (which also switches the adjustment off) makes resident size track live tensors to the
+    page. It slows allocation down, so only memory measurements use it, never timings. Returns False where
+    glibc's ``mallopt`` is unavailable.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024))
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
     except (OSError, AttributeError):
         return False
 

@@ -1,7 +1,8 @@
 """Adapters that put the attention of other PyPI libraries (the ``peers`` extra) behind the benchmark's shape.
 
-Each adapter returns either an attention callable ``fn(q, k, v, causal) -> out`` on (batch, heads, seq,
-head_dim) tensors, or a string saying why it cannot run (package missing, configuration unsupported).
+Each adapter returns either a :class:`PeerAttention` module called as ``fn(q, k, v, causal) -> out`` on
+(batch, heads, seq, head_dim) tensors, or a string saying why it cannot run (package missing,
+configuration unsupported).
 Where a library only ships a whole attention layer, its input and output projections are replaced by
 slices/identities, so what is timed is the library's attention itself on our q, k and v. Hyper-parameters
 (feature count, projected length, landmarks, window, bucket size) follow the default of the attnzoo
@@ -10,15 +11,15 @@ counterpart when it is registered, so rows compare like with like.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from ..mechanisms import available, mechanism_options
+
 
 class PeerAttention(nn.Module):
     """A peer's module with the call that adapts it to ``(q, k, v, causal) -> out`` on (batch, heads, seq, dim).
@@ -235,8 +236,3 @@ def build_peer(name: str, heads: int, head_dim: int, length: int, causal: bool) 
         return PEERS[name].build(heads, head_dim, length, causal)
     except ImportError as error:
         return f"import failed: {error}"
-
-
-def peer_settings(name: str) -> Dict[str, Any]:
-    """What a peer row is compared with, for the results file."""
-    return {"counterpart": PEERS[name].counterpart()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .compare import BASELINE, describe_crossover
+from .results import BASELINE, busy_warning, describe_crossover
 from .table import format_error
 
 
@@ -37,7 +37,9 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
         + (f", {machine['memory_gib']} GiB memory" if machine.get("memory_gib") else ""),
         f"- device: {machine['device']}" + (f" ({machine['gpu']}, CUDA {machine['cuda']})" if machine.get("gpu") else ""),
         f"- Python {machine['python']}, torch {machine['torch']}, {machine['platform']}",
-        f"- run: {data['started']} to {data['finished']} ({data['duration_s']} s)",
+        f"- run: {data['started']} to {data['finished']} ({data['duration_s']} s)"
+        + (f", load average at the start {machine['load_average'][0]}" if machine.get("load_average") else ""),
+        *([f"- **warning**: {busy_warning(machine)}"] if busy_warning(machine) else []),
         "",
         "## Setting",
         "",
@@ -88,12 +90,13 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
         if item["mechanism"] == BASELINE:
             continue
         summary_rows.append([
-            item["mechanism"], describe_crossover(item["crossover_forward_backward"], lengths),
-            describe_crossover(item["crossover_forward"], lengths), str(item["longest_length"] or "-"),
+            item["mechanism"], describe_crossover(item["crossover_forward_backward"]),
+            describe_crossover(item["crossover_forward"]), str(item["longest_length"] or "-"),
             _cell(item["speed_vs_softmax"], 2, "x"), _cell(item["memory_vs_softmax"], 2, "x"), format_error(item),
+            item["note"] or "",
         ])
     lines += _markdown_table(["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed", "memory",
-                              "error"], summary_rows)
+                              "error", "note"], summary_rows)
     lines += ["", "## All measurements", ""]
     detail_rows = []
     for row in sorted(data["rows"], key=lambda row: (row["length"], row["mechanism"] != BASELINE)):

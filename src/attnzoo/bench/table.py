@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from .compare import BASELINE, describe_crossover
+from .results import BASELINE, busy_warning, describe_crossover
+
+NOISY_SPREAD = 0.25  # interquartile range over median above which a row's timing is flagged
 
 EXACT_BELOW = 1e-3  # relative errors under this are float rounding: the mechanism computes softmax
 
@@ -21,8 +23,11 @@ def format_error(row: Dict[str, Any]) -> str:
     return f"{error:.3g}*" if row.get("approximate") is False else f"{error:.3g}"
 
 
-def _number(value: Optional[float], digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def _number(value: Optional[float]) -> str:
+    """One decimal for readable magnitudes, three significant digits below 10 (tiny runs stay informative)."""
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
 def _ratio(value: Optional[float]) -> str:
@@ -46,7 +51,8 @@ def results_table(data: Dict[str, Any]) -> str:
     lines = [
         f"attnzoo compare: batch {config['batch']}, {config['heads']} heads, head dim {config['head_dim']}, "
         f"{config['dtype']}, {'causal' if config['causal'] else 'non-causal'}, {config['device']}, "
-        f"{data['machine']['threads']} threads ({data['machine']['cpu']})",
+        f"{data['machine']['threads']} thread{'s' if data['machine']['threads'] != 1 else ''} "
+        f"({data['machine']['cpu']})",
         "speed = softmax time / mechanism time (forward+backward; >1 is faster); "
         "memory = mechanism peak / softmax peak (<1 is leaner)",
     ]
@@ -59,6 +65,9 @@ def results_table(data: Dict[str, Any]) -> str:
         body = []
         for row in rows:
             note = "" if row["status"] == "ok" and not row["reason"] else (row["reason"] or row["status"])
+            spread = row.get("forward_backward_spread")
+            if spread is not None and spread > NOISY_SPREAD:
+                note = f"noisy timing (spread {100 * spread:.0f}%)" + (f"; {note}" if note else "")
             if row["counterpart"] and row["speed_vs_counterpart"] is not None:
                 note = (f"vs {row['counterpart']}: speed {_ratio(row['speed_vs_counterpart'])}, memory "
                         f"{_ratio(row['memory_vs_counterpart'])}" + (f"; {note}" if note else ""))
@@ -70,17 +79,21 @@ def results_table(data: Dict[str, Any]) -> str:
         floor = f"; uniform attention's error here: {uniform[length]:.3g}" if uniform.get(length) else ""
         lines += ["", f"N = {length}{floor}"] + render_table(header, body, right)
     lines += ["", "crossover: the length from which a mechanism is faster than softmax (log-log interpolation)"]
-    header = ["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed", "memory", "error"]
+    header = ["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed", "memory", "error", "note"]
     body = []
     for item in data["summary"]:
         if item["mechanism"] == BASELINE:
             continue
-        body.append([item["mechanism"], describe_crossover(item["crossover_forward_backward"], lengths),
-                     describe_crossover(item["crossover_forward"], lengths), str(item["longest_length"] or "-"),
-                     _ratio(item["speed_vs_softmax"]), _ratio(item["memory_vs_softmax"]), format_error(item)])
-    lines += render_table(header, body, [False, True, True, True, True, True, True])
+        body.append([item["mechanism"], describe_crossover(item["crossover_forward_backward"]),
+                     describe_crossover(item["crossover_forward"]), str(item["longest_length"] or "-"),
+                     _ratio(item["speed_vs_softmax"]), _ratio(item["memory_vs_softmax"]), format_error(item),
+                     _shorten(item["note"] or "", 60)])
+    lines += render_table(header, body, [False, True, True, True, True, True, True, False])
     if starred:
         lines.append("* not an approximation of softmax (a different attention): distance from softmax, not error")
+    warning = busy_warning(data["machine"])
+    if warning:
+        lines.append("warning: " + warning)
     if data.get("missing_peers"):
         lines.append("peers not installed: " + ", ".join(peer["name"] for peer in data["missing_peers"])
                      + " (scripts/install-peers.sh)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -90,6 +91,9 @@ def classify_failure(error: BaseException) -> Tuple[str, str]:
     text = f"{type(error).__name__}: {message}"[:300]
     lowered = message.lower()
     if isinstance(error, MemoryError) or "out of memory" in lowered or "can't allocate memory" in lowered:
+        size = re.search(r"tried to allocate (\d+) bytes", message)
+        if size:  # torch's CPU allocator message is long; the size is what matters
+            return "oom", f"out of memory: could not allocate {int(size.group(1)) / 2**20:.0f} MiB"
         return "oom", f"out of memory ({text})"
     if isinstance(error, UnsupportedOptionError):
         return "unsupported", f"unsupported: {message}"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -75,8 +74,7 @@ def _limit_address_space(fraction: float) -> None:
 
 
 def prepare(job: Job) -> None:
-    """Process-wide settings every job starts from: allocator, threads, seed, user mechanisms, memory cap."""
-    fix_malloc_threshold()
+    """Process-wide settings every job starts from: threads, seed, user mechanisms, memory cap."""
     torch.set_num_threads(int(job.get("threads", 1)))
     torch.manual_seed(int(job.get("seed", 0)))
     import_user_modules(job.get("imports", []))
@@ -131,7 +129,7 @@ def time_job(job: Job) -> Result:
             _check_output(out, inputs)
             error = relative_error(out, reference) if reference is not None else None
             del out
-            n, one = calibrate(fn, inputs, causal, device, float(job.get("min_sample_s", 0.02)))
+            n, one = calibrate(fn, inputs, causal, device, float(job.get("min_sample_s", 0.05)), budget)
         except Exception as failure:  # noqa: BLE001
             results[key] = _failure(failure)
             continue
@@ -139,8 +137,9 @@ def time_job(job: Job) -> Result:
         # keep a slow entry within its budget, and one that cannot fit even one is reported as too slow.
         fits = int(budget / (1.5 * one * n))
         if fits < 1:
-            results[key] = {"status": "timeout", "reason": f"too slow: one forward+backward took {one:.1f} s, "
-                                                           f"over the {budget:.0f} s budget per configuration"}
+            results[key] = {"status": "timeout", "error": error,
+                            "reason": f"too slow: one forward+backward took {one:.1f} s, a timed repeat would "
+                                      f"exceed the {budget:.0f} s budget per configuration (--budget)"}
             continue
         fns[key], inner[key], entry_repeats[key] = fn, n, min(repeats, fits)
         results[key] = {"status": "ok", "reason": None, "error": error}
@@ -153,7 +152,10 @@ def time_job(job: Job) -> Result:
             continue
         fwd, train = timing.medians_ms()
         results[key].update(forward_ms=fwd, forward_backward_ms=train, repeats=len(timing.forward),
-                            inner=timing.inner)
+                            inner=timing.inner, forward_spread=timing.spread(timing.forward),
+                            forward_backward_spread=timing.spread(timing.forward_backward),
+                            forward_ms_samples=[1e3 * t for t in timing.forward],
+                            forward_backward_ms_samples=[1e3 * t for t in timing.forward_backward])
     return {"status": "ok", "entries": results, "uniform_error": uniform_error}
 
 
@@ -162,6 +164,7 @@ def memory_job(job: Job) -> Result:
     entry, causal, device = job["entry"], bool(job["causal"]), job["device"]
     if device == "cpu" and not PeakMemory.cpu_supported():
         return {"status": "failed", "reason": "peak memory needs Linux /proc (VmHWM and clear_refs)"}
+    fix_malloc_threshold()
     try:
         inputs = _inputs(job)
         fn = _build(job, entry)

@@ -2,8 +2,9 @@
 
 Both use the raw scaled dot product ``(q_i . k_j) / sqrt(d)`` as kernel (no feature map) and a recurrent state
 that forgets: ``S_t = a_t S_{t-1} + k_t v_t^T``. They are attentions of their own, not approximations of
-softmax. Normalisation (``normalize=True``, the default) follows RetNet: each output row is divided by
-``max(|sum_j w_ij|, 1)`` where ``w_ij`` are its decayed scores, which bounds the output without the
+softmax; they declare ``approximate=True`` because their output is not exact softmax attention.
+Normalisation (``normalize=True``, the default) follows RetNet: each output row is divided by
+``max(|sum_j w_ij|, 1)`` where ``w_ij`` are its decayed scores, which tames rows of large scores without the
 positivity a softmax-style normaliser needs, and is computed from the same state in every path.
 RetNet's extra per-row rescaling of the decay matrix and its GroupNorm are left to the surrounding model.
 
@@ -40,6 +41,9 @@ class _DotProductDecayed(KernelizedMechanism):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.to(dtype) / math.sqrt(self.head_dim), k.to(dtype), None
 
+    def reference_features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+        return q / math.sqrt(self.head_dim), k
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, normalize={self.normalize}"
 
@@ -63,7 +67,7 @@ class RetentionAttention(_DotProductDecayed):
         cross=False,
         key_padding=True,
         recurrent_step=True,
-        approximate=False,
+        approximate=True,
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="retention with a fixed per-head decay, chunkwise and recurrent (Sun et al. 2023, RetNet)",
     )
@@ -114,7 +118,7 @@ class GatedLinearAttention(_DotProductDecayed):
         cross=False,
         key_padding=True,
         recurrent_step=True,
-        approximate=False,
+        approximate=True,
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="gated linear attention with data-dependent per-head forget gates (Yang et al. 2024)",
     )

@@ -1,0 +1,196 @@
+"""The results of a comparison: row schema, ratios against softmax, crossover lengths, summary, files.
+
+Pure data handling on the row dicts that :mod:`attnzoo.bench.compare` assembles; nothing here measures.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+SCHEMA = "attnzoo.compare/1"
+BASELINE = "softmax"
+
+# A row's status; its "reason" says why for every status but "ok".
+#   ok           measured (a failed memory measurement leaves the timings and turns the status to its own)
+#   unsupported  the mechanism does not do this configuration (e.g. causal), or a peer is not installed
+#   oom          out of memory (an allocation failed, or the worker was killed by the system)
+#   timeout      slower than the per-configuration budget, or the worker hung
+#   failed       an error: a bug in the mechanism, an adapter or the benchmark
+#   skipped      not run, because a shorter length already ran out of memory or time
+STATUSES = ("ok", "unsupported", "oom", "timeout", "failed", "skipped")
+
+CSV_COLUMNS = [
+    "mechanism", "source", "counterpart", "approximate", "length", "batch", "heads", "head_dim", "dtype",
+    "causal", "device", "status", "reason", "forward_ms", "forward_backward_ms", "peak_memory_mib",
+    "forward_peak_memory_mib", "error", "speed_vs_softmax", "forward_speed_vs_softmax", "memory_vs_softmax",
+    "speed_vs_counterpart", "memory_vs_counterpart", "repeats", "forward_spread", "forward_backward_spread",
+]
+
+
+def busy_warning(machine: Dict[str, Any]) -> Optional[str]:
+    """A warning when other work was running: then timings, and even their ratios, are noisy."""
+    load, cores = machine.get("load_average"), machine.get("cores") or 1
+    if load and load[0] > 0.5 * cores:
+        return (f"the machine was busy (load average {load[0]:.1f} on {cores} cores at the start): timings are "
+                "noisy; rerun on an idle machine for stable numbers")
+    return None
+
+
+def crossover_length(points: Sequence[Tuple[int, float, float]]) -> Dict[str, Any]:
+    """Where a mechanism becomes faster than the baseline, from (length, time, baseline time) points.
+
+    The crossover is the length from which on the mechanism stays faster at every measured length; between
+    the last slower and the first faster measurement it is interpolated in log-log (times scale as powers
+    of N). Returns ``{"kind": ..., "length": ..., "measured": [shortest, longest]}`` with kind
+    "interpolated", "below_range" (faster already at the shortest length), "not_reached" (not faster at the
+    longest length) or "unknown" (no data).
+    """
+    points = sorted((n, t, b) for n, t, b in points if t and b and t > 0 and b > 0)
+    if not points:
+        return {"kind": "unknown", "length": None, "measured": None}
+    measured = [points[0][0], points[-1][0]]
+    ratios = [(n, t / b) for n, t, b in points]
+    if ratios[-1][1] >= 1.0:
+        return {"kind": "not_reached", "length": None, "measured": measured}
+    first_faster = len(ratios) - 1
+    while first_faster > 0 and ratios[first_faster - 1][1] < 1.0:
+        first_faster -= 1
+    if first_faster == 0:
+        return {"kind": "below_range", "length": ratios[0][0], "measured": measured}
+    (n0, r0), (n1, r1) = ratios[first_faster - 1], ratios[first_faster]
+    fraction = math.log(r0) / (math.log(r0) - math.log(r1))
+    length = math.exp(math.log(n0) + fraction * (math.log(n1) - math.log(n0)))
+    return {"kind": "interpolated", "length": round(length), "measured": measured}
+
+
+def describe_crossover(crossover: Dict[str, Any]) -> str:
+    """"~1500", "<= 256" (faster at every measured length), "> 4096" (never faster up to the longest)."""
+    kind = crossover["kind"]
+    if kind == "interpolated":
+        return f"~{crossover['length']}"
+    if kind == "below_range":
+        return f"<= {crossover['measured'][0]}"
+    if kind == "not_reached":
+        return f"> {crossover['measured'][1]}"
+    return "-"
+
+
+def _ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    if numerator is None or denominator is None or denominator <= 0 or numerator <= 0:
+        return None
+    return numerator / denominator
+
+
+def load_accuracy(path: Path) -> Dict[str, float]:
+    """Quality per mechanism from a training benchmark's results file.
+
+    Accepted: ``{"mechanism": accuracy, ...}``, or rows ``[{"mechanism": ..., "accuracy": ...}, ...]``
+    (also under a "rows" or "results" key; "test_accuracy", "score" or "acc" instead of "accuracy"). Several
+    rows for one mechanism (several tasks) are averaged, as the Long Range Arena averages its tasks.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--accuracy {path}: cannot read a JSON file ({error})") from error
+    if isinstance(data, dict) and data and all(isinstance(v, (int, float)) for v in data.values()):
+        return {str(k): float(v) for k, v in data.items()}
+    rows = data.get("rows", data.get("results")) if isinstance(data, dict) else data
+    if not isinstance(rows, list):
+        raise ValueError(f"--accuracy {path}: expected {{mechanism: accuracy}} or a list of rows")
+    collected: Dict[str, List[float]] = {}
+    for row in rows:
+        if not isinstance(row, dict) or "mechanism" not in row:
+            continue
+        value = next((row[key] for key in ("accuracy", "test_accuracy", "score", "acc") if key in row), None)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            collected.setdefault(str(row["mechanism"]), []).append(float(value))
+    if not collected:
+        raise ValueError(f"--accuracy {path}: no row has a mechanism and an accuracy")
+    return {name: sum(values) / len(values) for name, values in collected.items()}
+
+
+def speed_ratio(reference: Dict[str, Any], row: Dict[str, Any], column: str) -> Optional[float]:
+    """How many times faster ``row`` is than ``reference`` in ``column`` ("forward_ms" or "forward_backward_ms").
+
+    Both were timed in the same rounds, so each round gives a ratio of two measurements taken moments
+    apart; their median cancels the machine's drift better than a ratio of the two medians, which is the
+    fallback when the per-round samples are missing.
+    """
+    ours, theirs = row.get(f"{column}_samples"), reference.get(f"{column}_samples")
+    if ours and theirs:
+        paired = [b / a for a, b in zip(ours, theirs) if a > 0 and b > 0]
+        if paired:
+            return statistics.median(paired)
+    return _ratio(reference[column], row[column])
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """Speed and memory of every row against softmax at the same length (and a peer's against its twin)."""
+    by_key = {(row["mechanism"], row["length"]): row for row in rows}
+    for row in rows:
+        base = by_key.get((BASELINE, row["length"]))
+        if base is not None:
+            row["speed_vs_softmax"] = speed_ratio(base, row, "forward_backward_ms")
+            row["forward_speed_vs_softmax"] = speed_ratio(base, row, "forward_ms")
+            row["memory_vs_softmax"] = _ratio(row["peak_memory_mib"], base["peak_memory_mib"])
+        twin = by_key.get((row["counterpart"], row["length"])) if row["counterpart"] else None
+        if twin is not None:
+            row["speed_vs_counterpart"] = speed_ratio(twin, row, "forward_backward_ms")
+            row["memory_vs_counterpart"] = _ratio(row["peak_memory_mib"], twin["peak_memory_mib"])
+
+
+def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per mechanism: crossover lengths against softmax and the figures at the longest measured length."""
+    baseline = {row["length"]: row for row in rows if row["mechanism"] == BASELINE}
+    summary = []
+    for mechanism in dict.fromkeys(row["mechanism"] for row in rows):
+        own = sorted((row for row in rows if row["mechanism"] == mechanism), key=lambda row: row["length"])
+        crossovers = {}
+        for column in ("forward_ms", "forward_backward_ms"):
+            points = [(row["length"], row[column], baseline[row["length"]][column])
+                      for row in own if row["length"] in baseline]
+            crossovers[column] = crossover_length(points)
+        measured = [row for row in own if row["forward_backward_ms"] is not None]
+        last = measured[-1] if measured else own[-1]
+        trouble = next((row for row in own if row["status"] != "ok"), None)
+        summary.append({
+            "mechanism": mechanism, "source": own[0]["source"], "counterpart": own[0]["counterpart"],
+            "approximate": own[0]["approximate"],
+            "crossover_forward": crossovers["forward_ms"],
+            "crossover_forward_backward": crossovers["forward_backward_ms"],
+            "longest_length": last["length"] if measured else None,
+            "speed_vs_softmax": last["speed_vs_softmax"], "memory_vs_softmax": last["memory_vs_softmax"],
+            "error": last["error"],
+            "statuses": {row["length"]: row["status"] for row in own},
+            "note": _summary_note(own, trouble),
+        })
+    return summary
+
+
+def _summary_note(own: Sequence[Dict[str, Any]], trouble: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The first problem of a mechanism, with its length unless it happened at every length."""
+    if trouble is None:
+        return None
+    reason = trouble["reason"] or trouble["status"]
+    if all(row["reason"] == trouble["reason"] and row["status"] == trouble["status"] for row in own):
+        return reason
+    return f"N={trouble['length']}: {reason}"
+
+
+
+def write_results(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
+    """results.json and results.csv in ``output``; returns their paths."""
+    output.mkdir(parents=True, exist_ok=True)
+    paths = {"json": output / "results.json", "csv": output / "results.csv"}
+    paths["json"].write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    with paths["csv"].open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in data["rows"]:
+            writer.writerow({key: ("" if value is None else value) for key, value in row.items()})
+    return paths

@@ -1,0 +1,309 @@
+"""Tests of the comparison machinery behind ``attnzoo compare``: measurement, isolation, results, peers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnzoo import available
+from attnzoo.bench.compare import CompareConfig, sweep_plan
+from attnzoo.bench.launch import Launcher
+from attnzoo.bench.measure import PeakMemory, make_inputs, reference_output, relative_error, uniform_attention
+from attnzoo.bench.peers import PEERS, build_peer, peer_installed
+from attnzoo.bench.results import (
+    CSV_COLUMNS,
+    STATUSES,
+    crossover_length,
+    describe_crossover,
+    load_accuracy,
+    speed_ratio,
+)
+from attnzoo.bench.targets import build_target, classify_failure, mechanism_entry
+from attnzoo.functional.softmax import softmax_attention_reference
+
+TOYS = str(Path(__file__).with_name("compare_toys.py"))
+OUTPUT_FILES = ["results.json", "results.csv", "time.png", "memory.png", "error.png", "bubble.png", "report.md"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# A configuration small enough that a whole run takes seconds: the pipeline, not the numbers, is under test.
+TINY = ["--lengths", "16,32", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
+        "--budget", "5", "--threads", "1"]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``attnzoo compare`` in its own interpreter, so the toys it imports never register in this process."""
+    return subprocess.run([sys.executable, "-m", "attnzoo.cli", "compare", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=180)
+
+
+# -- derived numbers -----------------------------------------------------------------------------------------
+def test_crossover_is_interpolated_in_log_log_between_the_last_slower_and_first_faster_length():
+    # Ratios 4 at N=256 and 1/4 at N=1024: log-linear in log N, the crossing is the geometric midpoint 512.
+    points = [(256, 4.0, 1.0), (1024, 1.0, 4.0)]
+    assert crossover_length(points) == {"kind": "interpolated", "length": 512, "measured": [256, 1024]}
+    assert describe_crossover(crossover_length(points)) == "~512"
+
+
+def test_crossover_requires_staying_faster_at_every_longer_length():
+    # Faster at 256, slower at 1024, faster again at 4096: the crossover lies after 1024.
+    points = [(256, 1.0, 2.0), (1024, 3.0, 2.0), (4096, 1.0, 3.0)]
+    result = crossover_length(points)
+    assert result["kind"] == "interpolated" and 1024 < result["length"] < 4096
+
+
+@pytest.mark.parametrize("points, kind", [
+    ([(256, 1.0, 2.0), (1024, 1.0, 4.0)], "below_range"),
+    ([(256, 2.0, 1.0), (1024, 2.0, 1.9), (4096, None, 5.0)], "not_reached"),  # measured up to 1024 only
+    ([(256, None, 1.0)], "unknown"),
+    ([], "unknown"),
+])
+def test_crossover_outside_the_measured_range(points, kind):
+    result = crossover_length(points)
+    assert result["kind"] == kind
+    assert describe_crossover(result) == {"below_range": "<= 256", "not_reached": "> 1024", "unknown": "-"}[kind]
+
+
+def test_speed_ratio_pairs_the_samples_of_each_round():
+    # The machine slowed down for rounds 2 and 3, for both: pairing rounds keeps the mechanism at 2x faster,
+    # while a ratio of the two medians would call them even.
+    softmax = {"forward_ms": 2.0, "forward_ms_samples": [1.0, 2.0, 100.0]}
+    mechanism = {"forward_ms": 2.0, "forward_ms_samples": [2.0, 1.0, 50.0]}
+    assert speed_ratio(softmax, mechanism, "forward_ms") == 2.0
+    without_samples = {"forward_ms": 4.0}
+    assert speed_ratio(softmax, without_samples, "forward_ms") == 0.5  # falls back to the medians
+
+
+def test_relative_error_of_exact_attention_is_rounding_and_uniform_attention_is_far():
+    inputs = make_inputs(2, 3, 40, 8, torch.float32, "cpu", seed=1)
+    for causal in (False, True):
+        reference = reference_output(inputs, causal)
+        expected = softmax_attention_reference(inputs.q, inputs.k, inputs.v, causal)
+        assert relative_error(expected, reference) < 1e-12
+        assert relative_error(uniform_attention(inputs.v.double(), causal), reference) > 0.1
+
+
+def test_uniform_attention_averages_the_visible_values():
+    v = torch.arange(12, dtype=torch.float64).view(1, 1, 4, 3)
+    assert torch.equal(uniform_attention(v, False)[0, 0, 0], v[0, 0].mean(0))
+    causal = uniform_attention(v, True)
+    for t in range(4):
+        assert torch.allclose(causal[0, 0, t], v[0, 0, : t + 1].mean(0))
+
+
+def test_relative_error_rejects_a_wrong_shape():
+    with pytest.raises(ValueError, match="shape"):
+        relative_error(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 5))
+
+
+@pytest.mark.skipif(not PeakMemory.cpu_supported(), reason="needs Linux /proc clear_refs")
+def test_peak_memory_sees_a_temporary_allocation_and_not_earlier_ones():
+    earlier = torch.ones(64 * 2**20 // 4)  # 64 MiB allocated and freed before the measured block
+    del earlier
+    with PeakMemory("cpu") as peak:
+        scratch = torch.ones(32 * 2**20 // 4)  # 32 MiB, touched so it is resident
+        del scratch
+    assert 30 * 2**20 <= peak.peak_bytes < 48 * 2**20
+
+
+def test_classify_failure_tells_oom_from_bugs():
+    message = "[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to allocate 536870912 bytes."
+    assert classify_failure(RuntimeError(message)) == ("oom", "out of memory: could not allocate 512 MiB")
+    assert classify_failure(MemoryError())[0] == "oom"
+    status, reason = classify_failure(ValueError("bad thing\nsecond line"))
+    assert status == "failed" and reason == "ValueError: bad thing"
+
+
+def test_build_target_reports_why_a_configuration_does_not_apply():
+    fn = build_target(mechanism_entry("softmax"), 2, 8, 16, True, "cpu", torch.float32)
+    assert callable(fn)
+    assert build_target({"key": "peer:x", "kind": "peer", "name": "linformer", "options": {}}, 2, 8, 16, True,
+                        "cpu", torch.float32).startswith(("unsupported", "not installed"))
+
+
+def test_accuracy_files_in_several_shapes(tmp_path):
+    flat = tmp_path / "flat.json"
+    flat.write_text(json.dumps({"softmax": 0.6, "performer": 0.55}))
+    assert load_accuracy(flat) == {"softmax": 0.6, "performer": 0.55}
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"rows": [{"mechanism": "softmax", "accuracy": 0.5},
+                                         {"mechanism": "softmax", "accuracy": 0.7},
+                                         {"mechanism": "linear", "test_accuracy": 0.4}]}))
+    assert load_accuracy(rows) == pytest.approx({"softmax": 0.6, "linear": 0.4})
+    for bad in ("not json", json.dumps({"rows": [{"name": "x"}]}), json.dumps([1, 2])):
+        path = tmp_path / "bad.json"
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="--accuracy"):
+            load_accuracy(path)
+
+
+def test_config_validation_names_the_setting():
+    with pytest.raises(ValueError, match="lengths"):
+        CompareConfig.from_preset("quick", lengths=[0]).validate()
+    with pytest.raises(ValueError, match="heads"):
+        CompareConfig.from_preset("quick", heads=0).validate()
+    with pytest.raises(ValueError, match="unknown mechanism"):
+        CompareConfig.from_preset("quick", mechanisms=["no_such_mechanism"]).validate()
+    with pytest.raises(ValueError, match="preset"):
+        CompareConfig.from_preset("huge")
+
+
+def test_sweep_plan_only_takes_approximate_mechanisms_with_a_feature_option():
+    entries = [mechanism_entry(name) for name in available()]
+    for entry, option in sweep_plan(CompareConfig(), entries):
+        from attnzoo import capabilities, mechanism_options
+
+        assert capabilities(entry["name"]).approximate and option in mechanism_options(entry["name"])
+    assert all(entry["name"] != "softmax" for entry, _ in sweep_plan(CompareConfig(), entries))
+
+
+# -- isolation -----------------------------------------------------------------------------------------------
+def _job(tmp_path: Path, body: str) -> dict:
+    module = tmp_path / "effect.py"
+    module.write_text(body)
+    return dict(kind="memory", entry=mechanism_entry("softmax"), length=8, batch=1, heads=1, head_dim=4,
+                dtype="float32", causal=False, device="cpu", threads=1, imports=[str(module)])
+
+
+@pytest.fixture(scope="module")
+def fork_launcher():
+    with Launcher("fork") as launcher:  # one fork server for the module: it takes seconds to import torch
+        yield launcher
+
+
+@pytest.mark.parametrize("method", ["fork", "subprocess"])
+def test_a_hanging_worker_becomes_a_timeout_row(tmp_path, method, fork_launcher):
+    launcher = fork_launcher if method == "fork" else Launcher(method)
+    result = launcher.run(_job(tmp_path, "import time\ntime.sleep(60)\n"), timeout_s=1.5)
+    assert result["status"] == "timeout" and "timed out" in result["reason"]
+    if method == "fork":  # the server is still usable after a child was killed
+        assert launcher.run(_job(tmp_path, "\n"), timeout_s=60)["status"] == "ok"
+
+
+def test_a_worker_killed_or_crashing_becomes_a_row_with_the_reason(tmp_path, fork_launcher):
+    killed = fork_launcher.run(_job(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"), 60)
+    assert killed["status"] == "oom" and "SIGKILL" in killed["reason"]
+    crashed = fork_launcher.run(_job(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n"), 60)
+    assert crashed["status"] == "failed" and "SIGSEGV" in crashed["reason"]
+    raised = fork_launcher.run(_job(tmp_path, "raise ImportError('no such thing')\n"), 60)
+    assert raised["status"] == "failed" and "no such thing" in raised["reason"]
+
+
+def test_an_allocation_over_the_memory_cap_is_an_oom_row(fork_launcher):
+    # The worker caps its address space to a share of the available memory; a tiny share makes the
+    # attention's allocations fail the way a too-large configuration would, without touching real limits.
+    job = dict(kind="memory", entry=mechanism_entry("softmax"), length=4096, batch=4, heads=4, head_dim=64,
+               dtype="float32", causal=False, device="cpu", threads=1, memory_fraction=1e-4)
+    result = fork_launcher.run(job, 60)
+    assert result["status"] == "oom" and "out of memory" in result["reason"]
+
+
+def test_each_memory_job_runs_in_a_fresh_process(tmp_path, fork_launcher):
+    # A counter kept in builtins survives within one process only: every job must see it at 1.
+    job = _job(tmp_path, "import builtins\nbuiltins.attnzoo_jobs_seen = getattr(builtins, 'attnzoo_jobs_seen', 0) + 1\n"
+                         "assert builtins.attnzoo_jobs_seen == 1, 'reused process'\n")
+    assert [fork_launcher.run(job, 60)["status"] for _ in range(3)] == ["ok"] * 3
+
+
+# -- the whole run -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_end_to_end_writes_every_file_and_turns_failures_into_rows(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(*TINY, "--mechanisms", "toy_broken,toy_noncausal,toy_truncated", "--import", TOYS,
+                     "--output", str(out), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr  # toy_broken failed: exit code 1, every file still written
+    for name in OUTPUT_FILES:
+        assert (out / name).stat().st_size > 0, name
+    for name in OUTPUT_FILES:
+        if name.endswith(".png"):
+            assert (out / name).read_bytes()[:8] == PNG_MAGIC
+
+    data = json.loads((out / "results.json").read_text())
+    assert data["schema"] == "attnzoo.compare/1"
+    assert data["argv"][:2] == ["attnzoo", "compare"] and "--mechanisms" in data["command"]
+    for key in ("cpu", "cores", "threads", "torch", "python", "platform"):
+        assert data["machine"][key] not in (None, ""), key
+    assert data["machine"]["torch"] == torch.__version__
+    assert {"started", "finished", "config", "summary", "sweeps", "uniform_error", "missing_peers"} <= set(data)
+
+    rows = {(row["mechanism"], row["length"]): row for row in data["rows"]}
+    assert set(rows) == {(name, n) for name in ("softmax", "toy_broken", "toy_noncausal", "toy_truncated")
+                         for n in (16, 32)}  # softmax joins as the baseline
+    for row in data["rows"]:
+        assert set(CSV_COLUMNS) <= set(row) and row["status"] in STATUSES
+    for n in (16, 32):
+        broken = rows[("toy_broken", n)]
+        assert broken["status"] == "failed" and "toy mechanism always fails" in broken["reason"]
+        assert broken["forward_ms"] is None
+        for name in ("softmax", "toy_noncausal", "toy_truncated"):
+            row = rows[(name, n)]
+            assert row["status"] == "ok", row
+            assert row["forward_ms"] > 0 and row["forward_backward_ms"] > 0 and row["peak_memory_mib"] >= 0
+        assert rows[("softmax", n)]["speed_vs_softmax"] == 1.0
+        assert rows[("toy_noncausal", n)]["error"] < 1e-5  # exact softmax under another name
+        assert rows[("toy_truncated", n)]["error"] > 0.05  # sees only 8 of the keys
+
+    sweep = next(item for item in data["sweeps"] if item["mechanism"] == "toy_truncated")
+    assert sweep["option"] == "nb_features"
+    errors = [point["error"] for point in sweep["points"]]
+    assert errors[0] > 0.05 and errors[-1] < 1e-5  # 16 features of 32 keys, then all of them
+
+    with (out / "results.csv").open() as handle:
+        csv_rows = list(csv.DictReader(handle))
+    assert len(csv_rows) == len(data["rows"]) and list(csv_rows[0]) == CSV_COLUMNS
+    report = (out / "report.md").read_text()
+    assert data["command"] in report and "![time against N](time.png)" in report
+    assert "toy mechanism always fails" in result.stdout  # the reason is in the terminal table too
+
+
+def test_causal_run_makes_a_non_causal_mechanism_an_unsupported_row(fork_launcher):
+    base = dict(length=16, batch=1, heads=2, head_dim=8, dtype="float32", causal=True, device="cpu", threads=1,
+                imports=[TOYS])
+    entries = [mechanism_entry("softmax"), mechanism_entry("toy_noncausal")]
+    timed = fork_launcher.run(dict(base, kind="time", entries=entries, repeats=2, budget_s=5), 60)
+    assert timed["status"] == "ok" and timed["entries"]["softmax"]["status"] == "ok"
+    toy = timed["entries"]["toy_noncausal"]
+    assert toy["status"] == "unsupported" and "causal" in toy["reason"]
+    memory = fork_launcher.run(dict(base, kind="memory", entry=entries[1]), 60)
+    assert memory["status"] == "unsupported"
+
+
+# -- peers ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PEERS))
+def test_installed_peers_run_on_our_shapes(name):
+    if not peer_installed(name):
+        pytest.skip(f"{name} is not installed (scripts/install-peers.sh)")
+    torch.manual_seed(0)
+    inputs = make_inputs(1, 2, 128, 16, torch.float32, "cpu", seed=0)
+    reference = reference_output(inputs, causal=False)
+    for causal in (False, True):
+        peer = build_peer(name, 2, 16, 128, causal)
+        if isinstance(peer, str):
+            assert peer.startswith("unsupported"), peer
+            continue
+        out = peer(inputs.q, inputs.k, inputs.v, causal)
+        assert out.shape == inputs.v.shape and torch.isfinite(out).all()
+        if not causal:
+            error = relative_error(out, reference)
+            # x-transformers computes softmax exactly; local attention with its default 128-wide window over
+            # 128 positions sees every key; the others approximate.
+            if name in ("x-transformers", "local-attention"):
+                assert error < 1e-5, error
+            else:
+                assert 1e-4 < error < 10, error
+
+
+def test_missing_peer_is_a_reason_not_an_error(monkeypatch):
+    import attnzoo.bench.peers as peers
+
+    monkeypatch.setattr(peers, "peer_installed", lambda name: False)
+    assert build_peer("linformer", 2, 8, 16, False).startswith("not installed")
+    present, missing = peers.installed_peers()
+    assert present == [] and {item["name"] for item in missing} == set(PEERS)
+    with pytest.raises(ValueError, match="unknown peer"):
+        build_peer("nope", 2, 8, 16, False)

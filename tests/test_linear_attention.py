@@ -1,0 +1,205 @@
+"""The linear attention core: chunked causal vs float64 quadratic references, decays, recurrent steps,
+padding, half precision and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from attnzoo.feature_maps import FavorPositiveFeatures
+from attnzoo.functional import (
+    kernel_attention,
+    kernel_attention_prefill,
+    kernel_attention_reference,
+    kernel_attention_step,
+    linear_attention,
+    linear_attention_reference,
+)
+from attnzoo.functional.linear import _CausalChunks
+
+
+def tensors(*shapes, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=dtype) for shape in shapes]
+
+
+def qkv(q_len, k_len, batch=2, heads=3, dim=8, seed=0):
+    return tensors((batch, heads, q_len, dim), (batch, heads, k_len, dim), (batch, heads, k_len, dim), seed=seed)
+
+
+def padding(batch, length):
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[0, -2:] = True  # right padding
+    mask[-1, 0] = True  # and a padded key at the start
+    return mask
+
+
+FEATURE_MAPS = {
+    "elu": lambda: "elu",
+    "relu": lambda: "relu",
+    "favor": lambda: FavorPositiveFeatures(8, 16, generator=torch.Generator().manual_seed(0)).double(),
+}
+
+
+@pytest.mark.parametrize("feature_map", list(FEATURE_MAPS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("length", [1, 7, 33])
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("padded", [False, True])
+def test_matches_quadratic_reference(feature_map, causal, length, chunk_size, padded):
+    q, k, v = qkv(length, length)
+    mask = padding(2, length) if padded and length > 2 else None
+    fm = FEATURE_MAPS[feature_map]()
+    out = linear_attention(q, k, v, fm, causal, mask, chunk_size=chunk_size)
+    torch.testing.assert_close(out, linear_attention_reference(q, k, v, fm, causal, mask), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("lengths", [(3, 10), (10, 3), (1, 9)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_lengths_bottom_right_aligned(lengths, causal):
+    q, k, v = qkv(*lengths)
+    mask = padding(2, lengths[1])
+    out = linear_attention(q, k, v, "elu", causal, mask, chunk_size=4)
+    torch.testing.assert_close(out, linear_attention_reference(q, k, v, "elu", causal, mask), atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("normalizer", ["sum", "max_abs", "none"])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decayed_matches_reference(causal, normalizer, chunk_size, padded):
+    q, k, v, raw = tensors((2, 3, 23, 8), (2, 3, 23, 8), (2, 3, 23, 6), (2, 3, 23), seed=1)
+    log_decay = -torch.rand_like(raw) - raw.abs()  # gates from strong (e^-3) to none
+    # "sum" needs positive features; the others run on raw dot products as retention does.
+    phi_q, phi_k = (q.exp(), k.exp()) if normalizer == "sum" else (q, k)
+    mask = padding(2, 23) if padded else None
+    kwargs = dict(log_decay=log_decay, normalizer=normalizer)
+    out = kernel_attention(phi_q, phi_k, v, causal, mask, chunk_size=chunk_size, **kwargs)
+    ref = kernel_attention_reference(phi_q, phi_k, v, causal, mask, **kwargs)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_constant_decay_reference_is_gamma_to_the_distance():
+    # Pins the reference itself to the textbook formula sum_j gamma^|i-j| (q_i . k_j) v_j.
+    q, k, v = qkv(5, 5, batch=1, heads=1, dim=3)
+    gamma = 0.8
+    log_decay = torch.full((1, 1, 5), math.log(gamma), dtype=torch.float64)
+    i = torch.arange(5)
+    weights = (q @ k.transpose(-1, -2)) * gamma ** (i.view(-1, 1) - i.view(1, -1)).abs()
+    ref = kernel_attention_reference(q, k, v, False, log_decay=log_decay, normalizer="none")
+    torch.testing.assert_close(ref, weights @ v)
+    causal = kernel_attention_reference(q, k, v, True, log_decay=log_decay, normalizer="none")
+    torch.testing.assert_close(causal, weights.tril() @ v)
+
+
+@pytest.mark.parametrize("decayed", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_step_equals_parallel(decayed, scaled):
+    q, k, v, raw, scale = tensors((2, 3, 19, 8), (2, 3, 19, 8), (2, 3, 19, 5), (2, 3, 19), (2, 3, 19), seed=2)
+    phi_q, phi_k = q.exp(), k.exp()
+    log_decay = -raw.abs() if decayed else None
+    full = kernel_attention(phi_q, phi_k, v, True, log_decay=log_decay, chunk_size=4)
+    # Keys given as features times exp(per-token scale), merged by the step's running scale.
+    token_scale = 5.0 * scale.view(2, 3, 19, 1, 1)
+    prompt = 7
+    out, state = kernel_attention_prefill(
+        phi_q[:, :, :prompt], phi_k[:, :, :prompt], v[:, :, :prompt],
+        log_decay=None if log_decay is None else log_decay[:, :, :prompt], chunk_size=3,
+    )
+    outputs = [out]
+    for t in range(prompt, 19):
+        key = phi_k[:, :, t : t + 1]
+        key_log_scale = None
+        if scaled:
+            key_log_scale = token_scale[:, :, t]
+            key = key * torch.exp(-key_log_scale)
+        out_t, state = kernel_attention_step(
+            phi_q[:, :, t : t + 1], key, v[:, :, t : t + 1], state, key_log_scale=key_log_scale,
+            log_decay_t=None if log_decay is None else log_decay[:, :, t : t + 1],
+        )
+        outputs.append(out_t)
+    torch.testing.assert_close(torch.cat(outputs, dim=2), full, atol=1e-12, rtol=1e-10)
+    assert state["kv"].shape == (2, 3, 8, 6)  # constant size: (features, value dim + normaliser)
+
+
+def test_padded_keys_leave_numerator_and_normaliser():
+    q, k, v = qkv(6, 9, seed=3)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[:, 6:] = True
+    out = linear_attention(q, k, v, "elu", key_padding_mask=mask)
+    # Same as attending over the unpadded keys only ...
+    torch.testing.assert_close(out, linear_attention(q, k[:, :, :6], v[:, :, :6], "elu"), atol=1e-12, rtol=0)
+    # ... whatever the padded positions hold, even inf and NaN.
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 6:] = math.inf
+    v2[:, :, 6:] = math.nan
+    torch.testing.assert_close(linear_attention(q, k2, v2, "elu", key_padding_mask=mask), out)
+
+
+def test_fully_padded_row_outputs_zeros_with_finite_gradients():
+    q, k, v = (t.requires_grad_() for t in qkv(4, 4))
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[1] = True
+    for causal in (False, True):
+        out = linear_attention(q, k, v, "elu", causal, mask)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        out.sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_precision_large_norms_stay_finite(dtype, causal):
+    # elu(x)+1 of entries ~100 summed over 4096 keys reaches ~1e8 per feature, beyond float16's 65504: the
+    # float32 accumulation must absorb it. The output is a convex combination of v, so it fits.
+    q, k, v = (100 * t for t in qkv(4096, 4096, batch=1, heads=2, dim=16, seed=4))
+    out = linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), "elu", causal)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    ref = linear_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), "elu", causal)
+    # float16 has a 2^-11 relative precision on inputs and output: compare against the scale of v.
+    assert (out.double() - ref).abs().max() < 0.02 * v.abs().max()
+
+
+def test_gradients_of_the_hand_written_paths():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 11, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for causal in (False, True):
+        chunked = lambda a, b, c: linear_attention(a, b, c, "elu", causal, chunk_size=3)  # noqa: E731
+        assert torch.autograd.gradcheck(chunked, (q, k, v))
+    chunks = [torch.randn(1, 2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    values = torch.randn(1, 2, 3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    initial = torch.randn(1, 2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    # Both outputs (chunk outputs and final state) and all inputs, initial state included.
+    assert torch.autograd.gradcheck(_CausalChunks.apply, (*chunks, values, initial))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(normalizer="softmax"), "normalizer"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(log_decay=torch.zeros(2, 3, 4, dtype=torch.float64)), "log_decay must have shape"),
+        (dict(denominator_eps=-1.0), "denominator_eps"),
+    ],
+)
+def test_bad_input_names_the_option(kwargs, match):
+    q, k, v = qkv(5, 5)
+    with pytest.raises(ValueError, match=match):
+        kernel_attention(q.exp(), k.exp(), v, True, **kwargs)
+
+
+def test_decay_needs_one_sequence():
+    q, k, v = qkv(3, 5)
+    with pytest.raises(ValueError, match="log_decay"):
+        kernel_attention(q, k, v, True, log_decay=torch.zeros(2, 3, 5, dtype=torch.float64))
+
+
+def test_bad_feature_map_and_shapes():
+    q, k, v = qkv(3, 5)
+    with pytest.raises(ValueError, match="feature_map"):
+        linear_attention(q, k, v, "softmax")
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        linear_attention(q, k, v, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="head_dim"):
+        linear_attention(q, k[..., :4], v)
