@@ -6,9 +6,10 @@ logits q.k / sqrt(d) have standard deviation s) and feature counts 64 to 1024, p
     || favor(q, k, v) - softmax(q, k, v) ||_F / || softmax(q, k, v) ||_F
 
 averaged over projection draws, for iid and orthogonal projections, plain and symmetric (hyperbolic) positive
-features, beside the same error of uniform attention (every query outputs the mean of v). Where an
-approximation's error is not clearly below uniform attention's, its output carries little information beyond
-the mean of v.
+features, the default (orthogonal, symmetric) with noise shrinkage (``performer`` with ``shrinkage=True``),
+and performer-pytorch's FastAttention when it is installed, beside the same error of uniform attention (every
+query outputs the mean of v). Where an approximation's error is not clearly below uniform attention's, its
+output carries little information beyond the mean of v.
 
 Usage:
     python scripts/favor_error_table.py --output favor_errors.json [--seq-len 1024] [--draws 4]
@@ -23,6 +24,8 @@ from typing import Dict, List
 
 import torch
 
+from attnzoo import build_mechanism
+from attnzoo.bench.peers import peer_installed
 from attnzoo.feature_maps import FavorPositiveFeatures
 from attnzoo.functional import linear_attention, softmax_attention_reference
 
@@ -34,28 +37,45 @@ VARIANTS = {
     "iid+symmetric": dict(orthogonal=False, symmetric=True),
     "iid": dict(orthogonal=False, symmetric=False),
 }
+SHRUNK = "orthogonal+symmetric+shrinkage"
+PEER = "performer-pytorch"
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return float((approx.double() - exact).norm() / exact.norm())
 
 
+def estimate(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nb_features: int, seed: int) -> torch.Tensor:
+    """One projection draw of ``variant``'s estimate of softmax attention, in float64."""
+    heads, head_dim = q.shape[1], q.shape[3]
+    if variant == SHRUNK:
+        mechanism = build_mechanism("performer", heads, head_dim, nb_features=nb_features, shrinkage=True, seed=seed)
+        return mechanism.double()(q, k, v)
+    if variant == PEER:
+        from performer_pytorch import FastAttention
+
+        torch.manual_seed(seed)  # performer-pytorch draws its projection from the global generator
+        return FastAttention(dim_heads=head_dim, nb_features=nb_features).double()(q, k, v)
+    generator = torch.Generator().manual_seed(seed)
+    features = FavorPositiveFeatures(head_dim, nb_features, generator=generator, **VARIANTS[variant]).double()
+    return linear_attention(q, k, v, features)
+
+
 def measure(seq_len: int, head_dim: int, heads: int, draws: int, seed: int) -> Dict[str, object]:
     data = torch.Generator().manual_seed(seed)
     rows: List[Dict[str, object]] = []
+    variants = list(VARIANTS) + [SHRUNK] + ([PEER] if peer_installed(PEER) else [])
     for logit_std in LOGIT_STDS:
         entry_std = logit_std**0.5  # std(q.k / sqrt(d)) = entry_std^2 for iid entries
         q, k = (torch.randn(1, heads, seq_len, head_dim, generator=data, dtype=torch.float64) * entry_std for _ in "qk")
         v = torch.randn(1, heads, seq_len, head_dim, generator=data, dtype=torch.float64)
         exact = softmax_attention_reference(q, k, v)
         uniform = relative_error(v.mean(dim=2, keepdim=True).expand_as(exact), exact)
-        for variant, options in VARIANTS.items():
+        for variant in variants:
             for nb_features in FEATURE_COUNTS:
                 errors = []
                 for draw in range(draws):
-                    generator = torch.Generator().manual_seed(seed * 1000 + draw)
-                    features = FavorPositiveFeatures(head_dim, nb_features, generator=generator, **options).double()
-                    errors.append(relative_error(linear_attention(q, k, v, features), exact))
+                    errors.append(relative_error(estimate(variant, q, k, v, nb_features, seed * 1000 + draw), exact))
                 rows.append(
                     dict(
                         logit_std=logit_std,
@@ -74,13 +94,13 @@ def print_table(result: Dict[str, object]) -> None:
         f"FAVOR+ relative error vs exact softmax (seq_len={result['seq_len']}, head_dim={result['head_dim']}, "
         f"heads={result['heads']}, mean of {result['draws']} projection draws)"
     )
-    header = f"{'logit std':>9}  {'variant':<22}" + "".join(f"{m:>8}" for m in FEATURE_COUNTS) + f"{'uniform':>9}"
+    header = f"{'logit std':>9}  {'variant':<32}" + "".join(f"{m:>8}" for m in FEATURE_COUNTS) + f"{'uniform':>9}"
     print(header)
     for logit_std in LOGIT_STDS:
-        for variant in VARIANTS:
+        for variant in dict.fromkeys(r["variant"] for r in rows):
             selected = [r for r in rows if r["logit_std"] == logit_std and r["variant"] == variant]
             errors = "".join(f"{r['error']:8.3f}" for r in selected)
-            print(f"{logit_std:9.2f}  {variant:<22}{errors}{selected[0]['uniform_error']:9.3f}")
+            print(f"{logit_std:9.2f}  {variant:<32}{errors}{selected[0]['uniform_error']:9.3f}")
 
 
 def main(argv: List[str] | None = None) -> int:

@@ -179,3 +179,15 @@ def test_head_dim_mismatch_is_an_error():
     features = FavorPositiveFeatures(8, 16)
     with pytest.raises(ValueError, match="head_dim=8"):
         features.query_features(torch.randn(1, 1, 3, 6))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_favor_halves_keep_antithetic_pairs_together(symmetric):
+    features = FavorPositiveFeatures(8, 12, symmetric=symmetric, generator=torch.Generator().manual_seed(0))
+    second = features.second_half()
+    assert second.dtype == torch.bool and second.shape == (12,)
+    assert int(second.sum()) == 6
+    if symmetric:  # feature i and i + 6 come from the projections w_i and -w_i
+        assert torch.equal(second[:6], second[6:])
+    with pytest.raises(ValueError, match="nb_features=2"):
+        FavorPositiveFeatures(8, 2, symmetric=True).second_half()

@@ -324,6 +324,20 @@ class FavorPositiveFeatures(RandomFeatureMap):
     def _log_normaliser(self) -> float:
         return -0.5 * math.log(self.nb_features)
 
+    def second_half(self) -> Tensor:
+        """(nb_features,) bool: the features of the second half of the projections.
+
+        Each half is an estimator on its own (a pair ``w, -w`` stays within one half), which is what
+        :func:`attnzoo.functional.shrunk_kernel_attention` needs to estimate the noise of the whole.
+        """
+        if self.nb_projections < 2:
+            raise ValueError(
+                f"splitting the features into two halves needs at least 2 projections, got nb_features="
+                f"{self.nb_features}{' (symmetric: nb_features / 2 projections)' if self.symmetric else ''}"
+            )
+        by_projection = torch.arange(self.nb_projections, device=self.projection.device) >= self.nb_projections // 2
+        return torch.cat([by_projection, by_projection]) if self.symmetric else by_projection
+
     def forward(self, x: Tensor) -> Tensor:
         projected, half_norm = self.project(x)
         return exp_features(projected, half_norm - self._log_normaliser(), self.symmetric)

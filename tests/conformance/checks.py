@@ -17,7 +17,7 @@ import copy
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import Tensor
@@ -46,17 +46,25 @@ Qkv = Tuple[Tensor, Tensor, Tensor]
 
 # -- building ------------------------------------------------------------------------------------------------
 def build(
-    name: str, heads: int = HEADS, head_dim: int = HEAD_DIM, *, dtype: torch.dtype = torch.float64, seed: int = 0
+    name: str,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    *,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    options: Optional[Dict[str, Any]] = None,
 ) -> Mechanism:
-    """A registered mechanism with its declared ``test_options``, in eval mode, of the given dtype.
+    """A registered mechanism with ``options`` (default: its declared ``test_options``), in eval mode, of the
+    given dtype.
 
     Randomness drawn at construction (e.g. random features kept in buffers) comes from ``seed`` without
     disturbing the global generator.
     """
     cls = mechanism_class(name)
+    options = dict(cls.test_options if options is None else options)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        mechanism = attnzoo.build_mechanism(name, heads, head_dim, **dict(cls.test_options))
+        mechanism = attnzoo.build_mechanism(name, heads, head_dim, **options)
     return mechanism.to(dtype).eval()
 
 
@@ -268,11 +276,12 @@ def check_declaration(cls: Type[Mechanism]) -> None:
     test_options = cls.test_options
     if not isinstance(test_options, dict):
         raise AssertionError(f"{where}.test_options must be a dict, got {type(test_options).__name__}")
-    unknown = sorted(set(test_options) - set(options))
-    if unknown:
-        raise AssertionError(
-            f"{where}.test_options names {unknown}, which are not options of {where}: {sorted(options)}"
-        )
+    if not isinstance(cls.test_variants, tuple) or not all(isinstance(v, dict) for v in cls.test_variants):
+        raise AssertionError(f"{where}.test_variants must be a tuple of dicts, got {cls.test_variants!r}")
+    for label, option_set in [("test_options", test_options)] + [("test_variants", v) for v in cls.test_variants]:
+        unknown = sorted(set(option_set) - set(options))
+        if unknown:
+            raise AssertionError(f"{where}.{label} names {unknown}, which are not options of {where}: {sorted(options)}")
     expect_error(
         lambda: cls(HEADS, HEAD_DIM, **dict(test_options), no_such_option=1),
         TypeError,

@@ -36,3 +36,15 @@ def test_declaration(name):
 @pytest.mark.parametrize("name", MECHANISMS)
 def test_conformance(name, check):
     check(checks.build(name))
+
+
+# Option sets a mechanism declares in ``test_variants`` (options that change its maths or capabilities).
+VARIANTS = [(name, options) for name in MECHANISMS for options in mechanism_class(name).test_variants]
+
+
+@pytest.mark.parametrize("check", checks.INSTANCE_CHECKS, ids=lambda check: check.__name__[len("check_"):])
+@pytest.mark.parametrize(
+    "name, options", VARIANTS, ids=[f"{n}-" + "-".join(f"{k}={v}" for k, v in o.items()) for n, o in VARIANTS]
+)
+def test_conformance_of_variants(name, options, check):
+    check(checks.build(name, options=options))

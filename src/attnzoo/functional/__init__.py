@@ -13,7 +13,9 @@ from .linear import (
     linear_attention,
     linear_attention_reference,
 )
+from .shrinkage import shrink_towards_mean, shrunk_kernel_attention, shrunk_kernel_attention_reference
 
 __all__ = ["allowed_mask", "causal_allowed", "softmax_attention", "softmax_attention_reference",
            "kernel_attention", "kernel_attention_prefill", "kernel_attention_reference", "kernel_attention_step",
-           "linear_attention", "linear_attention_reference"]
+           "linear_attention", "linear_attention_reference", "shrink_towards_mean", "shrunk_kernel_attention",
+           "shrunk_kernel_attention_reference"]

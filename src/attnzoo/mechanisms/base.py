@@ -8,7 +8,7 @@ It declares what it can do once, in a :class:`Capabilities`; the registry, the c
 from __future__ import annotations
 
 import inspect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -38,6 +38,8 @@ class Capabilities:
         approximate: its output approximates exact softmax attention rather than computing it.
         complexity: time/memory in the sequence length N, for people reading ``attnzoo list``.
         summary: one line describing the mechanism.
+        limited_by: for an instance whose options switched capabilities off (see :meth:`narrowed`), those
+            options, so that error messages can name them; None in a class's declaration.
     """
 
     causal: bool
@@ -48,9 +50,17 @@ class Capabilities:
     complexity: str
     summary: str
     max_length: Optional[int] = None
+    limited_by: Optional[str] = None
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+    def narrowed(self, limited_by: str, **switched_off: bool) -> "Capabilities":
+        """These capabilities with some switched off by an instance option named in ``limited_by``."""
+        unknown = sorted(set(switched_off) - {"causal", "cross", "key_padding", "recurrent_step"})
+        if unknown or any(switched_off.values()):
+            raise ValueError(f"narrowed() only switches capabilities off, got {switched_off}")
+        return replace(self, limited_by=limited_by, **switched_off)
 
 
 class Mechanism(nn.Module):
@@ -65,6 +75,9 @@ class Mechanism(nn.Module):
     capabilities: ClassVar[Capabilities]
     test_options: ClassVar[Dict[str, Any]] = {}
     """Keyword options the conformance suite builds this mechanism with (small, fast settings); never mutated."""
+    test_variants: ClassVar[Tuple[Dict[str, Any], ...]] = ()
+    """Further option sets the conformance suite also checks: options that change the maths or narrow the
+    capabilities (an instance's ``capabilities`` then differ from the class's declaration)."""
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -110,6 +123,7 @@ class Mechanism(nn.Module):
         check_qkv(q, k, v)
         check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         caps = self.capabilities
+        limited = f" with {caps.limited_by}" if caps.limited_by else ""
         if q.shape[1] != self.heads:
             raise ValueError(f"{self.name}: q has {q.shape[1]} heads, the mechanism was built with heads={self.heads}")
         if q.shape[3] != self.head_dim:
@@ -117,12 +131,12 @@ class Mechanism(nn.Module):
                 f"{self.name}: q has head_dim={q.shape[3]}, the mechanism was built with head_dim={self.head_dim}"
             )
         if causal and not caps.causal:
-            raise UnsupportedOptionError(f"{self.name} does not support causal=True (non-causal only)")
+            raise UnsupportedOptionError(f"{self.name}{limited} does not support causal=True (non-causal only)")
         if key_padding_mask is not None and not caps.key_padding:
-            raise UnsupportedOptionError(f"{self.name} does not support key_padding_mask")
+            raise UnsupportedOptionError(f"{self.name}{limited} does not support key_padding_mask")
         if k.shape[2] != q.shape[2] and not caps.cross:
             raise UnsupportedOptionError(
-                f"{self.name} does not support cross-attention (queries of length {q.shape[2]}, keys of length "
+                f"{self.name}{limited} does not support cross-attention (queries of length {q.shape[2]}, keys of length "
                 f"{k.shape[2]}): its keys must come from the query sequence"
             )
         if self.max_length is not None and max(q.shape[2], k.shape[2]) > self.max_length:

@@ -24,6 +24,7 @@ from ..feature_maps import (
     ReluFeatureMap,
 )
 from ..functional.gated import key_gate_logits, rfa_gates
+from ..functional.shrinkage import shrunk_kernel_attention, shrunk_kernel_attention_reference
 from ..functional.linear import (
     DEFAULT_CHUNK_SIZE,
     SIGNED_DENOMINATOR_EPS,
@@ -32,7 +33,7 @@ from ..functional.linear import (
     kernel_attention_reference,
     kernel_attention_step,
 )
-from .base import Capabilities, Mechanism, State, register
+from .base import Capabilities, Mechanism, State, UnsupportedOptionError, register
 
 
 def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
@@ -201,6 +202,11 @@ class PerformerAttention(_RandomFeatureMechanism):
             training mode; None redraws only on :meth:`redraw_features`.
         seed: seed of the initial projection (the global RNG when None).
         chunk_size: chunk length of the causal path.
+        shrinkage: shrink each output row towards the mean of the values by the noise of the estimate,
+            measured from two independent halves of the features (positive-part James-Stein, see
+            :mod:`attnzoo.functional.shrinkage`). A biased estimator with much lower error where the
+            unbiased one is noisy (higher temperatures, fewer features); it reads the whole key sequence, so
+            with it the mechanism is non-causal only (no causal=True, no step or prefill).
 
     The projection is a buffer: saved with the model, identical after reloading. The stabiliser divides
     each query row by its largest feature and all keys of a head by their largest feature; both cancel
@@ -218,6 +224,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
     )
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0}
+    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = ({"nb_features": 32, "seed": 0, "shrinkage": True},)
 
     def __init__(
         self,
@@ -230,6 +237,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         redraw_interval: Optional[int] = None,
         seed: Optional[int] = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        shrinkage: bool = False,
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
         self.feature_map = FavorPositiveFeatures(
@@ -240,6 +248,43 @@ class PerformerAttention(_RandomFeatureMechanism):
             redraw_interval=redraw_interval,
             generator=_generator(seed),
         )
+        self.shrinkage = bool(shrinkage)
+        if self.shrinkage:
+            self.feature_map.second_half()  # fails now, naming nb_features, if there are too few to split
+            self.capabilities = self.capabilities.narrowed(
+                "shrinkage=True", causal=False, recurrent_step=False
+            )
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+        if not self.shrinkage:
+            return super().attend(q, k, v, causal, key_padding_mask)
+        phi_q, phi_k, _ = self.features(q, k, key_padding_mask)
+        return shrunk_kernel_attention(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
+
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+    ) -> Tensor:
+        if not self.shrinkage:
+            return super().reference(q, k, v, causal, key_padding_mask)
+        self.check_inputs(q, k, v, causal, key_padding_mask)
+        phi_q, phi_k = self.reference_features(q.double(), k.double())
+        return shrunk_kernel_attention_reference(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
+
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
+        if self.shrinkage:
+            raise UnsupportedOptionError(
+                "performer with shrinkage=True has no recurrent step (capability recurrent_step=False): the "
+                "shrinkage reads the whole key sequence; build it with shrinkage=False to decode"
+            )
+        return super().step(q_t, k_t, v_t, state)
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
+        if self.shrinkage:
+            self.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], None)  # raises the capability error
+        return super().prefill(q, k, v)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shrinkage={self.shrinkage}"
 
 
 @register
