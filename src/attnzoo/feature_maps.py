@@ -145,13 +145,29 @@ class FeatureMap(nn.Module):
         return self(x), None
 
 
+class _EluPlusOne(torch.autograd.Function):
+    """``elu(x) + 1`` whose backward reads the saved output: the derivative is 1 where x > 0 and
+    ``exp(x) = elu(x) + 1`` elsewhere, i.e. ``min(out, 1)`` everywhere. Autograd's elu backward recomputes
+    ``exp`` from the input instead, which makes it the slowest step of non-causal linear attention on CPU."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        out = F.elu(x).add_(1.0)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return out.clamp(max=1.0).mul_(grad)
+
+
 class EluFeatureMap(FeatureMap):
     """``elu(x) + 1`` (Katharopoulos et al. 2020): positive, cheap, deterministic."""
 
     def forward(self, x: Tensor) -> Tensor:
         check_floating("x", x)
-        # In place is safe: elu saves its input, not its output, for the backward pass.
-        return F.elu(x).add_(1.0)
+        return _EluPlusOne.apply(x)
 
 
 class ReluFeatureMap(FeatureMap):
