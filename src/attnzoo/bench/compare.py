@@ -20,6 +20,7 @@ import torch
 
 from ..mechanisms import available, capabilities, mechanism_options
 from .launch import Launcher
+from .measure import DEFAULT_MIN_SAMPLE_S
 from .peers import PEERS, installed_peers
 from .targets import Entry, import_user_modules, mechanism_entry, peer_entry
 from .results import BASELINE, CSV_COLUMNS, SCHEMA, add_ratios, summarize
@@ -31,7 +32,7 @@ SWEEP_OPTIONS = ("nb_features", "num_features", "features", "feature_dim", "rank
                  "landmarks", "num_landmarks", "n_landmarks")
 
 PRESETS: Dict[str, Dict[str, Any]] = {
-    # Fits in about two minutes on two CPU cores with a dozen mechanisms.
+    # About a minute on two CPU cores with the six mechanisms registered so far.
     "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=10.0,
                   sweep_values=[16, 32, 64, 128, 256]),
     # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
@@ -60,7 +61,7 @@ class CompareConfig:
     sweep: bool = True
     sweep_length: Optional[int] = None  # None: the middle of ``lengths``
     sweep_values: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["sweep_values"]))
-    min_sample_s: float = 0.05
+    min_sample_s: float = DEFAULT_MIN_SAMPLE_S
     memory_fraction: float = 0.8
     imports: List[str] = field(default_factory=list)
     seed: int = 0

@@ -98,6 +98,11 @@ def _timed(call: Callable[[], object], inner: int, device: str) -> float:
     return (time.perf_counter() - start) / inner
 
 
+# Calls shorter than this are repeated within one timed sample: at 0.05 s, two back-to-back quick runs of
+# ``attnzoo compare`` disagreed by up to 30% on millisecond calls; at 0.2 s by under 10% on an idle machine.
+DEFAULT_MIN_SAMPLE_S = 0.2
+
+
 def calibrate(fn: AttentionFn, inputs: Inputs, causal: bool, device: str, min_sample_s: float,
               budget_s: float = math.inf) -> Tuple[int, float]:
     """Warm up (first calls pay for lazy initialisation) and choose how many calls make one timed sample.

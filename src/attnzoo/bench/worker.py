@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .measure import (
+    DEFAULT_MIN_SAMPLE_S,
     Inputs,
     PeakMemory,
     calibrate,
@@ -129,7 +130,7 @@ def time_job(job: Job) -> Result:
             _check_output(out, inputs)
             error = relative_error(out, reference) if reference is not None else None
             del out
-            n, one = calibrate(fn, inputs, causal, device, float(job.get("min_sample_s", 0.05)), budget)
+            n, one = calibrate(fn, inputs, causal, device, float(job.get("min_sample_s", DEFAULT_MIN_SAMPLE_S)), budget)
         except Exception as failure:  # noqa: BLE001
             results[key] = _failure(failure)
             continue
