@@ -53,7 +53,7 @@ def make_inputs(batch: int, heads: int, length: int, head_dim: int, dtype: torch
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(torch.device(device))
 
 
 def run_forward(fn: AttentionFn, inputs: Inputs, causal: bool) -> Tensor:
@@ -231,9 +231,11 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self._base = torch.cuda.memory_allocated()
+            # The device is named in every call: "cuda:1" must not read the current device's counters.
+            device = torch.device(self.device)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._base = torch.cuda.memory_allocated(device)
         else:
             if not _reset_peak_rss():
                 raise RuntimeError("cannot reset the resident high-water mark (/proc/self/clear_refs)")
@@ -242,7 +244,8 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self._base
+            device = torch.device(self.device)
+            torch.cuda.synchronize(device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(device) - self._base
         else:
             self.peak_bytes = 1024 * (_status_kib("VmHWM") or 0) - self._base

@@ -161,15 +161,22 @@ class Mechanism(nn.Module):
             (out_t of shape (batch, heads, 1, head_dim_v), new state). Equals the last row of the causal
             parallel forward over all positions so far.
         """
-        raise UnsupportedOptionError(f"{self.name} has no recurrent step (capability recurrent_step=False)")
+        self.require_recurrent_step()
+        raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no step()")
+
+    def require_recurrent_step(self) -> None:
+        """Raise UnsupportedOptionError unless this instance offers :meth:`step` and :meth:`prefill`."""
+        caps = self.capabilities
+        if not caps.recurrent_step:
+            limited = f" with {caps.limited_by}" if caps.limited_by else ""
+            raise UnsupportedOptionError(f"{self.name}{limited} has no recurrent step (capability recurrent_step=False)")
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
         """Causal attention over a prompt that also returns the decoding state after it.
 
         The default walks :meth:`step` over the positions; mechanisms override it with a parallel version.
         """
-        if not self.capabilities.recurrent_step:
-            self.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], None)  # raises the capability error
+        self.require_recurrent_step()
         state: State = None
         outputs = []
         for t in range(q.shape[2]):
@@ -178,6 +185,7 @@ class Mechanism(nn.Module):
         return torch.cat(outputs, dim=2), state
 
     def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
+        self.require_recurrent_step()
         check_qkv(q_t, k_t, v_t)
         if q_t.shape[1] != self.heads or q_t.shape[3] != self.head_dim:
             raise ValueError(

@@ -33,7 +33,7 @@ from ..functional.linear import (
     kernel_attention_reference,
     kernel_attention_step,
 )
-from .base import Capabilities, Mechanism, State, UnsupportedOptionError, register
+from .base import Capabilities, Mechanism, State, register
 
 
 def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
@@ -121,6 +121,7 @@ class KernelizedMechanism(Mechanism):
         )
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
+        self.require_recurrent_step()
         self.check_inputs(q, k, v, True, None)
         phi_q, phi_k, key_log_scale = self.features(q, k, None)
         phi_k, log_decay = self._keys(k, phi_k)
@@ -270,18 +271,6 @@ class PerformerAttention(_RandomFeatureMechanism):
         phi_q, phi_k = self.reference_features(q.double(), k.double())
         return shrunk_kernel_attention_reference(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
-    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
-        if self.shrinkage:
-            raise UnsupportedOptionError(
-                "performer with shrinkage=True has no recurrent step (capability recurrent_step=False): the "
-                "shrinkage reads the whole key sequence; build it with shrinkage=False to decode"
-            )
-        return super().step(q_t, k_t, v_t, state)
-
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
-        if self.shrinkage:
-            self.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], None)  # raises the capability error
-        return super().prefill(q, k, v)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shrinkage={self.shrinkage}"
