@@ -6,8 +6,9 @@ logits q.k / sqrt(d) have standard deviation s) and feature counts 64 to 1024, p
     || favor(q, k, v) - softmax(q, k, v) ||_F / || softmax(q, k, v) ||_F
 
 averaged over projection draws, for iid and orthogonal projections, plain and symmetric (hyperbolic) positive
-features, the default (orthogonal, symmetric) with noise shrinkage (``performer`` with ``shrinkage=True``),
-and performer-pytorch's FastAttention when it is installed, beside the same error of uniform attention (every
+features, the default (orthogonal, symmetric) with FAVOR++'s variance-optimal features
+(``optimal_features=True``), with noise shrinkage (``shrinkage=True``) and with both, and performer-pytorch's
+FastAttention when it is installed, beside the same error of uniform attention (every
 query outputs the mean of v). Where an approximation's error is not clearly below uniform attention's, its
 output carries little information beyond the mean of v.
 
@@ -37,7 +38,12 @@ VARIANTS = {
     "iid+symmetric": dict(orthogonal=False, symmetric=True),
     "iid": dict(orthogonal=False, symmetric=False),
 }
-SHRUNK = "orthogonal+symmetric+shrinkage"
+# Variants built through the registered mechanism with these performer options.
+MECHANISM_VARIANTS = {
+    "optimal": dict(optimal_features=True),
+    "shrinkage": dict(shrinkage=True),
+    "optimal+shrinkage": dict(optimal_features=True, shrinkage=True),
+}
 PEER = "performer-pytorch"
 
 
@@ -48,8 +54,9 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 def estimate(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nb_features: int, seed: int) -> torch.Tensor:
     """One projection draw of ``variant``'s estimate of softmax attention, in float64."""
     heads, head_dim = q.shape[1], q.shape[3]
-    if variant == SHRUNK:
-        mechanism = build_mechanism("performer", heads, head_dim, nb_features=nb_features, shrinkage=True, seed=seed)
+    if variant in MECHANISM_VARIANTS:
+        options = MECHANISM_VARIANTS[variant]
+        mechanism = build_mechanism("performer", heads, head_dim, nb_features=nb_features, seed=seed, **options)
         return mechanism.double()(q, k, v)
     if variant == PEER:
         from performer_pytorch import FastAttention
@@ -64,7 +71,7 @@ def estimate(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nb
 def measure(seq_len: int, head_dim: int, heads: int, draws: int, seed: int) -> Dict[str, object]:
     data = torch.Generator().manual_seed(seed)
     rows: List[Dict[str, object]] = []
-    variants = list(VARIANTS) + [SHRUNK] + ([PEER] if peer_installed(PEER) else [])
+    variants = list(VARIANTS) + list(MECHANISM_VARIANTS) + ([PEER] if peer_installed(PEER) else [])
     for logit_std in LOGIT_STDS:
         entry_std = logit_std**0.5  # std(q.k / sqrt(d)) = entry_std^2 for iid entries
         q, k = (torch.randn(1, heads, seq_len, head_dim, generator=data, dtype=torch.float64) * entry_std for _ in "qk")

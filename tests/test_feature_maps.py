@@ -67,21 +67,71 @@ def test_favor_positive_features_estimate_the_softmax_kernel(symmetric, orthogon
     assert ((estimate - exact).abs() / exact).max() < 0.08
 
 
-@pytest.mark.parametrize("features", [
-    FavorPositiveFeatures(8, 32, generator=seeded(0)),
-    FavorPositiveFeatures(8, 32, symmetric=False, generator=seeded(0)),
-    FavorTrigFeatures(8, 32, generator=seeded(0)),
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_favor_plus_plus_features_estimate_the_softmax_kernel(symmetric):
+    dim, nb_features, a = 8, 16384, -0.1
+    g = seeded(5)
+    q, k = (0.7 * torch.randn(1, 1, 6, dim, generator=g, dtype=torch.float64) for _ in "qk")
+    features = FavorPositiveFeatures(dim, nb_features, symmetric=symmetric, generator=seeded(6)).double()
+    quadratic = torch.full((1, 1, 1, 1), a, dtype=torch.float64)
+    estimate = features(q, quadratic) @ features(k, quadratic).transpose(-1, -2)
+    exact = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(dim))
+    # Relative variance of one feature: ((1-4A)^2/(1-8A))^(d/2) exp(|q'+k'|^2/(1-8A)) - 1 (iid rows; orthogonal
+    # rows only lower it). Every entry must lie within six of its standard deviations; leaving out D, or a
+    # wrong B, shifts the entries by a factor (here 1.4^2 for D), dozens of standard deviations.
+    pair_sq = ((q.unsqueeze(-2) + k.unsqueeze(-3)) * dim**-0.25).pow(2).sum(-1)
+    moment = ((1 - 4 * a) ** 2 / (1 - 8 * a)) ** (dim / 2) * torch.exp(pair_sq / (1 - 8 * a))
+    std = ((moment - 1) / nb_features).sqrt()
+    assert (((estimate - exact).abs() / exact) / std).max() < 6
+
+
+def test_favor_plus_plus_coefficient_minimises_the_second_moment():
+    dim = 16
+    features = FavorPositiveFeatures(dim, 8, generator=seeded(0)).double()
+    assert torch.equal(features.optimal_quadratic(*(torch.zeros(1, 1, 4, dim, dtype=torch.float64),) * 2),
+                       torch.zeros(1, 1, 1, 1, dtype=torch.float64))
+    q = 1.5 * torch.randn(2, 3, 7, dim, generator=seeded(1), dtype=torch.float64)
+    k = 1.5 * torch.randn(2, 3, 9, dim, generator=seeded(2), dtype=torch.float64)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[1, -4:] = True
+    a = features.optimal_quadratic(q, k, mask)
+    assert a.shape == (2, 3, 1, 1) and (a < 0).all()
+    # Padded keys are left out: the same as dropping them.
+    torch.testing.assert_close(a[1:], features.optimal_quadratic(q[1:], k[1:, :, :5]))
+
+    # The mean over pairs of the log second moment, written out directly, is smallest at the returned A.
+    def mean_log_moment(a, b, h):
+        qs, ks = q[b, h] * dim**-0.25, k[b, h, ~mask[b]] * dim**-0.25
+        pair_sq = (qs[:, None] + ks[None]).pow(2).sum(-1)
+        return (dim / 2 * math.log((1 - 4 * a) ** 2 / (1 - 8 * a)) + pair_sq / (1 - 8 * a)).mean().item()
+
+    for b in range(2):
+        for h in range(3):
+            best = a[b, h].item()
+            for step in (-0.02, 0.02):
+                assert mean_log_moment(best, b, h) < mean_log_moment(best + step, b, h)
+
+
+@pytest.mark.parametrize("features, quadratic", [
+    (FavorPositiveFeatures(8, 32, generator=seeded(0)), None),
+    (FavorPositiveFeatures(8, 32, symmetric=False, generator=seeded(0)), None),
+    (FavorPositiveFeatures(8, 32, generator=seeded(0)), -0.3),
+    (FavorPositiveFeatures(8, 32, symmetric=False, generator=seeded(0)), -0.3),
+    (FavorTrigFeatures(8, 32, generator=seeded(0)), None),
 ])
-def test_stabilised_features_differ_only_by_factors_that_cancel(features):
+def test_stabilised_features_differ_only_by_factors_that_cancel(features, quadratic):
     features = features.double()
     x = 3.0 * torch.randn(2, 3, 10, 8, generator=seeded(1), dtype=torch.float64)
     mask = torch.zeros(2, 10, dtype=torch.bool)
     mask[0, -3:] = True
-    exact = features(x)
-    stable_k, log_scale = features.key_features(x, mask)
+    extra = {}
+    if quadratic is not None:  # one A per (batch, head), all different
+        extra["quadratic"] = quadratic * torch.linspace(0.5, 1.5, 6, dtype=torch.float64).view(2, 3, 1, 1)
+    exact = features(x, **extra)
+    stable_k, log_scale = features.key_features(x, mask, **extra)
     assert log_scale.shape == (2, 3, 1, 1)
     torch.testing.assert_close(stable_k * torch.exp(log_scale), exact, rtol=1e-10, atol=0)
-    ratio = features.query_features(x) / exact
+    ratio = features.query_features(x, **extra) / exact
     # One positive factor per query row.
     torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-10, atol=0)
     assert (ratio > 0).all()
@@ -110,8 +160,10 @@ def test_exp_features_gradients():
     g = seeded(2)
     p = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     offset = torch.randn(2, 3, 1, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 1, 5, generator=g, dtype=torch.float64, requires_grad=True)
     for symmetric in (False, True):
         assert torch.autograd.gradcheck(lambda a, b: exp_features(a, b, symmetric), (p, offset))
+        assert torch.autograd.gradcheck(lambda a, b, c: exp_features(a, b, symmetric, c), (p, offset, bias))
 
 
 def test_redraw_is_explicit_and_seeded():

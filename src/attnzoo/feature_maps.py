@@ -72,29 +72,38 @@ def orthogonal_projection(
 
 # -- fused exponential features ------------------------------------------------------------------------------
 class _ExpFeatures(torch.autograd.Function):
-    """``exp(p - offset)``, or ``exp([p, -p] - offset)`` when symmetric, written into one buffer.
+    """``exp(p + b - offset)``, or ``exp([p + b, -p + b] - offset)`` when symmetric, written into one buffer.
 
     The (seq, nb_features) feature tensor is the largest in FAVOR+, so forward and backward each make two
     passes over it instead of the five or six that neg, cat, sub and exp with their own backwards take.
     """
 
     @staticmethod
-    def forward(ctx, projected: Tensor, offset: Tensor, symmetric: bool) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, projected: Tensor, offset: Tensor, symmetric: bool, bias: Optional[Tensor]
+    ) -> Tensor:
         m = projected.shape[-1]
         if symmetric:
             out = projected.new_empty(*projected.shape[:-1], 2 * m)
-            torch.sub(projected, offset, out=out[..., :m])
-            torch.sub(-offset, projected, out=out[..., m:])
+            if bias is None:
+                torch.sub(projected, offset, out=out[..., :m])
+                torch.sub(-offset, projected, out=out[..., m:])
+            else:
+                torch.add(projected, bias, out=out[..., :m]).sub_(offset)
+                torch.sub(bias, projected, out=out[..., m:]).sub_(offset)
         else:
-            out = projected - offset
+            out = projected - offset if bias is None else (projected + bias).sub_(offset)
         out.exp_()
         ctx.save_for_backward(out)
         ctx.symmetric = symmetric
         ctx.offset_shape = offset.shape
+        ctx.bias_shape = None if bias is None else bias.shape
         return out
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor], None]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx, grad: Tensor
+    ) -> Tuple[Optional[Tensor], Optional[Tensor], None, Optional[Tensor]]:
         (features,) = ctx.saved_tensors
         weighted = grad * features
         grad_projected = grad_offset = None
@@ -107,18 +116,27 @@ class _ExpFeatures(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_offset = -weighted.sum(-1, keepdim=True)
             grad_offset = grad_offset.sum_to_size(ctx.offset_shape)
-        return grad_projected, grad_offset, None
+        grad_bias = None
+        if ctx.needs_input_grad[3]:
+            grad_bias = weighted
+            if ctx.symmetric:
+                m = features.shape[-1] // 2
+                grad_bias = weighted[..., :m] + weighted[..., m:]
+            grad_bias = grad_bias.sum_to_size(ctx.bias_shape)
+        return grad_projected, grad_offset, None, grad_bias
 
 
-def exp_features(projected: Tensor, offset: Tensor, symmetric: bool = False) -> Tensor:
-    """``exp(p - offset)`` (or ``exp([p, -p] - offset)`` when ``symmetric``), differentiable in both.
+def exp_features(projected: Tensor, offset: Tensor, symmetric: bool = False, bias: Optional[Tensor] = None) -> Tensor:
+    """``exp(p + b - offset)`` (or ``exp([p + b, -p + b] - offset)`` when ``symmetric``), differentiable in
+    all three.
 
     Args:
         projected: (..., m) logits p.
         offset: broadcastable to (..., 1), e.g. one value per row.
         symmetric: also the mirrored logits -p, giving (..., 2 m).
+        bias: optional, broadcastable to (..., m) and added to both p and -p, e.g. one value per feature.
     """
-    return _ExpFeatures.apply(projected, offset, symmetric)
+    return _ExpFeatures.apply(projected, offset, symmetric, bias)
 
 
 # -- base classes ---------------------------------------------------------------------------------------------
@@ -240,21 +258,26 @@ class RandomFeatureMap(FeatureMap):
             return True
         return False
 
-    def project(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """``(x' @ W^T, |x'|^2 / 2)`` with ``x' = input_scale * x``, in at least float32.
-
-        Shapes: (batch, heads, seq, head_dim) -> ((batch, heads, seq, nb_projections), (batch, heads, seq, 1)).
-        """
+    def check_input(self, x: Tensor) -> None:
         check_floating("x", x)
         if x.shape[-1] != self.head_dim:
             raise ValueError(
                 f"{type(self).__name__}: input has last dim {x.shape[-1]}, but the projection was drawn for "
                 f"head_dim={self.head_dim}"
             )
+
+    def project(self, x: Tensor, projection_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """``(s x' @ W^T, |x'|^2 / 2)`` with ``x' = input_scale * x``, in at least float32.
+
+        Shapes: (batch, heads, seq, head_dim) -> ((batch, heads, seq, nb_projections), (batch, heads, seq, 1)).
+        ``projection_scale`` s: an optional (batch, heads, 1, 1) factor on the projection only (FAVOR++).
+        """
+        self.check_input(x)
         dtype = _compute_dtype(x)
         x = x.to(dtype)
-        # The scale goes into the small (m, d) matrix rather than over the (N, d) input.
-        projected = x @ (self.projection.to(dtype).T * self.input_scale)
+        # The scales go into the small (m, d) matrix or over the (N, d) input, never over the (N, m) logits.
+        scaled = x if projection_scale is None else x * projection_scale.to(dtype)
+        projected = scaled @ (self.projection.to(dtype).T * self.input_scale)
         half_norm = (0.5 * self.input_scale**2) * x.pow(2).sum(-1, keepdim=True)
         return projected, half_norm
 
@@ -300,6 +323,12 @@ class FavorPositiveFeatures(RandomFeatureMap):
     the largest feature over the whole (unpadded) key sequence of the head. Both factors cancel exactly in the
     normalised output, so unlike an added epsilon they never flatten the attention towards uniform.
 
+    FAVOR++ (optimal positive random features, Likhosherstov et al. 2022): every feature method also takes an
+    optional ``quadratic`` coefficient A of shape (batch, heads, 1, 1), giving
+    ``phi(x) = D / sqrt(m) * exp(A |w|^2 + B w . x - |x|^2 / 2)`` with ``B = sqrt(1 - 4A)`` and
+    ``D = (1 - 4A)^(d/4)``: still unbiased for every A < 1/8, with a variance that :meth:`optimal_quadratic`
+    minimises for given queries and keys. A = 0 (or None) is FAVOR+.
+
     Args:
         head_dim: input width.
         nb_features: number of output features (even when ``symmetric``).
@@ -329,9 +358,11 @@ class FavorPositiveFeatures(RandomFeatureMap):
         self.nb_features = nb_features
         self.symmetric = bool(symmetric)
 
-    def _row_max(self, projected: Tensor) -> Tensor:
-        """Largest logit of each row, over [p, -p] when symmetric: (..., 1), detached."""
+    def _row_max(self, projected: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """Largest logit of each row, over [p + b, -p + b] when symmetric: (..., 1), detached."""
         projected = projected.detach()
+        if bias is not None:
+            return ((projected.abs() if self.symmetric else projected) + bias).amax(-1, keepdim=True)
         if not self.symmetric:
             return projected.amax(-1, keepdim=True)
         low, high = torch.aminmax(projected, dim=-1, keepdim=True)
@@ -339,6 +370,44 @@ class FavorPositiveFeatures(RandomFeatureMap):
 
     def _log_normaliser(self) -> float:
         return -0.5 * math.log(self.nb_features)
+
+    def optimal_quadratic(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """FAVOR++'s variance-minimising coefficient A for these queries and keys: (batch, heads, 1, 1).
+
+        One feature's second moment relative to the squared kernel is
+        ``((1 - 4A)^2 / (1 - 8A))^(d/2) exp(|q' + k'|^2 / (1 - 8A))`` (q', k' the scaled inputs, d = head_dim).
+        Its log, averaged over every query-key pair of a (batch, head), is smallest at
+        ``A = (1 - 2 rho - sqrt((2 rho + 1)^2 + 8 rho)) / 16`` with ``rho = mean |q'_i + k'_j|^2 / d``; A <= 0,
+        and A = 0 (FAVOR+) when q' and k' are 0. Padded keys do not count. The result keeps its gradient, so
+        the backward pass is the exact derivative of the forward one.
+        """
+        self.check_input(q)
+        self.check_input(k)
+        dtype = _compute_dtype(q)
+        q, k = (self.input_scale * x.to(dtype) for x in (q, k))
+        keep = torch.ones(k.shape[:3], dtype=dtype, device=k.device)
+        if key_padding_mask is not None:
+            keep = keep.masked_fill(key_padding_mask[:, None, :], 0.0)
+        count = keep.sum(-1).clamp_min(1.0)  # (B, H)
+        k_sq = (k.pow(2).sum(-1) * keep).sum(-1) / count
+        k_mean = (k * keep.unsqueeze(-1)).sum(-2) / count.unsqueeze(-1)
+        # mean over pairs of |q_i + k_j|^2 = mean |q|^2 + mean |k|^2 + 2 mean(q) . mean(k)
+        pair_sq = q.pow(2).sum(-1).mean(-1) + k_sq + 2.0 * (q.mean(-2) * k_mean).sum(-1)
+        rho = pair_sq.clamp_min(0.0) / self.head_dim
+        quadratic = (1.0 - 2.0 * rho - torch.sqrt((2.0 * rho + 1.0) ** 2 + 8.0 * rho)) / 16.0
+        return quadratic[..., None, None]
+
+    def _logits(self, x: Tensor, quadratic: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+        """(B w . x', |x'|^2 / 2, per-feature bias A |w|^2 or None, log D) for FAVOR+ or FAVOR++."""
+        if quadratic is None:
+            projected, half_norm = self.project(x)
+            return projected, half_norm, None, torch.zeros((), dtype=projected.dtype, device=projected.device)
+        if not bool((quadratic < 0.125).all()):
+            raise ValueError("quadratic (FAVOR++'s A) must be below 1/8 everywhere, or the variance is infinite")
+        widening = 1.0 - 4.0 * quadratic
+        projected, half_norm = self.project(x, widening.sqrt())
+        bias = quadratic.to(projected.dtype) * self.projection.to(projected.dtype).pow(2).sum(-1)
+        return projected, half_norm, bias, (0.25 * self.head_dim) * widening.log().to(projected.dtype)
 
     def second_half(self) -> Tensor:
         """(nb_features,) bool: the features of the second half of the projections.
@@ -354,20 +423,23 @@ class FavorPositiveFeatures(RandomFeatureMap):
         by_projection = torch.arange(self.nb_projections, device=self.projection.device) >= self.nb_projections // 2
         return torch.cat([by_projection, by_projection]) if self.symmetric else by_projection
 
-    def forward(self, x: Tensor) -> Tensor:
-        projected, half_norm = self.project(x)
-        return exp_features(projected, half_norm - self._log_normaliser(), self.symmetric)
+    def forward(self, x: Tensor, quadratic: Optional[Tensor] = None) -> Tensor:
+        projected, half_norm, bias, log_d = self._logits(x, quadratic)
+        return exp_features(projected, half_norm - log_d - self._log_normaliser(), self.symmetric, bias)
 
-    def query_features(self, x: Tensor) -> Tensor:
-        projected, _ = self.project(x)
-        # exp(-|x|^2/2) and 1/sqrt(m) are per-row factors too, so they are dropped with the row maximum.
-        return exp_features(projected, self._row_max(projected), self.symmetric)
+    def query_features(self, x: Tensor, quadratic: Optional[Tensor] = None) -> Tensor:
+        projected, _, bias, _ = self._logits(x, quadratic)
+        # exp(-|x|^2/2), D and 1/sqrt(m) are per-row factors too, so they are dropped with the row maximum.
+        return exp_features(projected, self._row_max(projected, bias), self.symmetric, bias)
 
-    def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        projected, half_norm = self.project(x)
+    def key_features(
+        self, x: Tensor, key_padding_mask: Optional[Tensor] = None, quadratic: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
+        projected, half_norm, bias, log_d = self._logits(x, quadratic)
         # exp(-|k|^2/2) differs from key to key, so it stays (with its gradient); only the shared shift goes.
-        shift = _key_scale(self._row_max(projected) - half_norm, key_padding_mask)
-        return exp_features(projected, half_norm + shift, self.symmetric), shift + self._log_normaliser()
+        shift = _key_scale(self._row_max(projected, bias) - half_norm, key_padding_mask)
+        features = exp_features(projected, half_norm + shift, self.symmetric, bias)
+        return features, shift + log_d + self._log_normaliser()
 
 
 class FavorTrigFeatures(RandomFeatureMap):

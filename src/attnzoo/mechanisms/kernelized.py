@@ -72,7 +72,7 @@ class KernelizedMechanism(Mechanism):
         """(B, H, N) per-position log decay, or None for plain linear attention."""
         return None
 
-    def reference_features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         """Unstabilised float64 features (phi_q, phi_k) for :meth:`reference`, from the definitions."""
         raise NotImplementedError
 
@@ -87,7 +87,7 @@ class KernelizedMechanism(Mechanism):
         masked, normalised (:func:`attnzoo.functional.kernel_attention_reference`)."""
         self.check_inputs(q, k, v, causal, key_padding_mask)
         q, k, v = q.double(), k.double(), v.double()
-        phi_q, phi_k = self.reference_features(q, k)
+        phi_q, phi_k = self.reference_features(q, k, key_padding_mask)
         phi_k, log_decay = self._keys(k, phi_k)
         return kernel_attention_reference(
             phi_q,
@@ -166,7 +166,7 @@ class _FeatureMapMechanism(KernelizedMechanism):
         phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask)
         return self.feature_map.query_features(q), phi_k, key_log_scale
 
-    def reference_features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         return self.feature_map(q), self.feature_map(k)
 
     @property
@@ -208,6 +208,10 @@ class PerformerAttention(_RandomFeatureMechanism):
             :mod:`attnzoo.functional.shrinkage`). A biased estimator with much lower error where the
             unbiased one is noisy (higher temperatures, fewer features); it reads the whole key sequence, so
             with it the mechanism is non-causal only (no causal=True, no step or prefill).
+        optimal_features: FAVOR++ (Likhosherstov et al. 2022): the free parameter of the positive features
+            is chosen per batch and head from the statistics of q and k to minimise the variance of the kernel
+            estimate (:meth:`attnzoo.feature_maps.FavorPositiveFeatures.optimal_quadratic`). Still unbiased,
+            lower error at the same cost; the statistics cover the whole sequence, so non-causal only.
 
     The projection is a buffer: saved with the model, identical after reloading. The stabiliser divides
     each query row by its largest feature and all keys of a head by their largest feature; both cancel
@@ -225,7 +229,11 @@ class PerformerAttention(_RandomFeatureMechanism):
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
     )
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0}
-    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = ({"nb_features": 32, "seed": 0, "shrinkage": True},)
+    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
+        {"nb_features": 32, "seed": 0, "shrinkage": True},
+        {"nb_features": 32, "seed": 0, "optimal_features": True},
+        {"nb_features": 32, "seed": 0, "optimal_features": True, "shrinkage": True},
+    )
 
     def __init__(
         self,
@@ -239,6 +247,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         seed: Optional[int] = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         shrinkage: bool = False,
+        optimal_features: bool = False,
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
         self.feature_map = FavorPositiveFeatures(
@@ -250,11 +259,30 @@ class PerformerAttention(_RandomFeatureMechanism):
             generator=_generator(seed),
         )
         self.shrinkage = bool(shrinkage)
+        self.optimal_features = bool(optimal_features)
         if self.shrinkage:
             self.feature_map.second_half()  # fails now, naming nb_features, if there are too few to split
+        # Both options read the whole sequence, so neither a causal mask nor a recurrent step can honour them.
+        whole_sequence = [f"{name}=True" for name in ("shrinkage", "optimal_features") if getattr(self, name)]
+        if whole_sequence:
             self.capabilities = self.capabilities.narrowed(
-                "shrinkage=True", causal=False, recurrent_step=False
+                " and ".join(whole_sequence), causal=False, recurrent_step=False
             )
+
+    def _quadratic(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """FAVOR++'s coefficient A (batch, heads, 1, 1) with ``optimal_features``, else None (FAVOR+)."""
+        return self.feature_map.optimal_quadratic(q, k, key_padding_mask) if self.optimal_features else None
+
+    def features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        quadratic = self._quadratic(q, k, key_padding_mask)
+        phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask, quadratic)
+        return self.feature_map.query_features(q, quadratic), phi_k, key_log_scale
+
+    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        quadratic = self._quadratic(q, k, key_padding_mask)
+        return self.feature_map(q, quadratic), self.feature_map(k, quadratic)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
         if not self.shrinkage:
@@ -268,12 +296,11 @@ class PerformerAttention(_RandomFeatureMechanism):
         if not self.shrinkage:
             return super().reference(q, k, v, causal, key_padding_mask)
         self.check_inputs(q, k, v, causal, key_padding_mask)
-        phi_q, phi_k = self.reference_features(q.double(), k.double())
+        phi_q, phi_k = self.reference_features(q.double(), k.double(), key_padding_mask)
         return shrunk_kernel_attention_reference(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
-
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, shrinkage={self.shrinkage}"
+        return f"{super().extra_repr()}, shrinkage={self.shrinkage}, optimal_features={self.optimal_features}"
 
 
 @register
@@ -393,8 +420,8 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         return super().features(self._unit(q), self._unit(k), key_padding_mask)
 
-    def reference_features(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
-        return super().reference_features(self._unit(q), self._unit(k))
+    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        return super().reference_features(self._unit(q), self._unit(k), key_padding_mask)
 
     def _keys(self, k: Tensor, phi_k: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
         if not self.gated:
