@@ -6,19 +6,21 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from attnzoo import available
-from attnzoo.bench.compare import CompareConfig, sweep_plan
+from attnzoo.bench.compare import CompareConfig, cores_busy_elsewhere, sweep_plan
 from attnzoo.bench.launch import Launcher
 from attnzoo.bench.measure import PeakMemory, make_inputs, reference_output, relative_error, uniform_attention
 from attnzoo.bench.peers import PEERS, build_peer, peer_installed
 from attnzoo.bench.results import (
     CSV_COLUMNS,
     STATUSES,
+    busy_warning,
     crossover_length,
     describe_crossover,
     load_accuracy,
@@ -307,3 +309,26 @@ def test_missing_peer_is_a_reason_not_an_error(monkeypatch):
     assert present == [] and {item["name"] for item in missing} == set(PEERS)
     with pytest.raises(ValueError, match="unknown peer"):
         build_peer("nope", 2, 8, 16, False)
+
+
+def test_busy_warning_reads_the_present_load_before_the_load_average():
+    # A load average left over from work that just ended does not warn when nothing runs now.
+    assert busy_warning({"cores": 2, "load_average": [1.9, 1.0, 0.5], "cores_busy_elsewhere": 0.1}) is None
+    assert "1.2 of 2 cores" in busy_warning({"cores": 2, "load_average": [0.1], "cores_busy_elsewhere": 1.2})
+    # Without the measurement (not Linux), the load average decides.
+    assert "load average 1.9" in busy_warning({"cores": 2, "load_average": [1.9], "cores_busy_elsewhere": None})
+    assert busy_warning({"cores": 2, "load_average": [0.4]}) is None
+
+
+def test_cores_busy_elsewhere_sees_another_process_spinning():
+    if cores_busy_elsewhere(0.05) is None:
+        pytest.skip("no /proc/stat on this system")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # let it start
+        busy = cores_busy_elsewhere(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    # One spinning process keeps one core busy (anything else running only adds to it).
+    assert busy is not None and busy > 0.6

@@ -13,6 +13,7 @@ import datetime as _dt
 import os
 import platform
 import shlex
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -101,6 +102,28 @@ class CompareConfig:
             raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; valid choices: {', '.join(available())}")
 
 
+def cores_busy_elsewhere(window_s: float = 0.5) -> Optional[float]:
+    """How many cores other processes kept busy over the next ``window_s`` seconds (Linux /proc/stat), or None.
+
+    Unlike the load average, which trails the last minutes (a benchmark that just ended still shows), this
+    reads what runs now."""
+
+    def snapshot() -> Tuple[float, float]:
+        with open("/proc/stat") as handle:
+            ticks = [int(value) for value in handle.readline().split()[1:9]]
+        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        own = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+    try:
+        busy_before, own_before = snapshot()
+        time.sleep(window_s)
+        busy_after, own_after = snapshot()
+    except (OSError, ValueError, IndexError):
+        return None
+    return round(max(0.0, (busy_after - busy_before) - (own_after - own_before)) / window_s, 2)
+
+
 def machine_description(device: str, threads: int) -> Dict[str, Any]:
     """CPU model, core count, memory, library versions: what a reader needs to weigh the numbers."""
     cpu = platform.processor() or platform.machine()
@@ -120,6 +143,7 @@ def machine_description(device: str, threads: int) -> Dict[str, Any]:
         load = None
     description: Dict[str, Any] = {
         "cpu": cpu, "cores": os.cpu_count(), "threads": threads, "memory_gib": memory_gib, "load_average": load,
+        "cores_busy_elsewhere": cores_busy_elsewhere(),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "device": device,
     }

@@ -33,8 +33,18 @@ CSV_COLUMNS = [
 
 
 def busy_warning(machine: Dict[str, Any]) -> Optional[str]:
-    """A warning when other work was running: then timings, and even their ratios, are noisy."""
-    load, cores = machine.get("load_average"), machine.get("cores") or 1
+    """A warning when other work was running: then timings, and even their ratios, are noisy.
+
+    Reads ``cores_busy_elsewhere`` (measured at the start) where present, else the one-minute load average,
+    which also counts work that ended in the last minute."""
+    cores = machine.get("cores") or 1
+    elsewhere = machine.get("cores_busy_elsewhere")
+    if elsewhere is not None:
+        if elsewhere > 0.25 * cores:
+            return (f"the machine was busy (other processes kept {elsewhere:.1f} of {cores} cores busy at the "
+                    "start): timings are noisy; rerun on an idle machine for stable numbers")
+        return None
+    load = machine.get("load_average")
     if load and load[0] > 0.5 * cores:
         return (f"the machine was busy (load average {load[0]:.1f} on {cores} cores at the start): timings are "
                 "noisy; rerun on an idle machine for stable numbers")
