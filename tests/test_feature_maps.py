@@ -130,7 +130,9 @@ def test_stabilised_features_differ_only_by_factors_that_cancel(features, quadra
     exact = features(x, **extra)
     stable_k, log_scale = features.key_features(x, mask, **extra)
     assert log_scale.shape == (2, 3, 1, 1)
-    torch.testing.assert_close(stable_k * torch.exp(log_scale), exact, rtol=1e-10, atol=0)
+    # Padded keys get zero features (the attention core would drop them anyway); the others are exact.
+    keep = ~mask[:, None, :, None]
+    torch.testing.assert_close(stable_k * torch.exp(log_scale), exact * keep, rtol=1e-10, atol=0)
     ratio = features.query_features(x, **extra) / exact
     # One positive factor per query row.
     torch.testing.assert_close(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-10, atol=0)
@@ -154,6 +156,19 @@ def test_padded_keys_do_not_set_the_key_scale():
     huge[0, 0, -1] = 1000.0
     mask = torch.tensor([[False, False, False, False, True]])
     torch.testing.assert_close(features.key_features(huge, mask)[1], features.key_features(x, mask)[1])
+
+
+@pytest.mark.parametrize("features", [FavorPositiveFeatures(8, 16, generator=seeded(0)),
+                                      FavorTrigFeatures(8, 16, generator=seeded(0))])
+def test_padded_keys_of_any_size_get_zero_features_and_gradients(features):
+    x = torch.randn(1, 1, 5, 8, generator=seeded(1))
+    x[0, 0, -1] = 1000.0  # its features would overflow float32 by far
+    x.requires_grad_()
+    mask = torch.tensor([[False, False, False, False, True]])
+    phi, _ = features.key_features(x, mask)
+    assert torch.isfinite(phi).all() and (phi[0, 0, -1] == 0).all()
+    phi.sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[0, 0, -1] == 0).all()
 
 
 def test_exp_features_gradients():

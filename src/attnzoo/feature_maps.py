@@ -159,7 +159,8 @@ class FeatureMap(nn.Module):
     def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """``(features, log_scale)``: true features are ``features * exp(log_scale)``, ``log_scale`` of shape
         (batch, heads, 1, 1) or None. Padded keys (``key_padding_mask`` (batch, seq) True) must not influence
-        the scale; their features are zeroed later by the attention core."""
+        the scale; the attention core zeroes their features, and maps whose features could overflow for them
+        (the exponential ones) return zeros there themselves."""
         return self(x), None
 
 
@@ -300,6 +301,15 @@ def _key_scale(log_features: Tensor, key_padding_mask: Optional[Tensor]) -> Tens
     return torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
 
 
+def _padded_to_infinity(log_offset: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """``log_offset`` (batch, heads, seq, 1) with +inf at padded keys, so that ``exp(logit - offset)`` is
+    exactly 0 there, with a zero gradient, whatever their values: a padded key's feature overflowing to inf,
+    even though the attention core zeroes it, would turn the backward into inf * 0 = NaN."""
+    if key_padding_mask is None:
+        return log_offset
+    return log_offset.masked_fill(key_padding_mask[:, None, :, None], math.inf)
+
+
 def _projections_for(nb_features: int, paired: Optional[str]) -> int:
     """Projections needed for ``nb_features`` output features; ``paired`` names the pairing, if any."""
     check_positive_int("nb_features", nb_features)
@@ -438,7 +448,8 @@ class FavorPositiveFeatures(RandomFeatureMap):
         projected, half_norm, bias, log_d = self._logits(x, quadratic)
         # exp(-|k|^2/2) differs from key to key, so it stays (with its gradient); only the shared shift goes.
         shift = _key_scale(self._row_max(projected, bias) - half_norm, key_padding_mask)
-        features = exp_features(projected, half_norm + shift, self.symmetric, bias)
+        offset = _padded_to_infinity(half_norm + shift, key_padding_mask)
+        features = exp_features(projected, offset, self.symmetric, bias)
         return features, shift + log_d + self._log_normaliser()
 
 
@@ -489,7 +500,8 @@ class FavorTrigFeatures(RandomFeatureMap):
     def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         features, half_norm = self._unit_features(x)
         shift = _key_scale(half_norm, key_padding_mask)
-        return features * torch.exp(half_norm - shift), shift - 0.5 * math.log(self.nb_projections)
+        scale = torch.exp(-_padded_to_infinity(shift - half_norm, key_padding_mask))
+        return features * scale, shift - 0.5 * math.log(self.nb_projections)
 
 
 _NAMED_MAPS = {"elu": EluFeatureMap, "relu": ReluFeatureMap}

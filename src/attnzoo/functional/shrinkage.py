@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_key_padding_mask
-from .linear import _accumulation_dtype, _check_features, _prepare_keys, normalize_output
+from .linear import _accumulation_dtype, _check_features, _prepare_keys, denominator_floor, normalize_output
 
 
 def _check_halves(second_half: Tensor, nb_features: int) -> None:
@@ -55,8 +55,8 @@ def shrink_towards_mean(estimate: Tensor, half_a: Tensor, half_b: Tensor, share_
     signal = (estimate - mean_v).pow(2).sum(-1, keepdim=True)
     spread = share_a.pow(2) + (1.0 - share_a).pow(2)
     noise = 0.5 * spread * (half_a - half_b).pow(2).sum(-1, keepdim=True)
-    # A row equal to the mean needs no shrinking; the floor only keeps the division finite there.
-    weight = (1.0 - noise / signal.clamp_min(torch.finfo(signal.dtype).tiny)).clamp(0.0, 1.0)
+    # A row equal to the mean needs no shrinking; the floor keeps the division and its gradient finite there.
+    weight = (1.0 - noise / signal.clamp_min(denominator_floor(signal.dtype))).clamp(0.0, 1.0)
     return mean_v + weight * (estimate - mean_v)
 
 
@@ -106,9 +106,10 @@ def shrunk_kernel_attention(
 
 
 def _share(part: Tensor, whole: Tensor) -> Tensor:
-    """``part / whole``, and 1/2 where ``whole`` is 0 (a row with no visible key, whose output is 0 anyway)."""
-    nonzero = whole != 0
-    return torch.where(nonzero, part / torch.where(nonzero, whole, 1.0), 0.5)
+    """``part / whole``, and 1/2 where ``whole`` is below :func:`denominator_floor` (a row that sees no key,
+    whose output is about 0 anyway)."""
+    live = whole.abs() >= denominator_floor(whole.dtype)
+    return torch.where(live, part / torch.where(live, whole, 1.0), 0.5)
 
 
 def shrunk_kernel_attention_reference(
