@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from attnzoo import available, capabilities
+from attnzoo import available, capabilities, mechanism_options
 from attnzoo.cli import EXIT_FAILED_ROWS, EXIT_OK, EXIT_USAGE, main
 
 TINY = ["--lengths", "16,32", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
@@ -25,6 +25,17 @@ def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
         assert cells[1:5] == ["yes" if flag else "-" for flag in (caps.causal, caps.cross, caps.key_padding,
                                                                     caps.recurrent_step)]
         assert ("approximate" if caps.approximate else "exact") in cells
+
+
+def test_list_options_names_every_option_with_its_default(capsys):
+    assert main(["list", "--options"]) == EXIT_OK
+    out = capsys.readouterr().out
+    lines = {line.split(":")[0].strip(): line for line in out.split("options (")[1].splitlines()[1:]}
+    assert set(lines) == set(available())
+    for name in available():
+        for option, default in mechanism_options(name).items():
+            assert f"{option}={default!r}" in lines[name]
+    assert "optimal_features=False" in lines["performer"]
 
 
 def test_compare_help_documents_the_exit_codes(capsys):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
-from .mechanisms import available, capabilities
+from .mechanisms import available, capabilities, mechanism_options
 
 EXIT_OK = 0
 EXIT_FAILED_ROWS = 1
@@ -38,6 +38,11 @@ def list_command(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths]] + rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if args.options:
+        print("\noptions (keyword arguments of build_mechanism / MultiHeadAttention, with their defaults):")
+        for name in available():
+            options = ", ".join(f"{key}={value!r}" for key, value in mechanism_options(name).items())
+            print(f"  {name}: {options or 'none'}")
     return EXIT_OK
 
 
@@ -139,7 +144,9 @@ def compare_command(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description="Attention mechanisms behind one API.")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("list", help="registered mechanisms and their capabilities").set_defaults(run=list_command)
+    listing = commands.add_parser("list", help="registered mechanisms and their capabilities")
+    listing.add_argument("--options", action="store_true", help="also list each mechanism's options and defaults")
+    listing.set_defaults(run=list_command)
 
     compare = commands.add_parser(
         "compare", help="time, memory and error of every mechanism side by side, with plots",
