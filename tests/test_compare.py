@@ -260,6 +260,7 @@ def test_end_to_end_writes_every_file_and_turns_failures_into_rows(tmp_path):
     assert len(csv_rows) == len(data["rows"]) and list(csv_rows[0]) == CSV_COLUMNS
     report = (out / "report.md").read_text()
     assert data["command"] in report and "![time against N](time.png)" in report
+    assert f"cores busy with other processes at the start {data['machine']['cores_busy_elsewhere']}" in report
     assert "toy mechanism always fails" in result.stdout  # the reason is in the terminal table too
 
 

@@ -38,7 +38,9 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
         f"- device: {machine['device']}" + (f" ({machine['gpu']}, CUDA {machine['cuda']})" if machine.get("gpu") else ""),
         f"- Python {machine['python']}, torch {machine['torch']}, {machine['platform']}",
         f"- run: {data['started']} to {data['finished']} ({data['duration_s']} s)"
-        + (f", load average at the start {machine['load_average'][0]}" if machine.get("load_average") else ""),
+        + (f", load average at the start {machine['load_average'][0]}" if machine.get("load_average") else "")
+        + (f", cores busy with other processes at the start {machine['cores_busy_elsewhere']}"
+           if machine.get("cores_busy_elsewhere") is not None else ""),
         *([f"- **warning**: {busy_warning(machine)}"] if busy_warning(machine) else []),
         "",
         "## Setting",
