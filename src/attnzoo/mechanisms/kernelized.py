@@ -216,6 +216,11 @@ class PerformerAttention(_RandomFeatureMechanism):
     The projection is a buffer: saved with the model, identical after reloading. The stabiliser divides
     each query row by its largest feature and all keys of a head by their largest feature; both cancel
     exactly in the output, so it never flattens attention towards uniform as an added constant would.
+
+    Measured error (``scripts/favor_error_table.py``, docs/benchmarks.md): relative to exact softmax, 256
+    features, N=1024, head dim 64, logits of standard deviation 0.25 / 0.5 / 1: 0.39 / 1.61 / 4.19 by
+    default, 0.20 / 0.63 / 1.81 with ``optimal_features=True, shrinkage=True``; uniform attention (the mean
+    of v) scores 0.24 / 0.45 / 0.80 there.
     """
 
     name = "performer"
