@@ -181,6 +181,14 @@ def test_exp_features_gradients():
         assert torch.autograd.gradcheck(lambda a, b, c: exp_features(a, b, symmetric, c), (p, offset, bias))
 
 
+def test_exp_features_bias_must_not_widen_the_logits():
+    p, offset = torch.randn(4, 5), torch.zeros(4, 1)
+    for symmetric in (False, True):
+        with pytest.raises(ValueError, match="bias of shape"):
+            exp_features(p, offset, symmetric, torch.zeros(2, 1, 1, 5))
+        assert exp_features(p, offset, symmetric, torch.zeros(5, dtype=torch.float64)).dtype == torch.float32
+
+
 def test_redraw_is_explicit_and_seeded():
     features = FavorPositiveFeatures(8, 16, generator=seeded(0))
     x = torch.randn(1, 1, 4, 8)

@@ -149,6 +149,20 @@ def test_performer_optimal_features_lower_the_error_of_the_unbiased_estimate():
         assert mean_error(q, k, v, exact, 128, True) < 0.9 * mean_error(q, k, v, exact, 128, False)
 
 
+def test_performer_optimal_features_ignore_padded_positions_in_self_attention():
+    mechanism = build("performer", optimal_features=True)
+    q, k, v = qkv()
+    pad = torch.zeros(2, 21, dtype=torch.bool)
+    pad[:, 15:] = True
+    out = mechanism(q, k, v, key_padding_mask=pad)
+    # Padded positions, as queries as well as keys, leave the fitted coefficient and every kept row alone.
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, :, 15:] *= 50.0
+    torch.testing.assert_close(mechanism(q2, k2, v2, key_padding_mask=pad)[:, :, :15], out[:, :, :15],
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("option", ["shrinkage", "optimal_features"])
 def test_performer_whole_sequence_options_are_non_causal_only_and_say_so(option):
     mechanism = build("performer", **{option: True})
@@ -157,7 +171,7 @@ def test_performer_whole_sequence_options_are_non_causal_only_and_say_so(option)
         mechanism(q, k, v, causal=True)
     with pytest.raises(UnsupportedOptionError, match=rf"{option}=True.*recurrent_step"):
         mechanism.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], None)
-    with pytest.raises(UnsupportedOptionError, match=rf"{option}=True.*recurrent_step"):
+    with pytest.raises(UnsupportedOptionError, match=rf"{option}=True.*recurrent_step.*without {option}=True"):
         mechanism.prefill(q, k, v)
     assert capabilities("performer").causal  # the class's declaration is unchanged
     with pytest.raises(ValueError, match=r"nb_features=2"):
@@ -230,6 +244,27 @@ def test_half_precision_large_norms_are_finite_with_the_non_causal_performer_opt
     assert out.dtype == dtype and torch.isfinite(out).all()
     out.float().sum().backward()
     assert not any(gradient_defects(t.grad) for t in (q, k, v))
+
+
+def test_float32_causal_performer_keeps_its_accuracy_at_extreme_logits():
+    # Logit std 20: the kernel spans hundreds of orders of magnitude, key features share one shift, so early
+    # rows have normalisers near 1e-30 beside chunks whose terms are near 1. An exclusive prefix sum taken as
+    # "inclusive - own term" loses those rows entirely (measured: errors of 0.08 to 2.6 against the float64
+    # reference); done properly, float32 stays within rounding of the same estimator in float64.
+    g = torch.Generator().manual_seed(0)
+    q, k = (20**0.5 * torch.randn(1, 4, 128, 64, generator=g) for _ in "qk")
+    v = torch.randn(1, 4, 128, 64, generator=g)
+    mechanism = build_mechanism("performer", 4, 64, nb_features=256, seed=0)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = mechanism(*inputs, causal=True)
+    reference = mechanism.reference(q, k, v, causal=True)
+    assert (out.double() - reference).abs().max() < 1e-3
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
+    step_out, state = mechanism.prefill(q[:, :, :100], k[:, :, :100], v[:, :, :100])
+    for t in range(100, 128):
+        last, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+    assert (last.double() - reference[:, :, -1:]).abs().max() < 1e-3
 
 
 def test_gradients_flow_to_learned_gates():

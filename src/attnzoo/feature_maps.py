@@ -136,6 +136,13 @@ def exp_features(projected: Tensor, offset: Tensor, symmetric: bool = False, bia
         symmetric: also the mirrored logits -p, giving (..., 2 m).
         bias: optional, broadcastable to (..., m) and added to both p and -p, e.g. one value per feature.
     """
+    if bias is not None:
+        if torch.broadcast_shapes(projected.shape, bias.shape) != projected.shape:
+            raise ValueError(
+                f"exp_features: bias of shape {tuple(bias.shape)} must broadcast to the logits' shape "
+                f"{tuple(projected.shape)} without widening them"
+            )
+        bias = bias.to(projected.dtype)
     return _ExpFeatures.apply(projected, offset, symmetric, bias)
 
 
@@ -372,7 +379,7 @@ class FavorPositiveFeatures(RandomFeatureMap):
         """Largest logit of each row, over [p + b, -p + b] when symmetric: (..., 1), detached."""
         projected = projected.detach()
         if bias is not None:
-            return ((projected.abs() if self.symmetric else projected) + bias).amax(-1, keepdim=True)
+            return ((projected.abs() if self.symmetric else projected) + bias.detach()).amax(-1, keepdim=True)
         if not self.symmetric:
             return projected.amax(-1, keepdim=True)
         low, high = torch.aminmax(projected, dim=-1, keepdim=True)
@@ -388,8 +395,10 @@ class FavorPositiveFeatures(RandomFeatureMap):
         ``((1 - 4A)^2 / (1 - 8A))^(d/2) exp(|q' + k'|^2 / (1 - 8A))`` (q', k' the scaled inputs, d = head_dim).
         Its log, averaged over every query-key pair of a (batch, head), is smallest at
         ``A = (1 - 2 rho - sqrt((2 rho + 1)^2 + 8 rho)) / 16`` with ``rho = mean |q'_i + k'_j|^2 / d``; A <= 0,
-        and A = 0 (FAVOR+) when q' and k' are 0. Padded keys do not count. The result keeps its gradient, so
-        the backward pass is the exact derivative of the forward one.
+        and A = 0 (FAVOR+) when q' and k' are 0. Padded keys do not count; when queries and keys have one
+        length (self-attention), the padded positions do not count as queries either. Every output row thus
+        depends, through A, on every (unpadded) query: weakly, as A only steers the variance. The result keeps
+        its gradient, so the backward pass is the exact derivative of the forward one.
         """
         self.check_input(q)
         self.check_input(k)
@@ -398,11 +407,18 @@ class FavorPositiveFeatures(RandomFeatureMap):
         keep = torch.ones(k.shape[:3], dtype=dtype, device=k.device)
         if key_padding_mask is not None:
             keep = keep.masked_fill(key_padding_mask[:, None, :], 0.0)
-        count = keep.sum(-1).clamp_min(1.0)  # (B, H)
-        k_sq = (k.pow(2).sum(-1) * keep).sum(-1) / count
-        k_mean = (k * keep.unsqueeze(-1)).sum(-2) / count.unsqueeze(-1)
+        # Self-attention: a padded position is a padded query too (its output is discarded).
+        keep_q = keep if q.shape[2] == k.shape[2] else torch.ones(q.shape[:3], dtype=dtype, device=q.device)
+
+        def masked_moments(x: Tensor, weights: Tensor) -> Tuple[Tensor, Tensor]:
+            """(mean |x|^2 (B, H), mean x (B, H, d)) over the rows of weight 1."""
+            count = weights.sum(-1).clamp_min(1.0)
+            mean_sq = (x.pow(2).sum(-1) * weights).sum(-1) / count
+            return mean_sq, (x * weights.unsqueeze(-1)).sum(-2) / count.unsqueeze(-1)
+
+        (q_sq, q_mean), (k_sq, k_mean) = masked_moments(q, keep_q), masked_moments(k, keep)
         # mean over pairs of |q_i + k_j|^2 = mean |q|^2 + mean |k|^2 + 2 mean(q) . mean(k)
-        pair_sq = q.pow(2).sum(-1).mean(-1) + k_sq + 2.0 * (q.mean(-2) * k_mean).sum(-1)
+        pair_sq = q_sq + k_sq + 2.0 * (q_mean * k_mean).sum(-1)
         rho = pair_sq.clamp_min(0.0) / self.head_dim
         quadratic = (1.0 - 2.0 * rho - torch.sqrt((2.0 * rho + 1.0) ** 2 + 8.0 * rho)) / 16.0
         return quadratic[..., None, None]
@@ -413,7 +429,10 @@ class FavorPositiveFeatures(RandomFeatureMap):
             projected, half_norm = self.project(x)
             return projected, half_norm, None, torch.zeros((), dtype=projected.dtype, device=projected.device)
         if not bool((quadratic < 0.125).all()):
-            raise ValueError("quadratic (FAVOR++'s A) must be below 1/8 everywhere, or the variance is infinite")
+            raise ValueError(
+                "quadratic (FAVOR++'s A) must be finite and below 1/8 everywhere (above, the variance is infinite); "
+                "a NaN here comes from non-finite queries or keys"
+            )
         widening = 1.0 - 4.0 * quadratic
         projected, half_norm = self.project(x, widening.sqrt())
         bias = quadratic.to(projected.dtype) * self.projection.to(projected.dtype).pow(2).sum(-1)

@@ -112,24 +112,34 @@ def normalize_output(num_den: Tensor, normalizer: str, denominator_eps: float = 
 
 
 def denominator_floor(dtype: torch.dtype) -> float:
-    """The smallest divisor magnitude the normalisers use: sqrt of the smallest normal number (1e-19 in
-    float32). A row whose normaliser is below it has a numerator as small, so it outputs about 0 as a row
-    with no key does, and the backward's division by the normaliser stays finite instead of overflowing
-    into inf * 0 = NaN further down (FAVOR+ at logit standard deviations of 30 and more gets there)."""
+    """sqrt of the smallest normal number (1e-19 in float32): the smallest divisor a backward pass divides by.
+
+    A normaliser can be far smaller and still exact (its numerator is as small; FAVOR+ at logit standard
+    deviations of 30 and more gets there), so the forward divides by it as it is; but the backward's
+    ``grad / den``, multiplied on by features near 1, would overflow into inf and then inf * 0 = NaN."""
     return math.sqrt(torch.finfo(dtype).tiny)
 
 
 def _guarded_denominator(den: Tensor, denominator_eps: float) -> Tensor:
-    floor = max(denominator_eps, denominator_floor(den.dtype))
-    guarded = torch.copysign(torch.full_like(den, floor), den)
-    return torch.where(den.abs() < floor, guarded, den)
+    if denominator_eps > 0.0:
+        guarded = torch.copysign(torch.full_like(den, denominator_eps), den)
+        return torch.where(den.abs() < denominator_eps, guarded, den)
+    return torch.where(den == 0, torch.ones_like(den), den)
+
+
+def _floored(den: Tensor) -> Tensor:
+    """``den`` with magnitudes below :func:`denominator_floor` raised to it, sign kept."""
+    floor = denominator_floor(den.dtype)
+    return torch.where(den.abs() < floor, torch.copysign(torch.full_like(den, floor), den), den)
 
 
 class _SumNormalise(torch.autograd.Function):
     """``num / den`` from the packed (..., d + 1) tensor, with the guard of :func:`normalize_output`.
 
     Hand-written so that the backward writes the packed gradient once, instead of two zero-filled slice
-    gradients, their sum, and the five passes of a broadcast division's backward.
+    gradients, their sum, and the five passes of a broadcast division's backward. The backward divides by
+    the normaliser raised to :func:`denominator_floor`: rows whose normaliser is below it (an estimate that
+    sees almost nothing of its keys) get their gradient scaled down by ``den / floor`` instead of overflowing.
     """
 
     @staticmethod
@@ -145,6 +155,7 @@ class _SumNormalise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         out, safe, live = ctx.saved_tensors
+        safe = _floored(safe)
         grad_num_den = grad.new_empty(*grad.shape[:-1], grad.shape[-1] + 1)
         torch.div(grad, safe, out=grad_num_den[..., :-1])
         # d(num / den) / d den = -out / den; a guarded (constant) denominator gets no gradient.
@@ -182,9 +193,10 @@ class _CausalChunks(torch.autograd.Function):
     Forward, per chunk c (all chunks in one batched matmul):
         S_c = tril(Q_c K_c^T),  L_c = K_c^T V_c,  P_c = S0 + sum_{c' < c} L_c',  O_c = S_c V_c + Q_c P_c,
     and the final state S0 + sum_c L_c. The backward mirrors it: the gradient of P_c flows to every earlier
-    chunk, a reversed exclusive sum computed as ``total - inclusive cumsum`` (no flips), and every matmul
-    accumulates into its output (baddbmm) instead of allocating a sum. This halves the elementwise passes of
-    the autograd version, which dominate the time on CPU.
+    chunk (a reversed exclusive sum), and every matmul accumulates into its output (baddbmm) instead of
+    allocating a sum. This halves the elementwise passes of the autograd version, which dominate the time on
+    CPU. Both prefix sums are exclusive sums proper, never ``inclusive - own term``: with features spanning
+    many orders of magnitude, a chunk's own large term would wipe out the small prefix in rounding.
 
     Shapes: q, k (B, H, C, chunk, m); values (B, H, C, chunk, d + 1); initial (B, H, m, d + 1).
     """
@@ -195,7 +207,11 @@ class _CausalChunks(torch.autograd.Function):
     ) -> Tuple[Tensor, Tensor]:
         scores = torch.matmul(q, k.transpose(-1, -2)).tril_()
         local = torch.matmul(k.transpose(-1, -2), values)
-        previous = torch.cumsum(local, dim=2).sub_(local).add_(initial.unsqueeze(2))
+        previous = torch.empty_like(local)
+        previous[:, :, 0] = initial
+        if local.shape[2] > 1:
+            torch.cumsum(local[:, :, :-1], dim=2, out=previous[:, :, 1:])
+            previous[:, :, 1:] += initial.unsqueeze(2)
         final = previous[:, :, -1] + local[:, :, -1]
         out = torch.matmul(q, previous)
         _flat(out).baddbmm_(_flat(scores), _flat(values))
@@ -212,10 +228,11 @@ class _CausalChunks(torch.autograd.Function):
         grad_q = torch.matmul(grad_out, previous.transpose(-1, -2))
         _flat(grad_q).baddbmm_(_flat(grad_scores), _flat(k))
         grad_previous = torch.matmul(q.transpose(-1, -2), grad_out)  # (B, H, C, m, d + 1)
-        total = grad_previous.sum(dim=2, keepdim=True)
         # Chunk c's own contribution reaches the outputs of every later chunk, and the final state.
-        grad_local = torch.cumsum(grad_previous, dim=2).neg_().add_(total)
-        grad_initial = total.squeeze(2)
+        grad_local = torch.zeros_like(grad_previous)
+        if grad_previous.shape[2] > 1:
+            grad_local[:, :, :-1] = torch.cumsum(grad_previous[:, :, 1:].flip(2), dim=2).flip(2)
+        grad_initial = grad_local[:, :, 0] + grad_previous[:, :, 0]
         if grad_final is not None:
             grad_local.add_(grad_final.unsqueeze(2))
             grad_initial = grad_initial + grad_final

@@ -169,7 +169,10 @@ class Mechanism(nn.Module):
         caps = self.capabilities
         if not caps.recurrent_step:
             limited = f" with {caps.limited_by}" if caps.limited_by else ""
-            raise UnsupportedOptionError(f"{self.name}{limited} has no recurrent step (capability recurrent_step=False)")
+            hint = f"; build it without {caps.limited_by} to decode" if caps.limited_by else ""
+            raise UnsupportedOptionError(
+                f"{self.name}{limited} has no recurrent step (capability recurrent_step=False){hint}"
+            )
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
         """Causal attention over a prompt that also returns the decoding state after it.

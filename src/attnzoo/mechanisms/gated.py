@@ -41,7 +41,9 @@ class _DotProductDecayed(KernelizedMechanism):
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         return q.to(dtype) / math.sqrt(self.head_dim), k.to(dtype), None
 
-    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def reference_features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         return q / math.sqrt(self.head_dim), k
 
     def extra_repr(self) -> str:

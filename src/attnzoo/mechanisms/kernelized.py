@@ -72,7 +72,9 @@ class KernelizedMechanism(Mechanism):
         """(B, H, N) per-position log decay, or None for plain linear attention."""
         return None
 
-    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def reference_features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         """Unstabilised float64 features (phi_q, phi_k) for :meth:`reference`, from the definitions."""
         raise NotImplementedError
 
@@ -166,7 +168,9 @@ class _FeatureMapMechanism(KernelizedMechanism):
         phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask)
         return self.feature_map.query_features(q), phi_k, key_log_scale
 
-    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def reference_features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         return self.feature_map(q), self.feature_map(k)
 
     @property
@@ -285,7 +289,9 @@ class PerformerAttention(_RandomFeatureMechanism):
         phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask, quadratic)
         return self.feature_map.query_features(q, quadratic), phi_k, key_log_scale
 
-    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def reference_features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         quadratic = self._quadratic(q, k, key_padding_mask)
         return self.feature_map(q, quadratic), self.feature_map(k, quadratic)
 
@@ -425,7 +431,9 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         return super().features(self._unit(q), self._unit(k), key_padding_mask)
 
-    def reference_features(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    def reference_features(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, Tensor]:
         return super().reference_features(self._unit(q), self._unit(k), key_padding_mask)
 
     def _keys(self, k: Tensor, phi_k: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
