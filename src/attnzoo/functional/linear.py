@@ -120,17 +120,15 @@ def denominator_floor(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).tiny)
 
 
+def _at_least(den: Tensor, floor: float) -> Tensor:
+    """``den`` with magnitudes below ``floor`` raised to it, sign kept."""
+    return torch.where(den.abs() < floor, torch.copysign(torch.full_like(den, floor), den), den)
+
+
 def _guarded_denominator(den: Tensor, denominator_eps: float) -> Tensor:
     if denominator_eps > 0.0:
-        guarded = torch.copysign(torch.full_like(den, denominator_eps), den)
-        return torch.where(den.abs() < denominator_eps, guarded, den)
+        return _at_least(den, denominator_eps)
     return torch.where(den == 0, torch.ones_like(den), den)
-
-
-def _floored(den: Tensor) -> Tensor:
-    """``den`` with magnitudes below :func:`denominator_floor` raised to it, sign kept."""
-    floor = denominator_floor(den.dtype)
-    return torch.where(den.abs() < floor, torch.copysign(torch.full_like(den, floor), den), den)
 
 
 class _SumNormalise(torch.autograd.Function):
@@ -155,7 +153,7 @@ class _SumNormalise(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         out, safe, live = ctx.saved_tensors
-        safe = _floored(safe)
+        safe = _at_least(safe, denominator_floor(safe.dtype))
         grad_num_den = grad.new_empty(*grad.shape[:-1], grad.shape[-1] + 1)
         torch.div(grad, safe, out=grad_num_den[..., :-1])
         # d(num / den) / d den = -out / den; a guarded (constant) denominator gets no gradient.
