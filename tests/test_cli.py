@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -48,30 +50,138 @@ def test_compare_help_documents_the_exit_codes(capsys):
         assert f"  {code}  " in text
 
 
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Makes measuring fail the test: a usage error must be found before anything runs."""
+    import attnzoo.bench.compare as compare
+
+    def run_compare(*args, **kwargs):
+        raise AssertionError("measured despite a usage error")
+
+    monkeypatch.setattr(compare, "run_compare", run_compare)
+
+
+def one_error_line(err: str) -> str:
+    """The single line a usage error prints (no traceback, no usage block)."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnzoo compare: error: "), err
+    return lines[0]
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--mechanisms", "no_such_mechanism"], "valid choices"),
-    (["--heads", "0"], "heads"),
+    (["--mechanisms", "no_such_mechanism"], "--mechanisms names unknown mechanism(s) no_such_mechanism; valid"),
+    (["--heads", "0"], "--heads must be an integer >= 1, got 0"),
+    (["--head-dim", "0"], "--head-dim must be an integer >= 1, got 0"),
+    (["--batch", "0"], "--batch must be an integer >= 1, got 0"),
+    (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    (["--threads", "-1"], "--threads must be an integer >= 0, got -1"),
+    (["--budget", "nan"], "--budget must be finite, got nan"),
+    (["--budget", "inf"], "--budget must be finite, got inf"),
+    (["--budget", "0"], "--budget must be a number > 0, got 0.0"),
+    (["--budget", "-1"], "--budget must be a number > 0, got -1.0"),
+    (["--lengths", "0,16"], "--lengths must be an integer >= 1, got 0"),
+    (["--lengths", ","], "--lengths must be a non-empty list"),
+    (["--device", "cuda:x"], "--device must be 'cpu' or 'cuda[:N]', got 'cuda:x'"),
     (["--accuracy", "/nonexistent/results.json"], "--accuracy"),
-    (["--import", "/nonexistent/mechanisms.py"], "mechanisms.py"),
+    (["--import", "/nonexistent/mechanisms.py"], "--import /nonexistent/mechanisms.py: No such file or directory"),
 ])
-def test_bad_values_exit_2_with_a_message_naming_them(argv, message, capsys, tmp_path):
-    assert main(["compare", *argv, "--output", str(tmp_path)]) == EXIT_USAGE
-    assert message in capsys.readouterr().err
-    assert not (tmp_path / "results.json").exists()
+def test_bad_values_exit_2_with_one_line_naming_them_before_measuring(argv, message, capsys, tmp_path,
+                                                                       no_measuring):
+    out = tmp_path / "out"
+    assert main(["compare", *argv, "--output", str(out)]) == EXIT_USAGE
+    assert message in one_error_line(capsys.readouterr().err)
+    assert not out.exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
-def test_cuda_without_cuda_is_a_usage_error(capsys, tmp_path):
-    assert main(["compare", "--device", "cuda", "--output", str(tmp_path)]) == EXIT_USAGE
-    assert "CUDA is not available" in capsys.readouterr().err
+def test_an_output_whose_parent_is_a_file_is_a_usage_error(capsys, tmp_path, no_measuring):
+    (tmp_path / "file").write_text("")
+    assert main(["compare", *TINY, "--output", str(tmp_path / "file" / "results")]) == EXIT_USAGE
+    line = one_error_line(capsys.readouterr().err)
+    assert line.endswith(f"--output {tmp_path / 'file' / 'results'}: cannot create the directory (Not a directory)")
 
 
-@pytest.mark.parametrize("argv", [["--lengths", "0,16"], ["--lengths", "a"], ["--preset", "huge"],
-                                  ["--quiet", "--json"]])
-def test_malformed_arguments_exit_2(argv, capsys):
+def test_an_output_naming_an_existing_file_is_a_usage_error(capsys, tmp_path, no_measuring):
+    (tmp_path / "results").write_text("keep me")
+    assert main(["compare", *TINY, "--output", str(tmp_path / "results")]) == EXIT_USAGE
+    assert one_error_line(capsys.readouterr().err).endswith("exists and is not a directory")
+    assert (tmp_path / "results").read_text() == "keep me"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes to read-only directories")
+def test_an_output_in_a_read_only_directory_is_a_usage_error(capsys, tmp_path, no_measuring):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        assert main(["compare", *TINY, "--output", str(locked)]) == EXIT_USAGE
+        assert "cannot write files in it" in one_error_line(capsys.readouterr().err)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_user_module_that_raises_is_one_line_not_a_traceback(capsys, tmp_path, no_measuring):
+    module = tmp_path / "broken_mechanisms.py"
+    module.write_text("raise RuntimeError('registration failed')\n")
+    assert main(["compare", *TINY, "--import", str(module), "--output", str(tmp_path / "out")]) == EXIT_USAGE
+    assert one_error_line(capsys.readouterr().err).endswith(
+        f"--import {module}: RuntimeError: registration failed")
+
+
+def test_results_that_cannot_be_written_after_the_run_still_print_and_exit_2(capsys, tmp_path, monkeypatch):
+    import attnzoo.bench.compare as compare
+    import attnzoo.bench.results as results
+    from attnzoo.bench.compare import CompareResult
+
+    def run_compare(config, argv, progress=None, progress_total=None):
+        return CompareResult(synthetic_data())
+
+    def write_results(data, output):
+        raise OSError(errno.ENOSPC, "No space left on device", str(output / "results.json"))
+
+    monkeypatch.setattr(compare, "run_compare", run_compare)
+    monkeypatch.setattr(results, "write_results", write_results)
+    assert main(["compare", *TINY, "--output", str(tmp_path)]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert "N = 16" in captured.out  # the measurements are not lost
+    assert one_error_line(captured.err).endswith(
+        f"--output {tmp_path}: cannot write {tmp_path / 'results.json'} (No space left on device)")
+
+
+def synthetic_data() -> dict:
+    """A results.json for one softmax row, as run_compare would return it."""
+    from attnzoo.bench.results import CSV_COLUMNS, add_ratios, summarize
+
+    row = {column: None for column in CSV_COLUMNS}
+    row.update(mechanism="softmax", source="attnzoo", approximate=False, length=16, batch=1, heads=2, head_dim=8,
+               dtype="float32", causal=False, device="cpu", status="ok", forward_ms=1.0, forward_backward_ms=3.0,
+               peak_memory_mib=1.0, error=0.0)
+    add_ratios([row])
+    return {"config": {"batch": 1, "heads": 2, "head_dim": 8, "dtype": "float32", "causal": False, "device": "cpu"},
+            "machine": {"threads": 1, "cpu": "test cpu", "cores": 2, "cores_busy_elsewhere": 0.0},
+            "rows": [row], "summary": summarize([row]), "uniform_error": [], "sweeps": [], "missing_peers": []}
+
+
+def test_threads_0_means_every_core(tmp_path, monkeypatch):
+    import attnzoo.bench.compare as compare
+
+    class Measured(Exception):
+        """Stops the command where measuring would begin, with the configuration it was given."""
+
+    def run_compare(config, argv, progress=None, progress_total=None):
+        raise Measured(config.resolved_threads())
+
+    monkeypatch.setattr(compare, "run_compare", run_compare)
+    with pytest.raises(Measured) as measured:
+        main(["compare", *TINY, "--threads", "0", "--quiet", "--output", str(tmp_path)])
+    assert measured.value.args == (os.cpu_count() or 1,)
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "a"], ["--preset", "huge"], ["--quiet", "--json"],
+                                  ["--batch", "1.5"], ["--budget", "soon"]])
+def test_malformed_arguments_exit_2_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", *argv])
     assert exit_info.value.code == EXIT_USAGE
+    assert one_error_line(capsys.readouterr().err).endswith("(see attnzoo compare --help)")
 
 
 @pytest.mark.slow

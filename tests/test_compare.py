@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import os
 import subprocess
 import sys
 import time
@@ -13,19 +15,25 @@ import pytest
 import torch
 
 from attnzoo import available
-from attnzoo.bench.compare import CompareConfig, cores_busy_elsewhere, sweep_plan
+from attnzoo.bench.compare import CompareConfig, ConfigError, cores_busy_elsewhere, sweep_plan
 from attnzoo.bench.launch import Launcher
 from attnzoo.bench.measure import PeakMemory, make_inputs, reference_output, relative_error, uniform_attention
 from attnzoo.bench.peers import PEERS, build_peer, peer_installed
 from attnzoo.bench.results import (
     CSV_COLUMNS,
+    SCHEMA,
     STATUSES,
+    add_ratios,
     busy_warning,
     crossover_length,
     describe_crossover,
     load_accuracy,
+    prepare_output,
     speed_ratio,
+    summarize,
+    write_results,
 )
+from attnzoo.bench.table import counterpart_note, results_table
 from attnzoo.bench.targets import build_target, classify_failure, mechanism_entry
 from attnzoo.functional.softmax import softmax_attention_reference
 
@@ -155,6 +163,94 @@ def test_config_validation_names_the_setting():
         CompareConfig.from_preset("huge")
 
 
+@pytest.mark.parametrize("setting, value", [
+    ("budget_s", math.nan), ("budget_s", math.inf), ("budget_s", 0), ("budget_s", -1.0), ("budget_s", "10"),
+    ("threads", -1), ("threads", 1.5), ("repeats", 0), ("batch", 0), ("heads", True), ("head_dim", 0),
+    ("head_dim", 8.0), ("lengths", [16, -1]), ("lengths", []), ("lengths", [16.5]), ("sweep_values", [0]),
+    ("sweep_length", 0), ("min_sample_s", math.nan), ("memory_fraction", 0), ("memory_fraction", 1.5),
+    ("seed", 0.5), ("device", "cuda:x"), ("device", "meta"), ("launch", "thread"), ("dtype", "int8"),
+])
+def test_config_validation_checks_type_finiteness_and_range_of_every_setting(setting, value):
+    with pytest.raises(ConfigError) as error:
+        CompareConfig(**{setting: value}).validate()
+    assert error.value.setting == setting
+    assert str(error.value).startswith(f"{setting} ") and "\n" not in str(error.value)
+
+
+def test_config_validation_accepts_the_documented_edge_values():
+    # threads=0 is documented as "every core"; a budget may be an int; any large length is the user's call.
+    config = CompareConfig(threads=0, budget_s=1, lengths=[10**6], memory_fraction=1.0, min_sample_s=0)
+    config.validate()
+    assert config.resolved_threads() == (os.cpu_count() or 1)
+
+
+def test_prepare_output_creates_the_directory_and_refuses_what_cannot_hold_results(tmp_path, monkeypatch):
+    nested = tmp_path / "a" / "b"
+    prepare_output(nested)
+    assert nested.is_dir() and list(nested.iterdir()) == []  # the probe file is gone again
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        prepare_output(a_file)
+    with pytest.raises(ValueError, match="cannot create the directory"):
+        prepare_output(a_file / "results")
+    # Permissions do not stop root, and read-only file systems are not at hand: the probe write decides.
+    import attnzoo.bench.results as results
+
+    def refuse(**kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(results.tempfile, "mkstemp", refuse)
+    with pytest.raises(ValueError, match=r"cannot write files in it \(Permission denied\)"):
+        prepare_output(tmp_path)
+
+
+# -- peer rows -----------------------------------------------------------------------------------------------
+def _synthetic_row(mechanism: str, source: str, counterpart, ms: float, mib: float, length: int = 1024) -> dict:
+    row = {column: None for column in CSV_COLUMNS}
+    row.update(mechanism=mechanism, source=source, counterpart=counterpart, approximate=mechanism != "softmax",
+               length=length, batch=1, heads=4, head_dim=64, dtype="float32", causal=False, device="cpu",
+               status="ok", forward_ms=ms / 2, forward_backward_ms=ms, peak_memory_mib=mib, error=0.1,
+               forward_backward_ms_samples=[ms] * 3)
+    return row
+
+
+def synthetic_peer_result() -> dict:
+    """softmax, attnzoo's performer and performer-pytorch at one length: attnzoo takes 40 ms and 92 MiB,
+    the peer 100 ms and 100 MiB."""
+    rows = [_synthetic_row("softmax", "attnzoo", None, 200.0, 400.0),
+            _synthetic_row("performer", "attnzoo", None, 40.0, 92.0),
+            _synthetic_row("peer:performer-pytorch", "performer-pytorch", "performer", 100.0, 100.0)]
+    add_ratios(rows)
+    return {"schema": SCHEMA, "command": "attnzoo compare --peers", "argv": ["attnzoo", "compare", "--peers"],
+            "config": {"batch": 1, "heads": 4, "head_dim": 64, "dtype": "float32", "causal": False,
+                       "device": "cpu"},
+            "machine": {"threads": 2, "cpu": "test cpu", "cores": 2, "cores_busy_elsewhere": 0.0},
+            "rows": rows, "summary": summarize(rows), "uniform_error": [], "sweeps": [], "missing_peers": []}
+
+
+def test_peer_ratios_are_attnzoos_figure_over_the_peers_for_time_and_memory_alike(tmp_path):
+    data = synthetic_peer_result()
+    peer = data["rows"][2]
+    assert peer["attnzoo_time_over_peer"] == pytest.approx(0.40)  # 40 ms over 100 ms, from paired samples
+    assert peer["attnzoo_memory_over_peer"] == pytest.approx(0.92)  # 92 MiB over 100 MiB
+    assert all(row["attnzoo_time_over_peer"] is None for row in data["rows"][:2])  # attnzoo's own rows
+
+    wording = "attnzoo performer's time is 0.40x performer-pytorch's, memory 0.92x"
+    assert counterpart_note(peer) == wording
+    table = results_table(data)
+    assert wording in table and "vs performer" not in table
+    assert counterpart_note(dict(peer, source="pytorch-fast-transformers")).startswith(
+        "attnzoo performer's time is 0.40x pytorch-fast-transformers', ")
+
+    write_results(data, tmp_path)
+    with (tmp_path / "results.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert "speed_vs_counterpart" not in rows[0] and "memory_vs_counterpart" not in rows[0]
+    assert float(rows[2]["attnzoo_time_over_peer"]) == pytest.approx(0.40)
+    assert float(rows[2]["attnzoo_memory_over_peer"]) == pytest.approx(0.92)
+
+
 def test_sweep_plan_only_takes_approximate_mechanisms_with_a_feature_option():
     entries = [mechanism_entry(name) for name in available()]
     for entry, option in sweep_plan(CompareConfig(), entries):
@@ -226,7 +322,7 @@ def test_end_to_end_writes_every_file_and_turns_failures_into_rows(tmp_path):
             assert (out / name).read_bytes()[:8] == PNG_MAGIC
 
     data = json.loads((out / "results.json").read_text())
-    assert data["schema"] == "attnzoo.compare/1"
+    assert data["schema"] == "attnzoo.compare/2"
     assert data["argv"][:2] == ["attnzoo", "compare"] and "--mechanisms" in data["command"]
     for key in ("cpu", "cores", "threads", "torch", "python", "platform"):
         assert data["machine"][key] not in (None, ""), key

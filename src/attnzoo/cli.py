@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, NoReturn, Optional, Tuple
 
 from .mechanisms import available, capabilities, mechanism_options
 
@@ -18,7 +18,18 @@ EXIT_CODES = """exit codes:
   0  every configuration was measured, or reported as unsupported, out of memory or too slow
   1  at least one configuration failed with an error (its reason is in the table and results.json);
      every output file is still written
-  2  usage error: bad option value, unknown mechanism, unreadable --accuracy file"""
+  2  usage error: bad option value, unknown mechanism, unreadable --accuracy file, a --import that fails,
+     an --output directory that cannot be created or written (checked before anything is measured)"""
+
+# The option behind each CompareConfig setting whose name differs from it, for error messages.
+OPTION_NAMES = {"budget_s": "--budget", "imports": "--import"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other usage error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _yes(flag: bool) -> str:
@@ -48,13 +59,11 @@ def list_command(args: argparse.Namespace) -> int:
 
 # -- compare -------------------------------------------------------------------------------------------------
 def _int_list(text: str) -> List[int]:
+    """Comma-separated integers; their range is checked with every other setting by CompareConfig.validate."""
     try:
-        values = [int(item) for item in text.replace(" ", "").split(",") if item]
+        return [int(item) for item in text.replace(" ", "").split(",") if item]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(value < 1 for value in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _name_list(text: str) -> List[str]:
@@ -94,30 +103,53 @@ def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None]
     return step, set_total, close
 
 
+def _usage_error(message: str) -> int:
+    """Print a usage error as the one line the exit code 2 promises; a message never spans several lines."""
+    print(f"attnzoo compare: error: {'; '.join(line.strip() for line in message.splitlines() if line.strip())}",
+          file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _describe(error: BaseException) -> str:
+    """"No such file or directory" for an OSError, "SyntaxError: invalid syntax (...)" for anything else."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {error}"
+
+
 def compare_command(args: argparse.Namespace) -> int:
-    from .bench.compare import CompareConfig, run_compare
-    from .bench.results import load_accuracy, write_results
+    from .bench.compare import CompareConfig, ConfigError, run_compare
+    from .bench.results import load_accuracy, prepare_output, write_results
     from .bench.plots import write_plots
     from .bench.report import write_report
     from .bench.table import results_table
+    from .bench.targets import import_user_modules
 
-    accuracy = None
+    # Every usage error is found here, before the first measurement: a bad value must not cost a run.
+    output = Path(args.output)
     try:
-        if args.accuracy is not None:
-            accuracy = load_accuracy(args.accuracy)
+        accuracy = load_accuracy(args.accuracy) if args.accuracy is not None else None
         config = CompareConfig.from_preset(
             args.preset, mechanisms=args.mechanisms, lengths=args.lengths, batch=args.batch, heads=args.heads,
             head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
             repeats=args.repeats, threads=args.threads, budget_s=args.budget, peers=args.peers,
             sweep=not args.no_sweep, imports=args.imports or None, launch=args.launch,
         )
-        from .bench.targets import import_user_modules
-
-        import_user_modules(config.imports)
+        for spec in config.imports:  # first: the modules register mechanisms that --mechanisms may name
+            try:
+                import_user_modules([spec])
+            except Exception as error:  # noqa: BLE001 - whatever a user's module raises is theirs to fix
+                raise ValueError(f"--import {spec}: {_describe(error)}") from None
         config.validate()
-    except (ValueError, ImportError, OSError) as error:
-        print(f"attnzoo compare: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        try:
+            prepare_output(output)
+        except ValueError as error:
+            raise ValueError(f"--output {output}: {error}") from None
+    except ConfigError as error:
+        option = OPTION_NAMES.get(error.setting, "--" + error.setting.replace("_", "-"))
+        return _usage_error(f"{option} {error.problem}")
+    except ValueError as error:
+        return _usage_error(str(error))
 
     step, set_total, close = _progress(args.quiet or args.json)
     argv = ["attnzoo", "compare", *args.raw_argv]
@@ -128,21 +160,30 @@ def compare_command(args: argparse.Namespace) -> int:
     if accuracy is not None:
         result.data["accuracy"] = {"path": str(args.accuracy), "values": accuracy}
 
-    output = Path(args.output)
-    paths = write_results(result.data, output)
-    paths.update(write_plots(result.data, output, accuracy))
-    paths["report"] = write_report(result.data, output, str(args.accuracy) if args.accuracy else None)
+    # The directory was writable at the start; should that change during the run (removed, disk full), the
+    # table or JSON is still printed so the measurements are not lost, then the error.
+    paths: Dict[str, Path] = {}
+    write_failure: Optional[str] = None
+    try:
+        paths.update(write_results(result.data, output))
+        paths.update(write_plots(result.data, output, accuracy))
+        paths["report"] = write_report(result.data, output, str(args.accuracy) if args.accuracy else None)
+    except OSError as error:
+        write_failure = f"--output {output}: cannot write {error.filename or 'the results'} ({_describe(error)})"
 
     if args.json:
         print(json.dumps(result.data, indent=2))
     elif not args.quiet:
         print(results_table(result.data))
-        print(f"\nwrote {', '.join(path.name for path in paths.values())} to {output}/")
+        if write_failure is None:
+            print(f"\nwrote {', '.join(path.name for path in paths.values())} to {output}/")
+    if write_failure is not None:
+        return _usage_error(write_failure)
     return EXIT_FAILED_ROWS if result.failed else EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnzoo", description="Attention mechanisms behind one API.")
+    parser = _Parser(prog="attnzoo", description="Attention mechanisms behind one API.")
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="registered mechanisms and their capabilities")
     listing.add_argument("--options", action="store_true", help="also list each mechanism's options and defaults")
@@ -170,13 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--causal", action="store_true", help="causal (autoregressive) attention; mechanisms "
                                                                 "without causal support become rows saying so")
     compare.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    compare.add_argument("--repeats", type=int, help="timed repeats per configuration (the median is reported)")
-    compare.add_argument("--threads", type=int, help="torch threads (default: every core)")
+    compare.add_argument("--repeats", type=int, help="timed repeats per configuration (the median is reported; "
+                                                      "quick: 9, full: 7)")
+    compare.add_argument("--threads", type=int, help="torch threads (default, or 0: every core)")
     compare.add_argument("--budget", type=float, metavar="SECONDS",
                          help="time budget per configuration; slower ones are reported as too slow and skipped "
                               "at longer lengths (quick: 10, full: 120)")
     compare.add_argument("--output", default="compare-results", metavar="DIR",
-                         help="directory for results and plots (default: compare-results/)")
+                         help="directory for results and plots, created if missing and checked to be writable "
+                              "before anything is measured (default: compare-results/)")
     compare.add_argument("--peers", action="store_true",
                          help="also measure the installed peer libraries (pip install 'attnzoo[peers]' or "
                               "scripts/install-peers.sh); missing ones are listed")

@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._validation import check_number as check_option_number
 from ..mechanisms import available, capabilities, mechanism_options
-from .launch import Launcher
+from .launch import METHODS, Launcher
 from .measure import DEFAULT_MIN_SAMPLE_S
 from .peers import PEERS, installed_peers
 from .targets import Entry, import_user_modules, mechanism_entry, peer_entry
@@ -57,7 +58,7 @@ class CompareConfig:
     device: str = "cpu"
     repeats: int = 9
     budget_s: float = 10.0  # time budget of one configuration; slower ones are "too slow" rows
-    threads: int = 0  # 0: every core os.cpu_count() reports
+    threads: int = 0  # 0: every core os.cpu_count() reports (also what --threads 0 means)
     peers: bool = False
     sweep: bool = True
     sweep_length: Optional[int] = None  # None: the middle of ``lengths``
@@ -71,7 +72,7 @@ class CompareConfig:
     @classmethod
     def from_preset(cls, preset: str, **overrides: Any) -> "CompareConfig":
         if preset not in PRESETS:
-            raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+            raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
         values = dict(PRESETS[preset], preset=preset)
         values.update({key: value for key, value in overrides.items() if value is not None})
         return cls(**values)
@@ -83,23 +84,75 @@ class CompareConfig:
         return self.threads or os.cpu_count() or 1
 
     def validate(self) -> None:
-        """Raises ValueError naming the setting for anything that cannot run."""
+        """Raises :class:`ConfigError` naming the setting for anything that cannot run.
+
+        Called before anything is measured, so a bad value costs nothing; every numeric setting goes through
+        :func:`check_number`, which checks its type, finiteness and range alike."""
+        if self.preset not in PRESETS:
+            raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         for name in ("batch", "heads", "head_dim", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.lengths or any(length < 1 for length in self.lengths):
-            raise ValueError(f"lengths must be positive integers, got {self.lengths}")
+            check_number(name, getattr(self, name), integer=True, minimum=1)
+        check_number("threads", self.threads, integer=True, minimum=0)  # 0: every core
+        check_number("budget_s", self.budget_s, minimum=0, exclusive_minimum=True)
+        check_number("min_sample_s", self.min_sample_s, minimum=0)
+        check_number("memory_fraction", self.memory_fraction, minimum=0, exclusive_minimum=True, maximum=1)
+        check_number("seed", self.seed, integer=True)
+        if not isinstance(self.lengths, (list, tuple)) or not self.lengths:
+            raise ConfigError("lengths", f"must be a non-empty list of positive integers, got {self.lengths!r}")
+        for length in self.lengths:
+            check_number("lengths", length, integer=True, minimum=1)
+        if self.sweep_length is not None:
+            check_number("sweep_length", self.sweep_length, integer=True, minimum=1)
+        if self.sweep and not self.sweep_values:
+            raise ConfigError("sweep_values", "must list at least one feature count when sweep is on")
+        for value in self.sweep_values:
+            check_number("sweep_values", value, integer=True, minimum=1)
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
-        if self.budget_s <= 0:
-            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+            raise ConfigError("dtype", f"must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+        self._validate_device()
+        if self.launch not in METHODS:
+            raise ConfigError("launch", f"must be one of {', '.join(METHODS)}, got {self.launch!r}")
         unknown = [name for name in (self.mechanisms or []) if name not in available()]
         if unknown:
-            raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; valid choices: {', '.join(available())}")
+            raise ConfigError("mechanisms", f"names unknown mechanism(s) {', '.join(unknown)}; "
+                                            f"valid choices: {', '.join(available())}")
+
+    def _validate_device(self) -> None:
+        # torch.device parses "cuda:1" and rejects "cuda:x"; a malformed string would otherwise only fail in
+        # the first worker, as a row per configuration.
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, ValueError, TypeError):
+            raise ConfigError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError("device", f"is {self.device!r} but CUDA is not available")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ConfigError("device", f"is {self.device!r} but only {torch.cuda.device_count()} CUDA "
+                                            "device(s) are visible")
+
+
+class ConfigError(ValueError):
+    """A setting of :class:`CompareConfig` that cannot run: ``setting`` names the field, ``problem`` follows it
+    in the message ("budget_s" "must be a number > 0, got nan").
+
+    The command line names the option instead of the field (``--budget`` for ``budget_s``)."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"{setting} {problem}")
+        self.setting = setting
+        self.problem = problem
+
+
+def check_number(setting: str, value: Any, **bounds: Any) -> None:
+    """:func:`attnzoo._validation.check_number` (type, finiteness, range; bools refused), raising
+    :class:`ConfigError` so that the command line can name the option behind ``setting``."""
+    try:
+        check_option_number(setting, value, **bounds)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(setting, str(error).removeprefix(f"{setting} ")) from None
 
 
 def cores_busy_elsewhere(window_s: float = 0.5) -> Optional[float]:

@@ -8,11 +8,16 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-SCHEMA = "attnzoo.compare/1"
+# 2: a peer's ratios to its attnzoo counterpart are attnzoo_time_over_peer and attnzoo_memory_over_peer (both
+# attnzoo's figure over the peer's); 1 had speed_vs_counterpart and memory_vs_counterpart, which pointed in
+# opposite directions.
+SCHEMA = "attnzoo.compare/2"
 BASELINE = "softmax"
 
 # A row's status; its "reason" says why for every status but "ok".
@@ -28,7 +33,7 @@ CSV_COLUMNS = [
     "mechanism", "source", "counterpart", "approximate", "length", "batch", "heads", "head_dim", "dtype",
     "causal", "device", "status", "reason", "forward_ms", "forward_backward_ms", "peak_memory_mib",
     "forward_peak_memory_mib", "error", "speed_vs_softmax", "forward_speed_vs_softmax", "memory_vs_softmax",
-    "speed_vs_counterpart", "memory_vs_counterpart", "repeats", "forward_spread", "forward_backward_spread",
+    "attnzoo_time_over_peer", "attnzoo_memory_over_peer", "repeats", "forward_spread", "forward_backward_spread",
 ]
 
 
@@ -105,7 +110,7 @@ def load_accuracy(path: Path) -> Dict[str, float]:
     """
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, ValueError) as error:  # ValueError: not JSON, or not UTF-8 text at all
         raise ValueError(f"--accuracy {path}: cannot read a JSON file ({error})") from error
     if isinstance(data, dict) and data and all(isinstance(v, (int, float)) for v in data.values()):
         return {str(k): float(v) for k, v in data.items()}
@@ -140,7 +145,12 @@ def speed_ratio(reference: Dict[str, Any], row: Dict[str, Any], column: str) -> 
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
-    """Speed and memory of every row against softmax at the same length (and a peer's against its twin)."""
+    """Speed and memory of every row against softmax at the same length (and a peer's against its twin).
+
+    A peer row also gets ``attnzoo_time_over_peer`` (forward+backward) and ``attnzoo_memory_over_peer``
+    (peak): the attnzoo counterpart's figure divided by the peer's, the same direction for both, so below 1
+    means attnzoo takes less time or memory than the peer library.
+    """
     by_key = {(row["mechanism"], row["length"]): row for row in rows}
     for row in rows:
         base = by_key.get((BASELINE, row["length"]))
@@ -150,8 +160,9 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
             row["memory_vs_softmax"] = _ratio(row["peak_memory_mib"], base["peak_memory_mib"])
         twin = by_key.get((row["counterpart"], row["length"])) if row["counterpart"] else None
         if twin is not None:
-            row["speed_vs_counterpart"] = speed_ratio(twin, row, "forward_backward_ms")
-            row["memory_vs_counterpart"] = _ratio(row["peak_memory_mib"], twin["peak_memory_mib"])
+            # speed_ratio(twin, row) is how many times faster the peer is: twin time over peer time.
+            row["attnzoo_time_over_peer"] = speed_ratio(twin, row, "forward_backward_ms")
+            row["attnzoo_memory_over_peer"] = _ratio(twin["peak_memory_mib"], row["peak_memory_mib"])
 
 
 def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -191,6 +202,25 @@ def _summary_note(own: Sequence[Dict[str, Any]], trouble: Optional[Dict[str, Any
         return reason
     return f"N={trouble['length']}: {reason}"
 
+
+def prepare_output(output: Path) -> None:
+    """Create the directory ``output`` and check that files can be written in it, before anything is measured.
+
+    Raises ValueError saying what is wrong (without the path, which the caller names), so that a run of
+    minutes does not end in a traceback over its output directory. A probe file is written and removed:
+    permissions alone do not tell (root, read-only file systems, full disks)."""
+    if output.exists() and not output.is_dir():
+        raise ValueError("exists and is not a directory")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cannot create the directory ({error.strerror or error})") from None
+    try:
+        handle, probe = tempfile.mkstemp(dir=output, prefix=".attnzoo-write-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"cannot write files in it ({error.strerror or error})") from None
 
 
 def write_results(data: Dict[str, Any], output: Path) -> Dict[str, Path]:

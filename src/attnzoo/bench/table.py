@@ -6,6 +6,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from .results import BASELINE, busy_warning, describe_crossover
 
+# Wide enough for a whole peer comparison ("attnzoo linear's time is 0.53x pytorch-fast-transformers', ...").
+NOTE_WIDTH = 90
+
 NOISY_SPREAD = 0.25  # interquartile range over median above which a row's timing is flagged
 
 EXACT_BELOW = 1e-3  # relative errors under this are float rounding: the mechanism computes softmax
@@ -32,6 +35,18 @@ def _number(value: Optional[float]) -> str:
 
 def _ratio(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}x"
+
+
+def counterpart_note(row: Dict[str, Any]) -> Optional[str]:
+    """How a peer row compares with its attnzoo counterpart, worded so that it cannot be read backwards.
+
+    "attnzoo performer's time is 0.41x performer-pytorch's, memory 0.92x": both are attnzoo's figure over the
+    peer's, so below 1 means attnzoo needs less. None for rows without a measured counterpart."""
+    time, memory = row.get("attnzoo_time_over_peer"), row.get("attnzoo_memory_over_peer")
+    if not row.get("counterpart") or (time is None and memory is None):
+        return None
+    source = row["source"] + ("'" if row["source"].endswith("s") else "'s")
+    return f"attnzoo {row['counterpart']}'s time is {_ratio(time)} {source}, memory {_ratio(memory)}"
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool]) -> List[str]:
@@ -68,14 +83,14 @@ def results_table(data: Dict[str, Any]) -> str:
             spread = row.get("forward_backward_spread")
             if spread is not None and spread > NOISY_SPREAD:
                 note = f"noisy timing (spread {100 * spread:.0f}%)" + (f"; {note}" if note else "")
-            if row["counterpart"] and row["speed_vs_counterpart"] is not None:
-                note = (f"vs {row['counterpart']}: speed {_ratio(row['speed_vs_counterpart'])}, memory "
-                        f"{_ratio(row['memory_vs_counterpart'])}" + (f"; {note}" if note else ""))
+            peer = counterpart_note(row)
+            if peer:
+                note = peer + (f"; {note}" if note else "")
             error = format_error(row)
             starred = starred or error.endswith("*")
             body.append([row["mechanism"], _number(row["forward_ms"]), _number(row["forward_backward_ms"]),
                          _number(row["peak_memory_mib"]), _ratio(row["speed_vs_softmax"]),
-                         _ratio(row["memory_vs_softmax"]), error, _shorten(note, 70)])
+                         _ratio(row["memory_vs_softmax"]), error, _shorten(note, NOTE_WIDTH)])
         floor = f"; uniform attention's error here: {uniform[length]:.3g}" if uniform.get(length) else ""
         lines += ["", f"N = {length}{floor}"] + render_table(header, body, right)
     lines += ["", "crossover: the length from which a mechanism is faster than softmax (log-log interpolation)"]
