@@ -22,7 +22,9 @@ class ToyBroken(Mechanism):
     capabilities = Capabilities(causal=True, cross=False, key_padding=False, recurrent_step=False,
                                 approximate=False, complexity="-", summary="always raises")
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
         raise RuntimeError("toy mechanism always fails")
 
 
@@ -34,7 +36,9 @@ class ToyNonCausal(Mechanism):
     capabilities = Capabilities(causal=False, cross=False, key_padding=False, recurrent_step=False,
                                 approximate=False, complexity="O(N^2)", summary="softmax, non-causal only")
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
         return softmax_attention(q, k, v)
 
 
@@ -50,6 +54,8 @@ class ToyTruncated(Mechanism):
         super().__init__(heads, head_dim)
         self.nb_features = nb_features
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
         m = self.nb_features
         return softmax_attention(q, k[:, :, :m], v[:, :, :m])

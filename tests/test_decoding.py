@@ -233,7 +233,8 @@ def test_beam_search_with_fewer_hypotheses_than_beams_leaves_empty_slots():
     [
         (lambda m, p: greedy_decode(m, p, 0), ValueError, "max_new_tokens"),
         (lambda m, p: greedy_decode(m, p, -3), ValueError, "max_new_tokens"),
-        (lambda m, p: greedy_decode(m, p, 2.5), ValueError, "max_new_tokens"),
+        (lambda m, p: greedy_decode(m, p, 2.5), TypeError, "max_new_tokens"),
+        (lambda m, p: greedy_decode(m, p, True), TypeError, "max_new_tokens"),
         (lambda m, p: greedy_decode(m, p[:, :0], 3), ValueError, "prompt is empty"),
         (lambda m, p: greedy_decode(m, p.double(), 3), TypeError, "prompt must be an integer tensor"),
         (lambda m, p: greedy_decode(m, p[0], 3), ValueError, r"prompt must have shape \(batch, seq\)"),

@@ -88,16 +88,17 @@ def test_favor_plus_plus_features_estimate_the_softmax_kernel(symmetric):
 def test_favor_plus_plus_coefficient_minimises_the_second_moment():
     dim = 16
     features = FavorPositiveFeatures(dim, 8, generator=seeded(0)).double()
-    assert torch.equal(features.optimal_quadratic(*(torch.zeros(1, 1, 4, dim, dtype=torch.float64),) * 2),
+    zeros = torch.zeros(1, 1, 4, dim, dtype=torch.float64)
+    assert torch.equal(features.optimal_quadratic(zeros, zeros, self_attention=True),
                        torch.zeros(1, 1, 1, 1, dtype=torch.float64))
     q = 1.5 * torch.randn(2, 3, 7, dim, generator=seeded(1), dtype=torch.float64)
     k = 1.5 * torch.randn(2, 3, 9, dim, generator=seeded(2), dtype=torch.float64)
     mask = torch.zeros(2, 9, dtype=torch.bool)
     mask[1, -4:] = True
-    a = features.optimal_quadratic(q, k, mask)
+    a = features.optimal_quadratic(q, k, mask, self_attention=False)
     assert a.shape == (2, 3, 1, 1) and (a < 0).all()
     # Padded keys are left out: the same as dropping them.
-    torch.testing.assert_close(a[1:], features.optimal_quadratic(q[1:], k[1:, :, :5]))
+    torch.testing.assert_close(a[1:], features.optimal_quadratic(q[1:], k[1:, :, :5], self_attention=False))
 
     # The mean over pairs of the log second moment, written out directly, is smallest at the returned A.
     def mean_log_moment(a, b, h):

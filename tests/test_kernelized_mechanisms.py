@@ -55,7 +55,7 @@ def test_prefill_and_step_equal_parallel(name, options):
     for t in range(21):
         out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
     torch.testing.assert_close(out_t, full[:, :, -1:], atol=tol, rtol=tol)
-    assert state["kv"].shape[:2] == (2, 3) and state["kv"].shape[-1] == 9
+    assert state.tensors["kv"].shape[:2] == (2, 3) and state.tensors["kv"].shape[-1] == 9 and state.length == 21
 
 
 @pytest.mark.parametrize("name, options", CONFIGS)
@@ -309,10 +309,16 @@ def test_decayed_mechanisms_reject_cross_attention(name, options):
         ("gla", {"gate_temperature": 0.0}, "gate_temperature"),
         ("linear", {"chunk_size": 0}, "chunk_size"),
         ("performer", {"seed": "zero"}, "seed"),
+        ("rfa", {"sharpness": float("inf")}, "sharpness"),
+        ("rfa", {"sharpness": "1"}, "sharpness"),
+        ("retention", {"decays": 0.9}, "decays"),
+        ("performer", {"shrinkage": "False"}, "shrinkage"),
+        ("rfa", {"gated": 1}, "gated"),
+        ("retention", {"normalize": None}, "normalize"),
     ],
 )
 def test_bad_options_name_the_option(name, options, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         build_mechanism(name, 3, 8, **options)
 
 

@@ -6,7 +6,9 @@ what was expected, so that bad input never turns into silent broadcasting or a N
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+import numbers
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -63,7 +65,85 @@ def check_key_padding_mask(mask: Optional[Tensor], batch: int, kv_len: int, devi
         raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
 
 
-def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+# -- options: one helper per kind, shared by every constructor and forward argument ------------------------
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is a real bool; a TypeError naming ``name`` otherwise.
+
+    Truthy stand-ins are refused on purpose: ``"False"`` is truthy, and ``causal=None`` or ``causal=2`` read as
+    a yes/no would silently switch behaviour on."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
     return value
+
+
+def check_number(
+    name: str,
+    value: object,
+    *,
+    integer: bool = False,
+    minimum: Optional[float] = None,
+    maximum: Optional[float] = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    optional: bool = False,
+) -> Any:
+    """Check one numeric option: its type (TypeError), then finiteness and range (ValueError), naming ``name``.
+
+    Args:
+        integer: an int is required (a float such as 2.0 is refused: options that count things take counts).
+        minimum, maximum: bounds, inclusive unless ``exclusive_minimum`` / ``exclusive_maximum``.
+        optional: None is accepted (and returned).
+
+    Returns the value: an ``int`` for integer options, a ``float`` otherwise (ints are accepted for floats).
+    bools are refused everywhere, though Python counts them as ints.
+    """
+    if value is None and optional:
+        return None
+    wanted = "an integer" if integer else "a number"
+    if optional:
+        wanted += " or None"
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be {wanted}, got {value!r} ({type(value).__name__})")
+    number = int(value) if integer else float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    below = minimum is not None and (number <= minimum if exclusive_minimum else number < minimum)
+    above = maximum is not None and (number >= maximum if exclusive_maximum else number > maximum)
+    if below or above:
+        low = "" if minimum is None else f"{'>' if exclusive_minimum else '>='} {minimum:g}"
+        high = "" if maximum is None else f"{'<' if exclusive_maximum else '<='} {maximum:g}"
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} {' and '.join(part for part in (low, high) if part)}, got {value!r}")
+    return number
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """A count of at least 1 (TypeError for a non-int, ValueError below 1)."""
+    return check_number(name, value, integer=True, minimum=1)
+
+
+def check_probability(name: str, value: object) -> float:
+    """A probability in [0, 1), as dropout rates are (1 would drop everything)."""
+    return check_number(name, value, minimum=0.0, maximum=1.0, exclusive_maximum=True)
+
+
+def check_choice(name: str, value: object, choices: Collection[str]) -> str:
+    """One of the strings ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_numbers(
+    name: str, values: object, length: int, **bounds: Any
+) -> Sequence[float]:
+    """A sequence of ``length`` numbers, each checked as by :func:`check_number` with ``bounds``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not (
+        isinstance(values, torch.Tensor) and values.dim() == 1
+    ):
+        raise TypeError(f"{name} must be a sequence of {length} numbers, got {values!r} ({type(values).__name__})")
+    items = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+    if len(items) != length:
+        raise ValueError(f"{name} must have {length} values, got {len(items)}: {items!r}")
+    return [check_number(f"{name}[{i}]", item, **bounds) for i, item in enumerate(items)]

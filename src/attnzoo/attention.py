@@ -7,17 +7,22 @@ from typing import Any, Optional, Tuple
 
 from torch import Tensor, nn
 
-from ._validation import check_floating, check_positive_int
-from .mechanisms.base import State, UnsupportedOptionError, build_mechanism
+from ._validation import check_bool, check_floating, check_positive_int, check_probability
+from .mechanisms.base import UnsupportedOptionError, build_mechanism
+from .state import DecodingState
 from .positional import RotaryEmbedding
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionState:
-    """Decoding state of one self-attention layer: the mechanism's own state and the next position."""
+    """Decoding state of one self-attention layer: its mechanism's state."""
 
-    mechanism: State
-    position: int
+    mechanism: DecodingState
+
+    @property
+    def position(self) -> int:
+        """The next position (rotary embeddings rotate by it): the positions decoded so far."""
+        return self.mechanism.length
 
 
 class MultiHeadAttention(nn.Module):
@@ -30,7 +35,7 @@ class MultiHeadAttention(nn.Module):
         head_dim: per-head width, ``dim // heads`` by default.
         context_dim: width of ``context`` for cross-attention, ``dim`` by default.
         bias: biases in the four projections.
-        dropout: dropout on the attention output (before the output projection).
+        dropout: dropout on the attention output (before the output projection), a probability in [0, 1).
         rotary: rotate queries and keys with a :class:`RotaryEmbedding` (self-attention only).
         **mechanism_options: passed to the mechanism; an option it does not take raises a TypeError that
             lists the valid ones (see :func:`attnzoo.mechanism_options`).
@@ -62,13 +67,15 @@ class MultiHeadAttention(nn.Module):
             head_dim = dim // heads
         check_positive_int("head_dim", head_dim)
         self.dim, self.heads, self.head_dim = dim, heads, head_dim
-        self.context_dim = dim if context_dim is None else context_dim
+        self.context_dim = dim if context_dim is None else check_positive_int("context_dim", context_dim)
+        check_bool("bias", bias)
+        check_bool("rotary", rotary)
         inner = heads * head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.k_proj = nn.Linear(self.context_dim, inner, bias=bias)
         self.v_proj = nn.Linear(self.context_dim, inner, bias=bias)
         self.out_proj = nn.Linear(inner, dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.rotary = RotaryEmbedding(head_dim) if rotary else None
         self.mechanism = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **mechanism_options)
 
@@ -90,6 +97,14 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"{name} must have shape (batch, seq, {width}), got {tuple(x.shape)}")
         if x.shape[1] == 0:
             raise ValueError(f"{name} must have at least one position, got seq=0")
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype:
+            raise TypeError(
+                f"{name} is {x.dtype} but the module's parameters are {weight.dtype}: convert one to the other "
+                f"(e.g. module.to({x.dtype}) or {name}.to({weight.dtype}))"
+            )
+        if x.device != weight.device:
+            raise ValueError(f"{name} is on {x.device} but the module's parameters are on {weight.device}")
 
     def forward(
         self,
@@ -106,30 +121,32 @@ class MultiHeadAttention(nn.Module):
             self._check_input("context", context, self.context_dim)
             if context.shape[0] != x.shape[0]:
                 raise ValueError(f"context batch {context.shape[0]} does not match x batch {x.shape[0]}")
-            if context.device != x.device:
-                raise ValueError(f"context is on {context.device}, x on {x.device}: they must share a device")
-            if not self.mechanism.capabilities.cross:
-                raise UnsupportedOptionError(f"{self.mechanism.name} does not support cross-attention (context=...)")
-            if self.rotary is not None:
-                raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
+            self._require_cross()
             source = context
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(source))
         v = self._split_heads(self.v_proj(source))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask)
+        out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None)
         return self.out_proj(self.dropout(self._merge_heads(out)))
+
+    def _require_cross(self) -> None:
+        caps = self.mechanism.capabilities
+        if not caps.cross:
+            limited = f" with {caps.limited_by}" if caps.limited_by else ""
+            raise UnsupportedOptionError(
+                f"{self.mechanism.name}{limited} does not support cross-attention (context=...)"
+            )
+        if self.rotary is not None:
+            raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
 
     # -- cross-attention to a fixed context, projected once -------------------------------------------------
     def project_context(self, context: Tensor) -> Tuple[Tensor, Tensor]:
         """Project ``context`` (batch, seq_c, context_dim) to per-head keys and values, each
         (batch, heads, seq_c, head_dim), so that decoding steps reuse them instead of re-projecting."""
         self._check_input("context", context, self.context_dim)
-        if not self.mechanism.capabilities.cross:
-            raise UnsupportedOptionError(f"{self.mechanism.name} does not support cross-attention (context=...)")
-        if self.rotary is not None:
-            raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
+        self._require_cross()
         return self._split_heads(self.k_proj(context)), self._split_heads(self.v_proj(context))
 
     def attend_projected(
@@ -140,7 +157,8 @@ class MultiHeadAttention(nn.Module):
         Equals ``forward(x, context, key_padding_mask=key_padding_mask)``. Output: (batch, seq, dim).
         """
         self._check_input("x", x, self.dim)
-        out = self.mechanism(self._split_heads(self.q_proj(x)), k, v, causal=False, key_padding_mask=key_padding_mask)
+        q = self._split_heads(self.q_proj(x))
+        out = self.mechanism(q, k, v, causal=False, key_padding_mask=key_padding_mask, cross=True)
         return self.out_proj(self.dropout(self._merge_heads(out)))
 
     # -- incremental decoding (causal self-attention) ------------------------------------------------------
@@ -151,21 +169,29 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         out, state = self.mechanism.prefill(q, k, v)
-        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(state, x.shape[1])
+        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(state)
 
     def step(self, x_t: Tensor, state: Optional[AttentionState]) -> Tuple[Tensor, AttentionState]:
         """One decoding step: x_t (batch, 1, dim) -> (y_t (batch, 1, dim), new state). Start with state=None."""
         self._check_input("x_t", x_t, self.dim)
         if x_t.shape[1] != 1:
             raise ValueError(f"step takes one position: x_t of shape (batch, 1, {self.dim}), got {tuple(x_t.shape)}")
-        position = 0 if state is None else state.position
+        if state is not None and not isinstance(state, AttentionState):
+            raise TypeError(
+                f"state must be None (to start) or the AttentionState that prefill or step returned, got "
+                f"{type(state).__name__}"
+            )
+        inner = None if state is None else state.mechanism
+        q, k, v = (self._split_heads(proj(x_t)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        self.mechanism.require_recurrent_step()
+        self.mechanism.check_state(inner, q)  # before its length sets the rotary position
+        position = 0 if inner is None else inner.length
         if self.mechanism.max_length is not None and position >= self.mechanism.max_length:
             raise ValueError(f"{self.mechanism.name}: decoding past max_length={self.mechanism.max_length}")
-        q, k, v = (self._split_heads(proj(x_t)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.rotary is not None:
             q, k = self.rotary(q, start=position), self.rotary(k, start=position)
-        out, mechanism_state = self.mechanism.step(q, k, v, None if state is None else state.mechanism)
-        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(mechanism_state, position + 1)
+        out, mechanism_state = self.mechanism.step(q, k, v, inner)
+        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(mechanism_state)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, mechanism={self.mechanism.name!r}"

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._validation import check_floating, check_positive_int
+from ._validation import check_bool, check_floating, check_number, check_positive_int
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -231,8 +231,9 @@ class RandomFeatureMap(FeatureMap):
         super().__init__()
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.nb_projections = nb_projections
-        self.orthogonal = bool(orthogonal)
-        self.input_scale = head_dim ** -0.25 if input_scale is None else float(input_scale)
+        self.orthogonal = check_bool("orthogonal", orthogonal)
+        input_scale = check_number("input_scale", input_scale, minimum=0.0, exclusive_minimum=True, optional=True)
+        self.input_scale = head_dim ** -0.25 if input_scale is None else input_scale
         if redraw_interval is not None:
             check_positive_int("redraw_interval", redraw_interval)
         self.redraw_interval = redraw_interval
@@ -364,6 +365,7 @@ class FavorPositiveFeatures(RandomFeatureMap):
         redraw_interval: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
+        symmetric = check_bool("symmetric", symmetric)
         super().__init__(
             head_dim,
             _projections_for(nb_features, "symmetric features (pairs w, -w)" if symmetric else None),
@@ -373,7 +375,7 @@ class FavorPositiveFeatures(RandomFeatureMap):
             generator=generator,
         )
         self.nb_features = nb_features
-        self.symmetric = bool(symmetric)
+        self.symmetric = symmetric
 
     def _row_max(self, projected: Tensor, bias: Optional[Tensor]) -> Tensor:
         """Largest logit of each row, over [p + b, -p + b] when symmetric: (..., 1), detached."""
@@ -388,33 +390,42 @@ class FavorPositiveFeatures(RandomFeatureMap):
     def _log_normaliser(self) -> float:
         return -0.5 * math.log(self.nb_features)
 
-    def optimal_quadratic(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    def optimal_quadratic(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, *, self_attention: bool
+    ) -> Tensor:
         """FAVOR++'s variance-minimising coefficient A for these queries and keys: (batch, heads, 1, 1).
 
         One feature's second moment relative to the squared kernel is
         ``((1 - 4A)^2 / (1 - 8A))^(d/2) exp(|q' + k'|^2 / (1 - 8A))`` (q', k' the scaled inputs, d = head_dim).
         Its log, averaged over every query-key pair of a (batch, head), is smallest at
         ``A = (1 - 2 rho - sqrt((2 rho + 1)^2 + 8 rho)) / 16`` with ``rho = mean |q'_i + k'_j|^2 / d``; A <= 0,
-        and A = 0 (FAVOR+) when q' and k' are 0. Padded keys do not count; when queries and keys have one
-        length (self-attention), the padded positions do not count as queries either. Every output row thus
+        and A = 0 (FAVOR+) when q' and k' are 0. Padded keys do not count; in self-attention
+        (``self_attention=True``, said by the caller, never guessed from the lengths) the padded positions do
+        not count as queries either. Whatever excluded positions hold (NaN or inf included) leaves A unchanged. Every output row thus
         depends, through A, on every (unpadded) query: weakly, as A only steers the variance. The result keeps
         its gradient, so the backward pass is the exact derivative of the forward one.
         """
+        check_bool("self_attention", self_attention)
         self.check_input(q)
         self.check_input(k)
+        if self_attention and q.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"self_attention=True needs queries and keys of one sequence, got {q.shape[2]} and {k.shape[2]}"
+            )
         dtype = _compute_dtype(q)
         q, k = (self.input_scale * x.to(dtype) for x in (q, k))
-        keep = torch.ones(k.shape[:3], dtype=dtype, device=k.device)
+        keep = torch.ones(k.shape[:3], dtype=torch.bool, device=k.device)
         if key_padding_mask is not None:
-            keep = keep.masked_fill(key_padding_mask[:, None, :], 0.0)
+            keep = ~key_padding_mask[:, None, :].expand(k.shape[:3])
         # Self-attention: a padded position is a padded query too (its output is discarded).
-        keep_q = keep if q.shape[2] == k.shape[2] else torch.ones(q.shape[:3], dtype=dtype, device=q.device)
+        keep_q = keep if self_attention else torch.ones(q.shape[:3], dtype=torch.bool, device=q.device)
 
-        def masked_moments(x: Tensor, weights: Tensor) -> Tuple[Tensor, Tensor]:
-            """(mean |x|^2 (B, H), mean x (B, H, d)) over the rows of weight 1."""
-            count = weights.sum(-1).clamp_min(1.0)
-            mean_sq = (x.pow(2).sum(-1) * weights).sum(-1) / count
-            return mean_sq, (x * weights.unsqueeze(-1)).sum(-2) / count.unsqueeze(-1)
+        def masked_moments(x: Tensor, kept: Tensor) -> Tuple[Tensor, Tensor]:
+            """(mean |x|^2 (B, H), mean x (B, H, d)) over the kept rows; the others are replaced, not
+            multiplied by zero, so that a NaN or inf there cannot leak in."""
+            x = x.masked_fill(~kept.unsqueeze(-1), 0.0)
+            count = kept.sum(-1).clamp_min(1).to(dtype)
+            return x.pow(2).sum((-1, -2)) / count, x.sum(-2) / count.unsqueeze(-1)
 
         (q_sq, q_mean), (k_sq, k_mean) = masked_moments(q, keep_q), masked_moments(k, keep)
         # mean over pairs of |q_i + k_j|^2 = mean |q|^2 + mean |k|^2 + 2 mean(q) . mean(k)

@@ -1,11 +1,39 @@
-"""Helpers over decoding states: trees (dict, list, tuple) of tensors whose first dim is the batch."""
+"""Decoding states: what a mechanism's ``step`` carries from one position to the next, and helpers over them.
+
+A state is passed in and returned explicitly, never stored on a module. Every mechanism's state is a
+:class:`DecodingState` that says which mechanism made it and how many positions it has seen, so that ``step``
+can refuse a state that belongs elsewhere (another mechanism, batch size, head count or width) with an error
+naming ``state`` instead of broadcasting it silently. Its tensors all have the batch as their first dim, so
+beam search can reorder and repeat sequences with :func:`select_batch`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Dict
 
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DecodingState:
+    """The state of one mechanism after ``length`` positions.
+
+    Attributes:
+        mechanism: registered name of the mechanism that made it.
+        length: positions decoded so far.
+        tensors: the mechanism's tensors by name, each (batch, heads, ...); what they hold is the
+            mechanism's business (a KV cache, a running sum), their names and shapes its declared layout.
+    """
+
+    mechanism: str
+    length: int
+    tensors: Dict[str, Tensor]
+
+    @property
+    def batch(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
 
 
 def map_tensors(state: Any, fn: Callable[[Tensor], Tensor]) -> Any:

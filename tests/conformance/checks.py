@@ -13,9 +13,13 @@ mechanisms too: approximation error is the same on both sides, a leak is not.
 
 from __future__ import annotations
 
+import collections.abc
 import copy
+import dataclasses
 import inspect
 import re
+import typing
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
@@ -26,7 +30,7 @@ from torch.autograd.gradcheck import GradcheckError
 import attnzoo
 from attnzoo.functional import softmax_attention_reference
 from attnzoo.mechanisms import Capabilities, Mechanism, UnsupportedOptionError, mechanism_class
-from attnzoo.state import map_tensors, select_batch
+from attnzoo.state import DecodingState, map_tensors, select_batch
 
 HEADS = 2
 HEAD_DIM = 8
@@ -117,15 +121,16 @@ def padding_pattern(batch: int, k_len: int, *, fully_padded: bool = True) -> Ten
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of calling a mechanism: lengths, causality, padding."""
+    """One way of calling a mechanism: lengths, causality, padding, self- or cross-attention."""
 
     q_len: int
     k_len: int
     causal: bool
     padded: bool
+    cross: bool = False
 
     def describe(self) -> str:
-        kind = "self-attention" if self.q_len == self.k_len else "cross-attention"
+        kind = "cross-attention" if self.cross else "self-attention"
         return (
             f"{kind} q_len={self.q_len} k_len={self.k_len} causal={self.causal} "
             f"key_padding_mask={'yes' if self.padded else 'no'}"
@@ -133,21 +138,26 @@ class Variant:
 
 
 def variants(mechanism: Mechanism, length: int = SEQ) -> List[Variant]:
-    """Every combination of causal / key padding / cross-attention the mechanism declares."""
+    """Every combination of causal / key padding / cross-attention the mechanism declares. Cross-attention
+    runs with equal lengths too: whether keys come from another sequence is said, never read off the lengths."""
     caps = mechanism.capabilities
     n = fit(mechanism, length)
     causal_options = [False, True] if caps.causal else [False]
     padding_options = [False, True] if caps.key_padding else [False]
-    lengths = [(n, n)]
-    if caps.cross and n > 1:
-        short = max(1, n // 2)
-        lengths += [(short, n), (n, short)]
-    return [Variant(lq, lk, c, p) for lq, lk in lengths for c in causal_options for p in padding_options]
+    shapes = [(n, n, False)]
+    if caps.cross:
+        shapes.append((n, n, True))
+        if n > 1:
+            short = max(1, n // 2)
+            shapes += [(short, n, True), (n, short, True)]
+    return [
+        Variant(lq, lk, c, p, cross) for lq, lk, cross in shapes for c in causal_options for p in padding_options
+    ]
 
 
-def call(mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Optional[Tensor]) -> Tensor:
+def call(mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Optional[Tensor], cross: bool = False) -> Tensor:
     q, k, v = qkv
-    return mechanism(q, k, v, causal=causal, key_padding_mask=mask)
+    return mechanism(q, k, v, causal=causal, key_padding_mask=mask, cross=cross)
 
 
 def variant_inputs(
@@ -226,6 +236,13 @@ def expect_unsupported(mechanism: Mechanism, option: str) -> None:
         longer = random_qkv(mechanism, 2, n, n + 1, torch.float32, seed=8)
         longer = (q, longer[1], longer[2])
         expect_error(lambda: call(m, longer, False, None), UnsupportedOptionError, r"cross", f"{where}: k_len != q_len")
+        for other in (qkv, longer):  # refused when said, whatever the lengths
+            expect_error(
+                lambda: call(m, other, False, None, cross=True),
+                UnsupportedOptionError,
+                r"cross",
+                f"{where}: cross=True with q_len={n}, k_len={other[1].shape[2]}",
+            )
     elif option == "recurrent_step":
         one = (q[:, :, :1], k[:, :, :1], v[:, :, :1])
         expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"step", f"{where}: step()")
@@ -288,6 +305,64 @@ def check_declaration(cls: Type[Mechanism]) -> None:
         r"no_such_option",
         f"{where}: an unknown keyword option",
     )
+    check_bool_options_exercised(cls, options)
+    check_option_types(cls)
+
+
+def check_bool_options_exercised(cls: Type[Mechanism], options: Dict[str, inspect.Parameter]) -> None:
+    """Every yes/no option is run by the suite both ways: its other value appears in ``test_options`` or in
+    one of ``test_variants``, so that capabilities an option narrows (or maths it changes) are checked."""
+    option_sets = [cls.test_options, *cls.test_variants]
+    for name, parameter in options.items():
+        if not isinstance(parameter.default, bool):
+            continue
+        if not any(option_set.get(name, parameter.default) != parameter.default for option_set in option_sets):
+            raise AssertionError(
+                f"{cls.__qualname__}: option {name} is never run as {not parameter.default!r} by the conformance "
+                f"suite; add {{{name!r}: {not parameter.default!r}}} to test_variants"
+            )
+
+
+def _bad_values(annotation: Any) -> List[Any]:
+    """Values of the wrong type (or non-finite) for an option annotated ``annotation``."""
+    optional = typing.get_origin(annotation) is Union and type(None) in typing.get_args(annotation)
+    if optional:
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if annotation is bool:
+        return ["False", "no", 1, 0.0] + ([] if optional else [None])
+    if annotation is int:
+        return [1.5, "3", True, float("nan")] + ([] if optional else [None])
+    if annotation is float:
+        return ["abc", "1", float("nan"), float("inf"), True] + ([] if optional else [None])
+    if annotation is str:
+        return [3, True] + ([] if optional else [None])
+    if typing.get_origin(annotation) in (collections.abc.Sequence, list, tuple):
+        return [0.5, "abc", True]
+    return []
+
+
+def check_option_types(cls: Type[Mechanism]) -> None:
+    """Every option refuses values of the wrong type, and numbers that are not finite, with a TypeError or
+    ValueError naming it, read from the constructor's annotations: a truthy string taken for True, or a NaN
+    accepted as a scale, would change the maths silently."""
+    hints = typing.get_type_hints(cls.__init__)
+    signature = inspect.signature(cls.__init__)
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is not inspect.Parameter.KEYWORD_ONLY or name not in hints:
+            continue
+        for bad in _bad_values(hints[name]):
+            options = {**cls.test_options, name: bad}
+
+            def construct(options: Dict[str, Any] = options) -> Mechanism:
+                with torch.random.fork_rng(devices=[]):
+                    return cls(HEADS, HEAD_DIM, **options)
+
+            expect_error(
+                construct,
+                (TypeError, ValueError),
+                rf"\b{name}\b",
+                f"{cls.__qualname__}({name}={bad!r})",
+            )
 
 
 # -- parallel form -------------------------------------------------------------------------------------------
@@ -300,7 +375,7 @@ def check_output_shape_and_dtype(mechanism: Mechanism) -> None:
         for variant in variants(mechanism):
             qkv, mask = variant_inputs(mechanism, variant, dtype, seed=1)
             originals = [t.clone() for t in qkv] + ([mask.clone()] if mask is not None else [])
-            out = call(m, qkv, variant.causal, mask)
+            out = call(m, qkv, variant.causal, mask, variant.cross)
             what = f"{name} {dtype} {variant.describe()}"
             expected = (BATCH, mechanism.heads, variant.q_len, mechanism.head_dim)
             if not isinstance(out, Tensor) or tuple(out.shape) != expected:
@@ -332,7 +407,7 @@ def check_low_precision(mechanism: Mechanism) -> None:
             if variant.q_len != variant.k_len:
                 continue
             qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=2)
-            out = call(m, tuple(t.to(dtype) for t in qkv), variant.causal, mask)
+            out = call(m, tuple(t.to(dtype) for t in qkv), variant.causal, mask, variant.cross)
             what = f"{name} {dtype} {variant.describe()}"
             expected_shape = (BATCH, mechanism.heads, variant.q_len, mechanism.head_dim)
             if tuple(out.shape) != expected_shape:
@@ -341,7 +416,7 @@ def check_low_precision(mechanism: Mechanism) -> None:
                 raise AssertionError(f"{what}: output dtype {out.dtype}, expected the input dtype {dtype}")
             assert_finite(out, what)
             if not mechanism.capabilities.approximate:
-                expected = call(reference, qkv, variant.causal, mask)
+                expected = call(reference, qkv, variant.causal, mask, variant.cross)
                 assert_close(out, expected, f"{what} against float64", **tolerance)
 
 
@@ -358,8 +433,8 @@ def check_deterministic(mechanism: Mechanism) -> None:
     m = as_dtype(mechanism, torch.float64)
     for variant in variants(mechanism):
         qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=3)
-        first = call(m, qkv, variant.causal, mask)
-        second = call(m, qkv, variant.causal, mask)
+        first = call(m, qkv, variant.causal, mask, variant.cross)
+        second = call(m, qkv, variant.causal, mask, variant.cross)
         if not torch.equal(first, second):
             difference = (first - second).abs().max().item()
             raise AssertionError(
@@ -389,16 +464,38 @@ def _perturb(x: Tensor, index: Tuple, seed: int) -> Tensor:
     return out
 
 
-def padding_invariance(mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Tensor, what: str, seed: int = 0) -> None:
-    """Replacing the keys and values at padded positions changes no output row. ``mechanism`` in float64."""
+def padding_invariance(
+    mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Tensor, what: str, seed: int = 0, cross: bool = False
+) -> None:
+    """Whatever padded positions hold, no output changes. ``mechanism`` in float64.
+
+    Keys and values at padded positions are replaced by other random values, by NaN and by +-inf: no output
+    row may change (rows with every key padded included). In self-attention a padded position is also a
+    query, whose own output row is discarded: replacing its query too may change that row only."""
     q, k, v = qkv
-    expected = mechanism(q, k, v, causal=causal, key_padding_mask=mask)
+    expected = mechanism(q, k, v, causal=causal, key_padding_mask=mask, cross=cross)
     assert_finite(expected, what)
     padded = mask[:, None, :, None].expand_as(k)
-    k2 = torch.where(padded, _perturb(k, (slice(None),), seed), k)
-    v2 = torch.where(padded, _perturb(v, (slice(None),), seed + 1), v)
-    actual = mechanism(q, k2, v2, causal=causal, key_padding_mask=mask)
-    assert_close(actual, expected, f"{what}: changing padded keys/values changed the output", **TIGHT)
+    fillers = {
+        "other values": (_perturb(k, (slice(None),), seed), _perturb(v, (slice(None),), seed + 1)),
+        "NaN": (torch.full_like(k, float("nan")), torch.full_like(v, float("nan"))),
+        "+inf keys, -inf values": (torch.full_like(k, float("inf")), torch.full_like(v, -float("inf"))),
+    }
+    for label, (k_fill, v_fill) in fillers.items():
+        k2, v2 = torch.where(padded, k_fill, k), torch.where(padded, v_fill, v)
+        actual = mechanism(q, k2, v2, causal=causal, key_padding_mask=mask, cross=cross)
+        assert_close(actual, expected, f"{what}: padded keys/values holding {label} changed the output", **TIGHT)
+        if cross:
+            continue
+        q2 = torch.where(padded, q.new_full((), float("nan")) if label == "NaN" else _perturb(q, (slice(None),), seed + 2), q)
+        actual = mechanism(q2, k2, v2, causal=causal, key_padding_mask=mask, cross=cross)
+        kept = ~mask[:, None, :, None].expand_as(actual)
+        assert_close(
+            torch.where(kept, actual, 0.0),
+            torch.where(kept, expected, 0.0),
+            f"{what}: padded positions holding {label} in q, k and v changed the output at unpadded positions",
+            **TIGHT,
+        )
 
 
 def check_key_padding(mechanism: Mechanism) -> None:
@@ -411,17 +508,18 @@ def check_key_padding(mechanism: Mechanism) -> None:
         if not variant.padded:
             continue
         qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=5)
-        padding_invariance(m, qkv, variant.causal, mask, f"{type(mechanism).__name__} {variant.describe()}")
+        what = f"{type(mechanism).__name__} {variant.describe()}"
+        padding_invariance(m, qkv, variant.causal, mask, what, cross=variant.cross)
 
 
 def no_lookahead(
-    mechanism: Mechanism, qkv: Qkv, mask: Optional[Tensor], cut: int, what: str, seed: int = 0
+    mechanism: Mechanism, qkv: Qkv, mask: Optional[Tensor], cut: int, what: str, seed: int = 0, cross: bool = False
 ) -> None:
     """With ``causal=True``, changing queries after position ``cut`` and the keys, values and padding that
     query ``cut`` may not see (bottom-right alignment) changes no output row up to ``cut``."""
     q, k, v = qkv
     q_len, k_len = q.shape[2], k.shape[2]
-    expected = mechanism(q, k, v, causal=True, key_padding_mask=mask)
+    expected = mechanism(q, k, v, causal=True, key_padding_mask=mask, cross=cross)
     assert_finite(expected, what)
     first_future_key = max(0, cut + 1 + k_len - q_len)
     future_q = (slice(None), slice(None), slice(cut + 1, None))
@@ -431,7 +529,7 @@ def no_lookahead(
     if mask is not None:
         mask2 = mask.clone()
         mask2[:, first_future_key:] = ~mask2[:, first_future_key:]
-    actual = mechanism(q2, k2, v2, causal=True, key_padding_mask=mask2)
+    actual = mechanism(q2, k2, v2, causal=True, key_padding_mask=mask2, cross=cross)
     assert_close(
         actual[:, :, : cut + 1],
         expected[:, :, : cut + 1],
@@ -451,7 +549,38 @@ def check_no_lookahead(mechanism: Mechanism) -> None:
             continue
         qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=6)
         for cut in sorted({0, variant.q_len // 2, max(0, variant.q_len - 2)}):
-            no_lookahead(m, qkv, mask, cut, f"{type(mechanism).__name__} {variant.describe()}")
+            no_lookahead(m, qkv, mask, cut, f"{type(mechanism).__name__} {variant.describe()}", cross=variant.cross)
+
+
+class _Traced(torch.nn.Module):
+    """A mechanism called with a key padding mask, as ``torch.jit.trace`` takes it (tensors in, tensor out)."""
+
+    def __init__(self, mechanism: Mechanism, causal: bool) -> None:
+        super().__init__()
+        self.mechanism, self.causal = mechanism, causal
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        return self.mechanism(q, k, v, causal=self.causal, key_padding_mask=mask)
+
+
+def check_traced_matches_eager(mechanism: Mechanism) -> None:
+    """A graph traced with one padding mask gives the eager result for another: which code runs may depend on
+    shapes and on which arguments are given, never on the values inside a mask (a branch on
+    ``mask.any()`` would be frozen into the graph). Traced without a fully padded row, run with one."""
+    if not mechanism.capabilities.key_padding:
+        return
+    m = as_dtype(mechanism, torch.float64)
+    n = fit(mechanism, 7)
+    q, k, v = random_qkv(mechanism, BATCH, n, n, torch.float64, seed=23)
+    partly = padding_pattern(BATCH, n, fully_padded=False)
+    fully = padding_pattern(BATCH, n)
+    for causal in ([False, True] if mechanism.capabilities.causal else [False]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer warnings about Python values are expected and harmless
+            traced = torch.jit.trace(_Traced(m, causal), (q, k, v, partly), check_trace=False)
+        what = f"{type(mechanism).__name__} causal={causal}: traced with no fully padded row, run with one"
+        with torch.no_grad():
+            assert_close(traced(q, k, v, fully), call(m, (q, k, v), causal, fully), what, **TIGHT)
 
 
 def check_batch_independence(mechanism: Mechanism) -> None:
@@ -463,13 +592,15 @@ def check_batch_independence(mechanism: Mechanism) -> None:
             continue  # the plain call and the one with everything declared suffice
         qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=9)
         what = f"{type(mechanism).__name__} {variant.describe()}"
-        together = call(m, qkv, variant.causal, mask)
+        together = call(m, qkv, variant.causal, mask, variant.cross)
         for b in range(BATCH):
-            alone = call(m, tuple(t[b : b + 1] for t in qkv), variant.causal, None if mask is None else mask[b : b + 1])
+            alone = call(
+                m, tuple(t[b : b + 1] for t in qkv), variant.causal, None if mask is None else mask[b : b + 1], variant.cross
+            )
             assert_close(together[b : b + 1], alone, f"{what}: batch element {b} run with the batch vs alone", **TIGHT)
         others = (slice(1, None),)
         changed = tuple(_perturb(t, others, seed=20 + i) for i, t in enumerate(qkv))
-        again = call(m, changed, variant.causal, mask)
+        again = call(m, changed, variant.causal, mask, variant.cross)
         assert_close(again[:1], together[:1], f"{what}: changing batch elements 1.. changed element 0", **TIGHT)
 
 
@@ -482,7 +613,7 @@ def check_gradients_finite(mechanism: Mechanism) -> None:
         qkv, mask = variant_inputs(mechanism, variant, torch.float32, seed=10)
         qkv = tuple(t.requires_grad_() for t in qkv)
         m.zero_grad(set_to_none=True)
-        out = call(m, qkv, variant.causal, mask)
+        out = call(m, qkv, variant.causal, mask, variant.cross)
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(11))
         (out * weights).sum().backward()
         what = f"{type(mechanism).__name__} {variant.describe()}"
@@ -505,14 +636,14 @@ def check_gradcheck(mechanism: Mechanism) -> None:
     if caps.causal or caps.key_padding:
         cases.append(Variant(n, n, caps.causal, caps.key_padding))
     if caps.cross and n > 1:
-        cases.append(Variant(n - 1, n, caps.causal, caps.key_padding))
+        cases.append(Variant(n - 1, n, caps.causal, caps.key_padding, cross=True))
     for variant in cases:
         q, k, v = random_qkv(mechanism, 2, variant.q_len, variant.k_len, torch.float64, seed=12)
         mask = padding_pattern(2, variant.k_len) if variant.padded else None
         inputs = tuple(t.requires_grad_() for t in (q, k, v))
 
         def run(q: Tensor, k: Tensor, v: Tensor, variant: Variant = variant, mask: Optional[Tensor] = mask) -> Tensor:
-            return m(q, k, v, causal=variant.causal, key_padding_mask=mask)
+            return m(q, k, v, causal=variant.causal, key_padding_mask=mask, cross=variant.cross)
 
         try:
             # Fast mode compares random projections of the Jacobian: any wrong entry shows, at a fraction of
@@ -626,6 +757,41 @@ def check_step_state_batch_first(mechanism: Mechanism) -> None:
         _compare_steps(outputs, full[index], prefix, f"{name}: after select_batch(state from {label})")
 
 
+def check_step_refuses_foreign_state(mechanism: Mechanism) -> None:
+    """``step`` refuses, with an error naming ``state``, a state it cannot continue: one made for another
+    batch size (never broadcast), by another mechanism, of another layout (heads, widths), or not a
+    DecodingState at all."""
+    if not mechanism.capabilities.recurrent_step:
+        expect_unsupported(mechanism, "recurrent_step")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    n = fit(mechanism, 4)
+    q, k, v = random_qkv(mechanism, 3, n, n, torch.float64, seed=22)
+    _, state = m.prefill(q[:1], k[:1], v[:1])
+    step_inputs = tuple(t[:, :, :1] for t in (q, k, v))
+    one = tuple(t[:1] for t in step_inputs)
+    name = type(mechanism).__name__
+
+    def widened(t: Tensor) -> Tensor:
+        return torch.cat([t, t], dim=1) if t.dim() > 1 else t
+
+    foreign: List[Tuple[str, object, Tuple[Tensor, ...]]] = [
+        ("a batch-1 state for a batch-3 step", state, step_inputs),
+        ("a plain dict", dict(state.tensors) if isinstance(state, DecodingState) else {}, one),
+        ("a state of another mechanism", _replace_state(state, mechanism="another-mechanism"), one),
+        ("a state with every tensor's heads doubled", _replace_state(state, tensors=map_tensors(state.tensors, widened)), one),
+        ("a state with a tensor missing", _replace_state(state, tensors=dict(list(state.tensors.items())[1:])), one),
+    ]
+    for label, bad_state, inputs in foreign:
+        expect_error(lambda: m.step(*inputs, bad_state), (TypeError, ValueError), r"\bstate\b", f"{name}.step with {label}")
+
+
+def _replace_state(state: object, **changes: Any) -> object:
+    if not isinstance(state, DecodingState):
+        raise AssertionError(f"prefill returned a {type(state).__name__}, not a DecodingState")
+    return dataclasses.replace(state, **changes)
+
+
 # -- exactness, limits, bad input ----------------------------------------------------------------------------
 def check_matches_reference(mechanism: Mechanism) -> None:
     """The fast path equals the mechanism's own float64 quadratic ``reference`` in every declared variant
@@ -635,11 +801,11 @@ def check_matches_reference(mechanism: Mechanism) -> None:
         for dtype in (torch.float64, torch.float32):
             m = as_dtype(mechanism, dtype)
             qkv, mask = variant_inputs(mechanism, variant, dtype, seed=18)
-            out = call(m, qkv, variant.causal, mask)
+            out = call(m, qkv, variant.causal, mask, variant.cross)
             what = f"{type(mechanism).__name__} {dtype} {variant.describe()}"
             assert_finite(out, what)
             with torch.no_grad():
-                expected = m.reference(*qkv, variant.causal, mask)
+                expected = m.reference(*qkv, variant.causal, mask, cross=variant.cross)
             if expected.dtype != torch.float64:
                 raise AssertionError(f"{what}: reference() returned {expected.dtype}, expected float64")
             tolerance = TIGHT if dtype == torch.float64 else FLOAT32
@@ -677,7 +843,7 @@ def check_max_length(mechanism: Mechanism) -> None:
     if mechanism.capabilities.cross:
         q = over[0][:, :, :1]
         expect_error(
-            lambda: m(q, over[1], over[2]),
+            lambda: m(q, over[1], over[2], cross=True),
             ValueError,
             r"max_length",
             f"{name}: key length {limit + 1} > max_length={limit}",
@@ -722,6 +888,10 @@ def check_bad_input(mechanism: Mechanism) -> None:
         ("key_padding_mask given as a list", lambda: m(q, k, v, key_padding_mask=[[False] * n] * 2),
          (ValueError, TypeError), r"key_padding_mask"),
     ]
+    # Yes/no arguments must be bools: "no", None or 2 read as truthy would switch behaviour on silently.
+    for value in ("no", "False", None, 1, 2):
+        cases.append((f"causal={value!r}", lambda value=value: m(q, k, v, causal=value), (TypeError,), r"\bcausal\b"))
+        cases.append((f"cross={value!r}", lambda value=value: m(q, k, v, cross=value), (TypeError,), r"\bcross\b"))
     if pad is not None:
         cases.append(
             ("q of rank 3 with a mask", lambda: m(q[:, 0], k, v, key_padding_mask=pad), (ValueError,), r"\bq\b")
@@ -751,6 +921,7 @@ class Case:
     padding: Optional[Tuple[Tuple[bool, ...], ...]]
     cut: int
     seed: int
+    cross: bool = False
 
     def mask(self) -> Optional[Tensor]:
         if self.padding is None:
@@ -762,7 +933,7 @@ class Case:
         rows = None if self.padding is None else ["".join("x" if p else "." for p in row) for row in self.padding]
         return (
             f"batch={self.batch} heads={self.heads} q_len={self.q_len} k_len={self.k_len} causal={self.causal} "
-            f"padding={rows}"
+            f"cross={self.cross} padding={rows}"
         )
 
 
@@ -774,7 +945,7 @@ def check_case_finite(mechanism: Mechanism, case: Case) -> None:
     """float32 output of the right shape and finite, also for rows with no visible key (fully padded, or
     causal rows before the first key)."""
     m = as_dtype(mechanism, torch.float32)
-    out = call(m, case_inputs(mechanism, case, torch.float32), case.causal, case.mask())
+    out = call(m, case_inputs(mechanism, case, torch.float32), case.causal, case.mask(), case.cross)
     expected = (case.batch, case.heads, case.q_len, mechanism.head_dim)
     if tuple(out.shape) != expected:
         raise AssertionError(
@@ -790,7 +961,7 @@ def check_case_padding_invariance(mechanism: Mechanism, case: Case) -> None:
     m = as_dtype(mechanism, torch.float64)
     qkv = case_inputs(mechanism, case, torch.float64)
     what = f"{type(mechanism).__name__} {case.describe()}"
-    padding_invariance(m, qkv, case.causal, case.mask(), what, seed=case.seed)
+    padding_invariance(m, qkv, case.causal, case.mask(), what, seed=case.seed, cross=case.cross)
 
 
 def check_case_no_lookahead(mechanism: Mechanism, case: Case) -> None:
@@ -800,7 +971,7 @@ def check_case_no_lookahead(mechanism: Mechanism, case: Case) -> None:
     m = as_dtype(mechanism, torch.float64)
     qkv = case_inputs(mechanism, case, torch.float64)
     what = f"{type(mechanism).__name__} {case.describe()} cut={case.cut}"
-    no_lookahead(m, qkv, case.mask(), case.cut, what, seed=case.seed)
+    no_lookahead(m, qkv, case.mask(), case.cut, what, seed=case.seed, cross=case.cross)
 
 
 #: Every instance-level check, in the order a failure is easiest to read.
@@ -814,6 +985,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_key_padding,
     check_no_lookahead,
     check_batch_independence,
+    check_traced_matches_eager,
     check_matches_reference,
     check_low_precision,
     check_gradients_finite,
@@ -822,4 +994,5 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_prefill_then_step,
     check_step_state_is_explicit,
     check_step_state_batch_first,
+    check_step_refuses_foreign_state,
 )

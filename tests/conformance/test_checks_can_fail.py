@@ -52,24 +52,24 @@ class SwallowsKwargs(GoodToy):
 
 
 class WrongDtype(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        return super().attend(q, k, v, causal, key_padding_mask).float()
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v, causal, key_padding_mask, cross).float()
 
 
 class OneRowPerKey(GoodToy):
     """Cross-attention returns one row per key instead of per query."""
 
-    def attend(self, q, k, v, causal, key_padding_mask):
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
         if q.shape[2] != k.shape[2]:
             q = k
-        return super().attend(q, k, v, causal, key_padding_mask)
+        return super().attend(q, k, v, causal, key_padding_mask, cross)
 
 
 class UpcastsHalf(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
         if q.dtype in (torch.float16, torch.bfloat16):
-            return super().attend(q.float(), k.float(), v.float(), causal, key_padding_mask)
-        return super().attend(q, k, v, causal, key_padding_mask)
+            return super().attend(q.float(), k.float(), v.float(), causal, key_padding_mask, cross)
+        return super().attend(q, k, v, causal, key_padding_mask, cross)
 
 
 class LiesAboutCausal(GoodToy):
@@ -79,34 +79,75 @@ class LiesAboutCausal(GoodToy):
     step = Mechanism.step
     prefill = Mechanism.prefill
 
-    def check_inputs(self, q, k, v, causal, key_padding_mask):
-        super().check_inputs(q, k, v, False, key_padding_mask)
+    def check_inputs(self, q, k, v, causal, key_padding_mask, cross=False):
+        super().check_inputs(q, k, v, False, key_padding_mask, cross)
 
 
 class Nondeterministic(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        out = super().attend(q, k, v, causal, key_padding_mask)
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        out = super().attend(q, k, v, causal, key_padding_mask, cross)
         return out + 1e-3 * torch.randn_like(out)
 
 
 class IgnoresValues(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        return super().attend(q, k, q.clone(), causal, key_padding_mask)
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, q.clone(), causal, key_padding_mask, cross)
+
+
+class MasksWeightsOnly(GoodToy):
+    """Gives padded keys zero weight but multiplies by their values all the same (0 * NaN = NaN)."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        if key_padding_mask is None:
+            return super().attend(q, k, v, causal, None, cross)
+        weights = torch.softmax((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
+            key_padding_mask[:, None, None, :], -math.inf), dim=-1)
+        allowed = allowed_mask(q.shape[0], q.shape[2], k.shape[2], causal, key_padding_mask, q.device)
+        weights = torch.where(allowed, weights, 0.0).nan_to_num(0.0)
+        return weights @ v
+
+
+class BranchesOnMaskValues(GoodToy):
+    """Takes a shortcut when no row is fully padded, decided by looking at the mask's values."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        if key_padding_mask is not None and not bool(key_padding_mask.all(-1).any()):
+            return super().attend(q, k, v, causal, key_padding_mask, cross)
+        return 2.0 * super().attend(q, k, v, causal, key_padding_mask, cross)
+
+
+class GuessesCrossFromLengths(GoodToy):
+    """Declares no cross-attention but takes equal lengths for self-attention, even when told otherwise."""
+
+    capabilities = replace(CAPS, cross=False)
+
+    def check_inputs(self, q, k, v, causal, key_padding_mask, cross=False):
+        super().check_inputs(q, k, v, causal, key_padding_mask, k.shape[2] != q.shape[2])
+
+
+class TruthyCausal(GoodToy):
+    """Reads causal as a truth value."""
+
+    def check_inputs(self, q, k, v, causal, key_padding_mask, cross=False):
+        super().check_inputs(q, k, v, bool(causal), key_padding_mask, cross)
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v, bool(causal), key_padding_mask, cross)
 
 
 class IgnoresPadding(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        return super().attend(q, k, v, causal, None)
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v, causal, None, cross)
 
 
 class PeeksAtFuture(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        return super().attend(q, k, v, False, key_padding_mask)
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v, False, key_padding_mask, cross)
 
 
 class MixesBatch(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        return super().attend(q, k + 0.1 * k.mean(0, keepdim=True), v, causal, key_padding_mask)
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k + 0.1 * k.mean(0, keepdim=True), v, causal, key_padding_mask, cross)
 
 
 def _masked_softmax(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]):
@@ -123,19 +164,19 @@ class DriftsFromReference(GoodToy):
 
     capabilities = replace(CAPS, approximate=True)
 
-    def attend(self, q, k, v, causal, key_padding_mask):
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
         return softmax_attention(q, k, v, causal, key_padding_mask, scale=0.9 / math.sqrt(q.shape[-1]))
 
 
 class NaNOnEmptyRows(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
         return _masked_softmax(q, k, v, causal, key_padding_mask)[0]
 
 
 class NaNGradientOnEmptyRows(GoodToy):
     """Zeroes empty rows after the fact: the forward is finite, the backward through 0/0 is not."""
 
-    def attend(self, q, k, v, causal, key_padding_mask):
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
         out, allowed = _masked_softmax(q, k, v, causal, key_padding_mask)
         if allowed is None:
             return out
@@ -153,8 +194,8 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 class WrongGradient(GoodToy):
-    def attend(self, q, k, v, causal, key_padding_mask):
-        return _ScaleGradient.apply(super().attend(q, k, v, causal, key_padding_mask))
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return _ScaleGradient.apply(super().attend(q, k, v, causal, key_padding_mask, cross))
 
 
 class ForgetfulStep(GoodToy):
@@ -163,17 +204,23 @@ class ForgetfulStep(GoodToy):
 
 
 class PrefillKeepsLastPosition(GoodToy):
-    def prefill(self, q, k, v):
-        out, state = super().prefill(q, k, v)
-        return out, {"k": state["k"][:, :, -1:], "v": state["v"][:, :, -1:]}
+    """Its prefill state forgets every position of the prompt but the last."""
+
+    def attend_prefill(self, q, k, v):
+        out, cache = super().attend_prefill(q, k, v)
+        cache["k"][:, :, : q.shape[2] - 1] = 0.0
+        cache["v"][:, :, : q.shape[2] - 1] = 0.0
+        return out, cache
 
 
 class StateOnModule(GoodToy):
     """Keeps the KV cache on the module and hands out only a position counter."""
 
-    def step(self, q_t, k_t, v_t, state):
-        self.check_step_inputs(q_t, k_t, v_t)
-        if state is None:
+    def state_layout(self, dtype):
+        return {"t": ((), torch.long)}
+
+    def attend_step(self, q_t, k_t, v_t, tensors, length):
+        if tensors is None:
             self.cache_k, self.cache_v = k_t, v_t
         else:
             self.cache_k = torch.cat([self.cache_k, k_t], dim=2)
@@ -181,27 +228,39 @@ class StateOnModule(GoodToy):
         out = softmax_attention(q_t, self.cache_k, self.cache_v)
         return out, {"t": torch.full((q_t.shape[0],), self.cache_k.shape[2])}
 
-    prefill = Mechanism.prefill
+    attend_prefill = Mechanism.attend_prefill
+
+
+def _heads_first(state):
+    return replace(state, tensors={n: t.transpose(0, 1) if t.dim() > 1 else t for n, t in state.tensors.items()})
 
 
 class HeadsFirstState(GoodToy):
-    """Keeps the KV cache as (heads, batch, t, head_dim)."""
+    """Hands out its KV cache as (heads, batch, t, head_dim)."""
 
     def step(self, q_t, k_t, v_t, state):
-        inner = None if state is None else {name: t.transpose(0, 1) for name, t in state.items()}
-        out, inner = super().step(q_t, k_t, v_t, inner)
-        return out, {name: t.transpose(0, 1) for name, t in inner.items()}
+        out, state = super().step(q_t, k_t, v_t, None if state is None else _heads_first(state))
+        return out, _heads_first(state)
 
-    prefill = Mechanism.prefill
+    def prefill(self, q, k, v):
+        out, state = super().prefill(q, k, v)
+        return out, _heads_first(state)
+
+
+class TrustsAnyState(GoodToy):
+    """Continues from whatever state it is given."""
+
+    def check_state(self, state, q_t):
+        pass
 
 
 class IgnoresMaxLength(BoundedToy):
-    def check_inputs(self, q, k, v, causal, key_padding_mask):
+    def check_inputs(self, q, k, v, causal, key_padding_mask, cross=False):
         check_qkv(q, k, v)
 
 
 class NoValidation(GoodToy):
-    def check_inputs(self, q, k, v, causal, key_padding_mask):
+    def check_inputs(self, q, k, v, causal, key_padding_mask, cross=False):
         pass
 
 
@@ -229,9 +288,11 @@ BROKEN = [
     (checks.check_unsupported_options, LiesAboutCausal, {}, r"causal=True: expected UnsupportedOptionError"),
     (checks.check_deterministic, Nondeterministic, {}, r"two eval-mode calls"),
     (checks.check_output_depends_on_values, IgnoresValues, {}, r"replacing every value"),
-    (checks.check_key_padding, IgnoresPadding, {}, r"changing padded keys/values changed the output"),
+    (checks.check_key_padding, IgnoresPadding, {}, r"padded keys/values holding other values changed the output"),
+    (checks.check_key_padding, MasksWeightsOnly, {}, r"padded keys/values holding NaN changed the output"),
     (checks.check_no_lookahead, PeeksAtFuture, {}, r"changing the future"),
     (checks.check_batch_independence, MixesBatch, {}, r"batch element"),
+    (checks.check_traced_matches_eager, BranchesOnMaskValues, {}, r"traced with no fully padded row, run with one"),
     (checks.check_matches_reference, GoodToy, {"scale": 1.0}, r"reference differs from softmax_attention_reference"),
     (checks.check_matches_reference, DriftsFromReference, {}, r"differs from its own float64 reference"),
     (checks.check_matches_reference, NaNOnEmptyRows, {}, r"non-finite"),
@@ -241,6 +302,9 @@ BROKEN = [
     (checks.check_prefill_then_step, PrefillKeepsLastPosition, {}, r"then step: step output"),
     (checks.check_step_state_is_explicit, StateOnModule, {}, r"decoded alternately"),
     (checks.check_step_state_batch_first, HeadsFirstState, {}, r"batch \(3\) as its first dim"),
+    (checks.check_step_refuses_foreign_state, TrustsAnyState, {}, r"batch-1 state for a batch-3 step: expected"),
+    (checks.check_unsupported_options, GuessesCrossFromLengths, {}, r"cross=True with q_len=6, k_len=6: expected"),
+    (checks.check_bad_input, TruthyCausal, {}, r"causal='no': expected TypeError"),
     (checks.check_max_length, IgnoresMaxLength, {}, r"max_length=16: expected ValueError"),
     (checks.check_bad_input, NoValidation, {}, r"expected ValueError"),
 ]

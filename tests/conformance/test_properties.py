@@ -54,7 +54,8 @@ def cases(
     batch = draw(st.integers(1, 3), label="batch")
     heads = draw(st.integers(1, 3), label="heads")
     q_len = draw(st.integers(1, longest), label="q_len")
-    k_len = draw(st.integers(1, longest), label="k_len") if caps.cross else q_len
+    cross = draw(st.booleans(), label="cross") if caps.cross else False
+    k_len = draw(st.integers(1, longest), label="k_len") if cross else q_len
     if causal is None:
         causal = draw(st.booleans(), label="causal") if caps.causal else False
     if padded is None:
@@ -64,7 +65,7 @@ def cases(
         padding = tuple(tuple(draw(padding_rows(k_len), label="padding row")) for _ in range(batch))
     cut = draw(st.integers(0, q_len - 1), label="cut")
     seed = draw(st.integers(0, 2**31 - 1), label="seed")
-    return Case(batch, heads, q_len, k_len, causal, padding, cut, seed)
+    return Case(batch, heads, q_len, k_len, causal, padding, cut, seed, cross)
 
 
 @lru_cache(maxsize=None)

@@ -41,3 +41,14 @@ def allowed_mask(
         keep = (~key_padding_mask).view(batch, 1, 1, k_len)
         allowed = keep if allowed is None else allowed & keep
     return allowed
+
+
+def zero_padded(x: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """``x`` (batch, heads, seq_kv, dim) with the padded positions set to zero (a copy; ``x`` itself when
+    nothing is padded).
+
+    Masking a padded key's weight is not enough to make it invisible: ``0 * NaN`` and ``-inf + NaN`` are NaN,
+    so a non-finite value at a padded position would still reach every output row. Replacing it first does."""
+    if key_padding_mask is None:
+        return x
+    return x.masked_fill(key_padding_mask[:, None, :, None], 0.0)

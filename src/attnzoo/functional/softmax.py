@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import check_key_padding_mask, check_qkv
-from .masks import allowed_mask
+from .._validation import check_bool, check_key_padding_mask, check_number, check_qkv
+from .masks import allowed_mask, zero_padded
 
 
 def softmax_attention(
@@ -34,16 +34,23 @@ def softmax_attention(
         key_padding_mask: (batch, seq_kv) bool, True marks padding keys that are ignored.
         quiet: "quiet" softmax, ``exp(s_j) / (1 + sum_i exp(s_i))``: a head can put its weight on nothing
             and output zero. Implemented as one extra key of zeros (logit 0) with a zero value.
-        scale: logit scale, ``1/sqrt(head_dim)`` by default.
+        scale: logit scale, a finite number > 0; ``1/sqrt(head_dim)`` by default.
 
     Returns:
         (batch, heads, seq_q, head_dim_v). A query row whose keys are all masked yields zeros, not NaN.
+        Padded keys and values are zeroed before use, so whatever they hold (NaN and inf included) changes
+        no output. Which path runs depends on shapes and on which masks are given, never on the values in a
+        mask, so traced and compiled graphs are correct for any mask.
     """
+    check_bool("causal", causal)
+    check_bool("quiet", quiet)
+    scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
     check_qkv(q, k, v)
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
     check_key_padding_mask(key_padding_mask, batch, k_len, q.device)
     allowed = allowed_mask(batch, q_len, k_len, causal, key_padding_mask, q.device)
+    k, v = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
 
     if quiet:
         k = torch.cat([k.new_zeros(batch, heads, 1, k.shape[3]), k], dim=2)
@@ -61,12 +68,11 @@ def softmax_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
     # Rows with no visible key would be 0/0. Let them see everything (keeps softmax and its gradient finite)
-    # and then zero their output, so they contribute neither values nor gradients.
+    # and then zero their output, so they contribute neither values nor gradients. Done for every row, with no
+    # branch on whether any row is empty: a data-dependent branch would be frozen into a traced graph.
     empty = ~allowed.any(dim=-1, keepdim=True)
-    if bool(empty.any()):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale)
-        return out.masked_fill(empty, 0.0)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale)
+    return out.masked_fill(empty, 0.0)
 
 
 def softmax_attention_reference(
@@ -81,7 +87,7 @@ def softmax_attention_reference(
 ) -> Tensor:
     """Obviously-correct quadratic softmax attention in float64, for tests. Same arguments as
     :func:`softmax_attention`; returns float64."""
-    q, k, v = q.double(), k.double(), v.double()
+    q, k, v = q.double(), zero_padded(k.double(), key_padding_mask), zero_padded(v.double(), key_padding_mask)
     batch, _, q_len, head_dim = q.shape
     k_len = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale

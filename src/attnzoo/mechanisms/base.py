@@ -14,15 +14,23 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_key_padding_mask, check_qkv
+from .._validation import check_bool, check_key_padding_mask, check_positive_int, check_qkv
+from ..state import DecodingState
 
-State = Any
-"""A mechanism's decoding state: a tree (dict, tuple, list) of tensors whose first dim is the batch, or None
-before the first step. Passed in and returned explicitly; never stored on the module."""
+State = Optional[DecodingState]
+"""A mechanism's decoding state: a :class:`~attnzoo.state.DecodingState`, or None before the first step.
+Passed in and returned explicitly; never stored on the module."""
+
+StateLayout = Dict[str, Tuple[Tuple[Optional[int], ...], torch.dtype]]
+"""Name -> (shape after the batch dim, None where the size varies; dtype) of every tensor of a state."""
 
 
 class UnsupportedOptionError(ValueError):
     """A mechanism was asked for something its capabilities do not include (the message names the option)."""
+
+
+NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step")
+"""The capabilities an instance's options may switch off (:meth:`Capabilities.narrowed`)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,7 @@ class Capabilities:
 
     Attributes:
         causal: supports ``causal=True`` (autoregressive masking).
-        cross: supports keys/values from another sequence, with a length different from the queries.
+        cross: supports cross-attention (``cross=True``): keys and values from another sequence, of any length.
         key_padding: supports ``key_padding_mask``.
         recurrent_step: offers :meth:`Mechanism.step` for incremental decoding.
         max_length: the longest key sequence it accepts, or None for no limit.
@@ -55,12 +63,15 @@ class Capabilities:
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
-    def narrowed(self, limited_by: str, **switched_off: bool) -> "Capabilities":
-        """These capabilities with some switched off by an instance option named in ``limited_by``."""
-        unknown = sorted(set(switched_off) - {"causal", "cross", "key_padding", "recurrent_step"})
-        if unknown or any(switched_off.values()):
-            raise ValueError(f"narrowed() only switches capabilities off, got {switched_off}")
-        return replace(self, limited_by=limited_by, **switched_off)
+    def narrowed(self, limited_by: str, **changes: bool) -> "Capabilities":
+        """These capabilities with some switched off by an instance option named in ``limited_by``: any of
+        :data:`NARROWABLE` set to False, or ``approximate=True`` for an option that makes the output differ
+        from exact softmax attention."""
+        switched_off = {key: value for key, value in changes.items() if key != "approximate"}
+        unknown = sorted(set(switched_off) - set(NARROWABLE))
+        if unknown or any(switched_off.values()) or changes.get("approximate", True) is not True:
+            raise ValueError(f"narrowed() only switches capabilities off, got {changes}")
+        return replace(self, limited_by=limited_by, **changes)
 
 
 class Mechanism(nn.Module):
@@ -81,12 +92,19 @@ class Mechanism(nn.Module):
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
-        self.heads = heads
-        self.head_dim = head_dim
+        self.heads = check_positive_int("heads", heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
 
     # -- parallel form -------------------------------------------------------------------------------------
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
     ) -> Tensor:
         """Attend.
 
@@ -96,18 +114,31 @@ class Mechanism(nn.Module):
             v: (batch, heads, seq_kv, head_dim_v)
             causal: autoregressive mask, aligned so the last query sees every key.
             key_padding_mask: (batch, seq_kv) bool, True marks padding.
+            cross: the keys and values come from another sequence than the queries (cross-attention). Said
+                explicitly, never guessed from the lengths: self-attention (the default) needs
+                ``seq_q == seq_kv``, and cross-attention may have any lengths, equal ones included.
 
         Returns:
             (batch, heads, seq_q, head_dim_v)
         """
-        self.check_inputs(q, k, v, causal, key_padding_mask)
-        return self.attend(q, k, v, causal, key_padding_mask)
+        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        return self.attend(q, k, v, causal, key_padding_mask, cross)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
+        """The mechanism's maths, on inputs :meth:`check_inputs` has accepted."""
         raise NotImplementedError
 
     def reference(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
     ) -> Tensor:
         """The same attention computed by slow, obviously-correct quadratic maths in float64.
 
@@ -118,8 +149,16 @@ class Mechanism(nn.Module):
         raise NotImplementedError(f"{type(self).__qualname__} must implement reference()")
 
     def check_inputs(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool,
+        key_padding_mask: Optional[Tensor],
+        cross: bool = False,
     ) -> None:
+        check_bool("causal", causal)
+        check_bool("cross", cross)
         check_qkv(q, k, v)
         check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
         caps = self.capabilities
@@ -134,10 +173,20 @@ class Mechanism(nn.Module):
             raise UnsupportedOptionError(f"{self.name}{limited} does not support causal=True (non-causal only)")
         if key_padding_mask is not None and not caps.key_padding:
             raise UnsupportedOptionError(f"{self.name}{limited} does not support key_padding_mask")
-        if k.shape[2] != q.shape[2] and not caps.cross:
+        if cross and not caps.cross:
             raise UnsupportedOptionError(
-                f"{self.name}{limited} does not support cross-attention (queries of length {q.shape[2]}, keys of length "
-                f"{k.shape[2]}): its keys must come from the query sequence"
+                f"{self.name}{limited} does not support cross-attention (cross=True): its keys must come from the "
+                f"query sequence"
+            )
+        if not cross and k.shape[2] != q.shape[2]:
+            if not caps.cross:
+                raise UnsupportedOptionError(
+                    f"{self.name}{limited} does not support cross-attention (queries of length {q.shape[2]}, keys of "
+                    f"length {k.shape[2]}): its keys must come from the query sequence"
+                )
+            raise ValueError(
+                f"{self.name}: queries of length {q.shape[2]} and keys of length {k.shape[2]} cannot be "
+                f"self-attention (cross=False); pass cross=True for keys and values from another sequence"
             )
         if self.max_length is not None and max(q.shape[2], k.shape[2]) > self.max_length:
             raise ValueError(
@@ -150,19 +199,57 @@ class Mechanism(nn.Module):
         return self.capabilities.max_length
 
     # -- incremental decoding ------------------------------------------------------------------------------
-    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, DecodingState]:
         """One causal decoding step.
 
         Args:
             q_t, k_t, v_t: (batch, heads, 1, head_dim) for the new position.
-            state: what the previous step (or :meth:`prefill`) returned, or None at the start.
+            state: what the previous step (or :meth:`prefill`) of this mechanism returned, or None at the
+                start. A state of another mechanism, batch size or shape raises an error naming ``state``.
 
         Returns:
             (out_t of shape (batch, heads, 1, head_dim_v), new state). Equals the last row of the causal
             parallel forward over all positions so far.
         """
+        self.check_step_inputs(q_t, k_t, v_t)
+        self.check_state(state, q_t)
+        tensors = None if state is None else state.tensors
+        length = 0 if state is None else state.length
+        out, tensors = self.attend_step(q_t, k_t, v_t, tensors, length)
+        return out, DecodingState(self.name, length + 1, tensors)
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, DecodingState]:
+        """Causal attention over a prompt (batch, heads, seq, head_dim) that also returns the decoding state
+        after it."""
         self.require_recurrent_step()
-        raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no step()")
+        self.check_inputs(q, k, v, True, None)
+        out, tensors = self.attend_prefill(q, k, v)
+        return out, DecodingState(self.name, q.shape[2], tensors)
+
+    # What a mechanism with recurrent_step=True implements; the public methods above check and wrap.
+    def attend_step(
+        self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
+    ) -> Tuple[Tensor, Dict[str, Tensor]]:
+        """One step on checked inputs: ``tensors`` is the previous state's (None at the start), ``length`` the
+        positions it has seen. Returns the output and the new state's tensors (laid out as
+        :meth:`state_layout` declares)."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no attend_step()")
+
+    def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
+        """Causal attention over a checked prompt and the state's tensors after it. The default walks
+        :meth:`attend_step` over the positions; mechanisms override it with a parallel version."""
+        tensors: Optional[Dict[str, Tensor]] = None
+        outputs = []
+        for t in range(q.shape[2]):
+            out_t, tensors = self.attend_step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], tensors, t)
+            outputs.append(out_t)
+        assert tensors is not None  # a prompt has at least one position (check_inputs)
+        return torch.cat(outputs, dim=2), tensors
+
+    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        """Every state tensor's shape after the batch dim (None where it varies) and dtype, for inputs of
+        ``dtype``: what :meth:`check_state` holds a state to."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no state_layout()")
 
     def require_recurrent_step(self) -> None:
         """Raise UnsupportedOptionError unless this instance offers :meth:`step` and :meth:`prefill`."""
@@ -173,19 +260,6 @@ class Mechanism(nn.Module):
             raise UnsupportedOptionError(
                 f"{self.name}{limited} has no recurrent step (capability recurrent_step=False){hint}"
             )
-
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
-        """Causal attention over a prompt that also returns the decoding state after it.
-
-        The default walks :meth:`step` over the positions; mechanisms override it with a parallel version.
-        """
-        self.require_recurrent_step()
-        state: State = None
-        outputs = []
-        for t in range(q.shape[2]):
-            out_t, state = self.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
-            outputs.append(out_t)
-        return torch.cat(outputs, dim=2), state
 
     def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
         self.require_recurrent_step()
@@ -198,6 +272,49 @@ class Mechanism(nn.Module):
         if q_t.shape[2] != 1 or k_t.shape[2] != 1:
             raise ValueError(f"{self.name}.step takes one position: q_t, k_t, v_t of shape (batch, heads, 1, dim), "
                              f"got seq lengths {q_t.shape[2]} and {k_t.shape[2]}")
+
+    def check_state(self, state: object, q_t: Tensor) -> None:
+        """A state this mechanism can continue from for the step input ``q_t``: made by a mechanism of this
+        name, for this batch size, with every tensor laid out as :meth:`state_layout` declares (so heads,
+        widths and feature counts match), on the input's device. Anything else raises naming ``state``."""
+        if state is None:
+            return
+        where = f"{self.name}.step"
+        if not isinstance(state, DecodingState):
+            raise TypeError(
+                f"{where}: state must be None (to start) or the DecodingState that {self.name}'s prefill or step "
+                f"returned, got {type(state).__name__}"
+            )
+        if state.mechanism != self.name:
+            raise ValueError(f"{where}: state was made by mechanism {state.mechanism!r}, not {self.name!r}")
+        if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 1:
+            raise ValueError(f"{where}: state.length must be a positive int, got {state.length!r}")
+        layout = self.state_layout(q_t.dtype)
+        if not isinstance(state.tensors, dict) or set(state.tensors) != set(layout):
+            got = sorted(state.tensors) if isinstance(state.tensors, dict) else type(state.tensors).__name__
+            raise ValueError(f"{where}: state holds tensors {got}, expected {sorted(layout)}")
+        batch = q_t.shape[0]
+        for key, (shape, dtype) in layout.items():
+            tensor = state.tensors[key]
+            if not isinstance(tensor, Tensor):
+                raise TypeError(f"{where}: state tensor {key!r} is a {type(tensor).__name__}, not a tensor")
+            if tensor.dim() != len(shape) + 1 or tensor.shape[0] != batch:
+                raise ValueError(
+                    f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}; this step's batch is {batch} "
+                    f"(a state keeps the batch it was made for: reorder it with attnzoo.state.select_batch)"
+                )
+            if any(want is not None and got != want for got, want in zip(tensor.shape[1:], shape)):
+                expected = "(" + ", ".join(str(size) for size in (batch, *shape)).replace("None", "*") + ")"
+                raise ValueError(
+                    f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} for "
+                    f"heads={self.heads}, head_dim={self.head_dim}: it was made by a mechanism of another shape"
+                )
+            if tensor.dtype != dtype:
+                raise TypeError(
+                    f"{where}: state tensor {key!r} is {tensor.dtype}, expected {dtype} for {q_t.dtype} inputs"
+                )
+            if tensor.device != q_t.device:
+                raise ValueError(f"{where}: state tensor {key!r} is on {tensor.device}, the inputs on {q_t.device}")
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}"

@@ -21,6 +21,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._dtypes import working_dtype
+from .._validation import check_bool, check_number, check_numbers
 from ..functional.gated import constant_log_decay, gla_log_gates, key_gate_logits, retention_log_decays
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from .base import Capabilities, register
@@ -32,17 +34,17 @@ class _DotProductDecayed(KernelizedMechanism):
 
     def __init__(self, heads: int, head_dim: int, *, normalize: bool, chunk_size: int) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
-        self.normalize = bool(normalize)
+        self.normalize = check_bool("normalize", normalize)
         self.normalizer = "max_abs" if self.normalize else "none"
 
     def features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = working_dtype(q.dtype)
         return q.to(dtype) / math.sqrt(self.head_dim), k.to(dtype), None
 
     def reference_features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, cross: bool = False
     ) -> Tuple[Tensor, Tensor]:
         return q / math.sqrt(self.head_dim), k
 
@@ -73,6 +75,7 @@ class RetentionAttention(_DotProductDecayed):
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="retention with a fixed per-head decay, chunkwise and recurrent (Sun et al. 2023, RetNet)",
     )
+    test_variants = ({"normalize": False},)
 
     def __init__(
         self,
@@ -87,16 +90,14 @@ class RetentionAttention(_DotProductDecayed):
         if decays is None:
             log_decays = retention_log_decays(heads)
         else:
-            values = torch.as_tensor(list(decays), dtype=torch.float64)
-            if values.shape != (heads,) or not bool(((values > 0) & (values < 1)).all()):
-                raise ValueError(f"decays must be {heads} values in (0, 1), one per head, got {list(decays)!r}")
-            log_decays = torch.log(values)
+            in_unit_interval = dict(minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True)
+            values = check_numbers("decays", decays, heads, **in_unit_interval)
+            log_decays = torch.log(torch.tensor(values, dtype=torch.float64))
         # A buffer, so it follows the module's device and is saved with it.
         self.register_buffer("log_decays", log_decays.float())
 
     def log_decay(self, k: Tensor) -> Tensor:
-        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
-        return constant_log_decay(self.log_decays.to(dtype), k.shape[0], k.shape[2])
+        return constant_log_decay(self.log_decays.to(working_dtype(k.dtype)), k.shape[0], k.shape[2])
 
 
 @register
@@ -124,6 +125,7 @@ class GatedLinearAttention(_DotProductDecayed):
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="gated linear attention with data-dependent per-head forget gates (Yang et al. 2024)",
     )
+    test_variants = ({"normalize": False},)
 
     def __init__(
         self,
@@ -135,9 +137,7 @@ class GatedLinearAttention(_DotProductDecayed):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__(heads, head_dim, normalize=normalize, chunk_size=chunk_size)
-        if not gate_temperature > 0:
-            raise ValueError(f"gate_temperature must be > 0, got {gate_temperature!r}")
-        self.gate_temperature = float(gate_temperature)
+        self.gate_temperature = check_number("gate_temperature", gate_temperature, minimum=0.0, exclusive_minimum=True)
         self.gate_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
         self.gate_bias = nn.Parameter(torch.zeros(heads))
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validation import check_positive_int
+from .._dtypes import working_dtype
+from .._validation import check_bool, check_choice, check_number, check_positive_int
 from ..feature_maps import (
     EluFeatureMap,
     FavorPositiveFeatures,
@@ -33,15 +34,12 @@ from ..functional.linear import (
     kernel_attention_reference,
     kernel_attention_step,
 )
-from .base import Capabilities, Mechanism, State, register
+from .base import Capabilities, Mechanism, StateLayout, register
 
 
 def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int or None, got {seed!r}")
-    return torch.Generator().manual_seed(seed)
+    seed = check_number("seed", seed, integer=True, minimum=0, optional=True)
+    return None if seed is None else torch.Generator().manual_seed(seed)
 
 
 class KernelizedMechanism(Mechanism):
@@ -52,7 +50,7 @@ class KernelizedMechanism(Mechanism):
     :mod:`attnzoo.functional.linear`, so step equals parallel by construction.
 
     Decoding state: ``{"kv": (batch, heads, m, head_dim_v + 1), "log_scale": (batch, heads, 1, 1)}`` (float32
-    for half-precision inputs), of constant size whatever the context length.
+    for half-precision inputs), of constant size whatever the context length; m = :attr:`feature_dim`.
     """
 
     normalizer: str = "sum"
@@ -62,10 +60,16 @@ class KernelizedMechanism(Mechanism):
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
 
     # -- what subclasses define -------------------------------------------------------------------------------
+    @property
+    def feature_dim(self) -> int:
+        """m, the number of features per query and key (the width of the decoding state)."""
+        return self.head_dim
+
     def features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """(phi_q (B, H, Nq, m), phi_k (B, H, Nk, m), key log scale (B, H, 1, 1) or None)."""
+        """(phi_q (B, H, Nq, m), phi_k (B, H, Nk, m), key log scale (B, H, 1, 1) or None). ``cross`` says
+        whether k comes from another sequence than q (features fitted to both need to know)."""
         raise NotImplementedError
 
     def log_decay(self, k: Tensor) -> Optional[Tensor]:
@@ -73,7 +77,7 @@ class KernelizedMechanism(Mechanism):
         return None
 
     def reference_features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, cross: bool = False
     ) -> Tuple[Tensor, Tensor]:
         """Unstabilised float64 features (phi_q, phi_k) for :meth:`reference`, from the definitions."""
         raise NotImplementedError
@@ -83,13 +87,20 @@ class KernelizedMechanism(Mechanism):
         return 0.0
 
     def reference(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
     ) -> Tensor:
         """Quadratic float64 form: the (seq_q, seq_kv) matrix of ``phi(q_i) . phi(k_j)`` times the decays,
         masked, normalised (:func:`attnzoo.functional.kernel_attention_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask)
+        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         q, k, v = q.double(), k.double(), v.double()
-        phi_q, phi_k = self.reference_features(q, k, key_padding_mask)
+        phi_q, phi_k = self.reference_features(q, k, key_padding_mask, cross)
         phi_k, log_decay = self._keys(k, phi_k)
         return kernel_attention_reference(
             phi_q,
@@ -107,8 +118,10 @@ class KernelizedMechanism(Mechanism):
         """Hook for mechanisms that weight each key by a gate: returns (phi_k, log_decay)."""
         return phi_k, self.log_decay(k)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
-        phi_q, phi_k, _ = self.features(q, k, key_padding_mask)
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
+        phi_q, phi_k, _ = self.features(q, k, key_padding_mask, cross)
         phi_k, log_decay = self._keys(k, phi_k)
         return kernel_attention(
             phi_q,
@@ -122,9 +135,13 @@ class KernelizedMechanism(Mechanism):
             denominator_eps=self.denominator_eps,
         )
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
-        self.require_recurrent_step()
-        self.check_inputs(q, k, v, True, None)
+    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        return {
+            "kv": ((self.heads, self.feature_dim, self.head_dim + 1), working_dtype(dtype)),
+            "log_scale": ((self.heads, 1, 1), working_dtype(dtype)),
+        }
+
+    def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         phi_q, phi_k, key_log_scale = self.features(q, k, None)
         phi_k, log_decay = self._keys(k, phi_k)
         return kernel_attention_prefill(
@@ -138,15 +155,16 @@ class KernelizedMechanism(Mechanism):
             denominator_eps=self.denominator_eps,
         )
 
-    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
-        self.check_step_inputs(q_t, k_t, v_t)
+    def attend_step(
+        self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
+    ) -> Tuple[Tensor, Dict[str, Tensor]]:
         phi_q, phi_k, key_log_scale = self.features(q_t, k_t, None)
         phi_k, log_decay = self._keys(k_t, phi_k)
         return kernel_attention_step(
             phi_q,
             phi_k,
             v_t,
-            state,
+            tensors,
             key_log_scale=key_log_scale,
             log_decay_t=log_decay,
             normalizer=self.normalizer,
@@ -163,13 +181,13 @@ class _FeatureMapMechanism(KernelizedMechanism):
     feature_map: FeatureMap
 
     def features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask)
         return self.feature_map.query_features(q), phi_k, key_log_scale
 
     def reference_features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, cross: bool = False
     ) -> Tuple[Tensor, Tensor]:
         return self.feature_map(q), self.feature_map(k)
 
@@ -182,6 +200,10 @@ class _RandomFeatureMechanism(_FeatureMapMechanism):
     """Explicit, seeded control of the random projection; nothing changes it during a forward pass."""
 
     feature_map: RandomFeatureMap
+
+    @property
+    def feature_dim(self) -> int:
+        return self.feature_map.nb_features
 
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
         """Draw a new random projection now (seeded by ``generator``, else the global RNG)."""
@@ -242,6 +264,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         {"nb_features": 32, "seed": 0, "shrinkage": True},
         {"nb_features": 32, "seed": 0, "optimal_features": True},
         {"nb_features": 32, "seed": 0, "optimal_features": True, "shrinkage": True},
+        {"nb_features": 32, "seed": 0, "orthogonal": False, "symmetric": False},
     )
 
     def __init__(
@@ -259,16 +282,16 @@ class PerformerAttention(_RandomFeatureMechanism):
         optimal_features: bool = False,
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
+        self.shrinkage = check_bool("shrinkage", shrinkage)
+        self.optimal_features = check_bool("optimal_features", optimal_features)
         self.feature_map = FavorPositiveFeatures(
             head_dim,
             nb_features,
-            symmetric=symmetric,
-            orthogonal=orthogonal,
+            symmetric=check_bool("symmetric", symmetric),
+            orthogonal=check_bool("orthogonal", orthogonal),
             redraw_interval=redraw_interval,
             generator=_generator(seed),
         )
-        self.shrinkage = bool(shrinkage)
-        self.optimal_features = bool(optimal_features)
         if self.shrinkage:
             self.feature_map.second_half()  # fails now, naming nb_features, if there are too few to split
         # Both options read the whole sequence, so neither a causal mask nor a recurrent step can honour them.
@@ -278,36 +301,49 @@ class PerformerAttention(_RandomFeatureMechanism):
                 " and ".join(whole_sequence), causal=False, recurrent_step=False
             )
 
-    def _quadratic(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+    def _quadratic(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Optional[Tensor]:
         """FAVOR++'s coefficient A (batch, heads, 1, 1) with ``optimal_features``, else None (FAVOR+)."""
-        return self.feature_map.optimal_quadratic(q, k, key_padding_mask) if self.optimal_features else None
+        if not self.optimal_features:
+            return None
+        return self.feature_map.optimal_quadratic(q, k, key_padding_mask, self_attention=not cross)
 
     def features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        quadratic = self._quadratic(q, k, key_padding_mask)
+        quadratic = self._quadratic(q, k, key_padding_mask, cross)
         phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask, quadratic)
         return self.feature_map.query_features(q, quadratic), phi_k, key_log_scale
 
     def reference_features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, cross: bool = False
     ) -> Tuple[Tensor, Tensor]:
-        quadratic = self._quadratic(q, k, key_padding_mask)
+        quadratic = self._quadratic(q, k, key_padding_mask, cross)
         return self.feature_map(q, quadratic), self.feature_map(k, quadratic)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
         if not self.shrinkage:
-            return super().attend(q, k, v, causal, key_padding_mask)
-        phi_q, phi_k, _ = self.features(q, k, key_padding_mask)
+            return super().attend(q, k, v, causal, key_padding_mask, cross)
+        phi_q, phi_k, _ = self.features(q, k, key_padding_mask, cross)
         return shrunk_kernel_attention(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
     def reference(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
     ) -> Tensor:
         if not self.shrinkage:
-            return super().reference(q, k, v, causal, key_padding_mask)
-        self.check_inputs(q, k, v, causal, key_padding_mask)
-        phi_q, phi_k = self.reference_features(q.double(), k.double(), key_padding_mask)
+            return super().reference(q, k, v, causal, key_padding_mask, cross=cross)
+        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        phi_q, phi_k = self.reference_features(q.double(), k.double(), key_padding_mask, cross)
         return shrunk_kernel_attention_reference(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
     def extra_repr(self) -> str:
@@ -334,15 +370,14 @@ class LinearAttention(_FeatureMapMechanism):
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
     )
+    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = ({"feature_map": "relu"},)
 
     def __init__(
         self, heads: int, head_dim: int, *, feature_map: str = "elu", chunk_size: int = DEFAULT_CHUNK_SIZE
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
         maps = {"elu": EluFeatureMap, "relu": ReluFeatureMap}
-        if feature_map not in maps:
-            raise ValueError(f"feature_map must be one of {', '.join(maps)}, got {feature_map!r}")
-        self.feature_map = maps[feature_map]()
+        self.feature_map = maps[check_choice("feature_map", feature_map, maps)]()
 
 
 @register
@@ -357,13 +392,13 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     Options:
         nb_features: number of features (sin and cos of ``nb_features / 2`` projections; must be even).
         orthogonal, redraw_interval, seed, chunk_size: as for ``performer``.
-        sharpness: initial inverse temperature s of the cosine logits (learned per head). Small values keep the
-            trigonometric estimate well conditioned (its noise grows as exp(s) against kernel values down to
-            exp(-s)); training sharpens it where the data allows.
+        sharpness: initial inverse temperature s of the cosine logits (learned per head), a finite number > 0.
+            Small values keep the trigonometric estimate well conditioned (its noise grows as exp(s) against
+            kernel values down to exp(-s)); training sharpens it where the data allows.
         gated: a learned recency gate ``g_t = sigmoid(k_t . w + b)`` per head and position, as in RFA-Gate:
             ``S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T``. With it the mechanism weights keys by their
-            distance, so it needs queries and keys from one sequence (no cross-attention); non-causal use
-            applies the gates in both directions.
+            distance, so it needs queries and keys from one sequence: the instance's capabilities say
+            ``cross=False``. Non-causal use applies the gates in both directions.
     """
 
     name = "rfa"
@@ -379,6 +414,10 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 64, "seed": 0}
+    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
+        {"nb_features": 64, "seed": 0, "gated": True},
+        {"nb_features": 64, "seed": 0, "orthogonal": False},
+    )
 
     def __init__(
         self,
@@ -394,47 +433,38 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
-        if not sharpness > 0:
-            raise ValueError(f"sharpness must be > 0, got {sharpness!r}")
+        sharpness = check_number("sharpness", sharpness, minimum=0.0, exclusive_minimum=True)
         self.feature_map = FavorTrigFeatures(
             head_dim,
             nb_features,
-            orthogonal=orthogonal,
+            orthogonal=check_bool("orthogonal", orthogonal),
             input_scale=1.0,
             redraw_interval=redraw_interval,
             generator=_generator(seed),
         )
         self.log_sharpness = nn.Parameter(torch.full((heads,), math.log(sharpness)))
-        self.gated = bool(gated)
+        self.gated = check_bool("gated", gated)
         if self.gated:
             self.gate_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
             # Bias 2: gates start near sigmoid(2) = 0.88, a memory of about ten positions that training adjusts.
             self.gate_bias = nn.Parameter(torch.full((heads,), 2.0))
-
-    def check_inputs(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]
-    ) -> None:
-        super().check_inputs(q, k, v, causal, key_padding_mask)
-        if self.gated and q.shape[2] != k.shape[2]:
-            raise ValueError(
-                f"rfa with gated=True weights keys by their position relative to the query, so queries and keys "
-                f"must come from one sequence; got seq_q={q.shape[2]}, seq_kv={k.shape[2]}"
-            )
+            # The gates weight keys by their position relative to the query: one sequence only.
+            self.capabilities = self.capabilities.narrowed("gated=True", cross=False)
 
     def _unit(self, x: Tensor) -> Tensor:
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        dtype = working_dtype(x.dtype)
         scale = torch.exp(0.5 * self.log_sharpness).to(dtype).view(1, -1, 1, 1)
         return F.normalize(x.to(dtype), dim=-1) * scale
 
     def features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        return super().features(self._unit(q), self._unit(k), key_padding_mask)
+        return super().features(self._unit(q), self._unit(k), key_padding_mask, cross)
 
     def reference_features(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, cross: bool = False
     ) -> Tuple[Tensor, Tensor]:
-        return super().reference_features(self._unit(q), self._unit(k), key_padding_mask)
+        return super().reference_features(self._unit(q), self._unit(k), key_padding_mask, cross)
 
     def _keys(self, k: Tensor, phi_k: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
         if not self.gated:

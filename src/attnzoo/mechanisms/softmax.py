@@ -1,14 +1,36 @@
-"""Exact softmax attention as a mechanism, with a KV cache for decoding."""
+"""Exact softmax attention as a mechanism, with a preallocated KV cache for decoding."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .._validation import check_bool, check_number
 from ..functional.softmax import softmax_attention, softmax_attention_reference
-from .base import Capabilities, Mechanism, State, register
+from .base import Capabilities, Mechanism, StateLayout, register
+
+CACHE_BLOCK = 256
+"""The KV cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
+copies the cache O(log T) times instead of once per token."""
+
+
+def _capacity(needed: int, current: int = 0) -> int:
+    """Room for ``needed`` positions: at least double ``current``, rounded up to whole blocks."""
+    wanted = max(needed, 2 * current)
+    return -(-wanted // CACHE_BLOCK) * CACHE_BLOCK
+
+
+def _new_cache(keys: Tensor, values: Tensor, capacity: int) -> Dict[str, Tensor]:
+    """A cache of ``capacity`` positions holding ``keys``/``values`` (batch, heads, t, dim) at its start."""
+    batch, heads, length, _ = keys.shape
+    k = keys.new_empty(batch, heads, capacity, keys.shape[3])
+    v = values.new_empty(batch, heads, capacity, values.shape[3])
+    k[:, :, :length] = keys
+    v[:, :, :length] = values
+    filled = torch.full((batch,), length, dtype=torch.long, device=keys.device)
+    return {"k": k, "v": v, "filled": filled}
 
 
 @register
@@ -17,9 +39,14 @@ class SoftmaxAttention(Mechanism):
 
     Options:
         quiet: "quiet" softmax with one added to the denominator, so a head can attend to nothing.
-        scale: logit scale, ``1/sqrt(head_dim)`` by default.
+        scale: logit scale, a finite number > 0; ``1/sqrt(head_dim)`` by default.
 
-    Decoding state: ``{"k": (batch, heads, t, head_dim), "v": (batch, heads, t, head_dim_v)}``, the KV cache.
+    Decoding state: a KV cache ``{"k": (batch, heads, capacity, head_dim), "v": (batch, heads, capacity,
+    head_dim), "filled": (batch,)}`` of which the first ``state.length`` positions are in use. It grows in
+    blocks of :data:`CACHE_BLOCK` positions (at least doubling), and a step writes the new key and value into
+    the free room instead of copying the whole cache. ``filled`` records how far the shared buffers have been
+    written: a step from a state that is no longer the newest on its buffers (stepping twice from one state,
+    to branch) copies them first, so every state stays valid however it is reused.
     """
 
     name = "softmax"
@@ -32,33 +59,63 @@ class SoftmaxAttention(Mechanism):
         complexity="time O(N^2), memory O(N) (fused kernel)",
         summary="exact scaled dot-product attention (Vaswani et al. 2017)",
     )
+    test_variants = ({"quiet": True},)
 
     def __init__(self, heads: int, head_dim: int, *, quiet: bool = False, scale: Optional[float] = None) -> None:
         super().__init__(heads, head_dim)
-        self.quiet = quiet
-        self.scale = scale
+        self.quiet = check_bool("quiet", quiet)
+        if self.quiet:
+            # The null key makes the output differ from exact softmax attention (on purpose).
+            self.capabilities = self.capabilities.narrowed("quiet=True", approximate=True)
+        self.scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
         return softmax_attention(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
     def reference(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, key_padding_mask: Optional[Tensor] = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
     ) -> Tensor:
         return softmax_attention_reference(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
-    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, state: State) -> Tuple[Tensor, State]:
-        self.check_step_inputs(q_t, k_t, v_t)
-        if state is None:
-            keys, values = k_t, v_t
-        else:
-            keys = torch.cat([state["k"], k_t], dim=2)
-            values = torch.cat([state["v"], v_t], dim=2)
-        # The new position sees the whole cache and itself: no mask needed.
-        out = softmax_attention(q_t, keys, values, quiet=self.quiet, scale=self.scale)
-        return out, {"k": keys, "v": values}
+    # -- decoding ------------------------------------------------------------------------------------------
+    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        return {
+            "k": ((self.heads, None, self.head_dim), dtype),
+            "v": ((self.heads, None, self.head_dim), dtype),
+            "filled": ((), torch.long),
+        }
 
-    def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, State]:
-        return self.attend(q, k, v, True, None), {"k": k, "v": v}
+    def attend_step(
+        self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
+    ) -> Tuple[Tensor, Dict[str, Tensor]]:
+        if tensors is None:
+            cache = _new_cache(k_t, v_t, _capacity(1))
+        else:
+            cache = tensors
+            capacity = cache["k"].shape[2]
+            # Another state sharing these buffers has written past our length (a branch): copy, don't clobber.
+            shared_ahead = int(cache["filled"][0]) != length
+            if shared_ahead or length == capacity:
+                grown = _capacity(length + 1, capacity if length == capacity else 0)
+                cache = _new_cache(cache["k"][:, :, :length], cache["v"][:, :, :length], max(grown, capacity))
+            cache["k"][:, :, length] = k_t[:, :, 0]
+            cache["v"][:, :, length] = v_t[:, :, 0]
+            cache["filled"].fill_(length + 1)
+        # The new position sees the whole cache and itself: no mask needed.
+        keys, values = cache["k"][:, :, : length + 1], cache["v"][:, :, : length + 1]
+        return softmax_attention(q_t, keys, values, quiet=self.quiet, scale=self.scale), cache
+
+    def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
+        return self.attend(q, k, v, True, None, False), _new_cache(k, v, _capacity(k.shape[2] + 1))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, quiet={self.quiet}"
+        return f"{super().extra_repr()}, quiet={self.quiet}, scale={self.scale}"

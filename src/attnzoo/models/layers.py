@@ -14,15 +14,14 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validation import check_positive_int
+from .._validation import check_bool, check_number, check_positive_int, check_probability
 from ..attention import AttentionState, MultiHeadAttention
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 
 def check_dropout(dropout: float) -> None:
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    check_probability("dropout", dropout)
 
 
 def _options(name: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -47,6 +46,7 @@ class FeedForward(nn.Module):
         check_positive_int("dim", dim)
         check_positive_int("hidden_dim", hidden_dim)
         check_dropout(dropout)
+        check_bool("bias", bias)
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; valid choices: {', '.join(ACTIVATIONS)}")
         self.activation = activation
@@ -72,8 +72,8 @@ class _Sublayer(nn.Module):
 
     def __init__(self, dim: int, norm_first: bool, dropout: float, eps: float) -> None:
         super().__init__()
-        self.norm_first = norm_first
-        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.norm_first = check_bool("norm_first", norm_first)
+        self.norm = nn.LayerNorm(dim, eps=check_number("layer_norm_eps", eps, minimum=0.0, exclusive_minimum=True))
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, branch: Callable[[Tensor], Tensor]) -> Tensor:
