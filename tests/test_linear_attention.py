@@ -15,6 +15,7 @@ from attnzoo.functional import (
     linear_attention,
     linear_attention_reference,
 )
+import attnzoo.functional.linear as linear_module
 from attnzoo.functional.linear import _CausalChunks
 
 
@@ -167,11 +168,128 @@ def test_gradients_of_the_hand_written_paths():
     for causal in (False, True):
         chunked = lambda a, b, c: linear_attention(a, b, c, "elu", causal, chunk_size=3)  # noqa: E731
         assert torch.autograd.gradcheck(chunked, (q, k, v))
-    chunks = [torch.randn(1, 2, 3, 4, 5, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
-    values = torch.randn(1, 2, 3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    initial = torch.randn(1, 2, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    # Both outputs (chunk outputs and final state) and all inputs, initial state included.
-    assert torch.autograd.gradcheck(_CausalChunks.apply, (*chunks, values, initial))
+
+
+@pytest.mark.parametrize("batch_heads, length, chunk, group_rows, n_groups", [
+    ((2, 2), 11, 3, 6, 8),  # spans of two chunks per head, the last one ragged
+    ((1, 2), 12, 3, 3, 8),  # one chunk per group
+    ((1, 3), 12, 4, 12, 3),  # one whole sequence per group
+    ((2, 3), 5, 2, 12, 3),  # two whole, ragged sequences per group
+    ((2, 2), 5, 5, 1024, 1),  # everything in one group: nothing recomputed
+])
+@pytest.mark.parametrize("used", ["both", "outputs", "state"])
+def test_chunked_backward_recomputes_exactly(monkeypatch, batch_heads, length, chunk, group_rows, n_groups, used):
+    # The backward recomputes each group's chunk scores and states (but the last group's, which the forward
+    # keeps) from q, k, v and the state saved at the group's start, and carries the later chunks' gradient
+    # across groups: several groups, several chunks per group, ragged last chunks, an initial state, and the
+    # gradient of the outputs, of the final state, or of both (the unused one arrives as None).
+    monkeypatch.setattr(linear_module, "GROUP_ROWS", group_rows)
+    assert len(linear_module._groups(batch_heads[0] * batch_heads[1], length, chunk)) == n_groups
+    shapes = [(*batch_heads, length, 5), (*batch_heads, length, 5), (*batch_heads, length, 4), (*batch_heads, 5, 5)]
+    q, k, v, initial = (t.requires_grad_() for t in tensors(*shapes, seed=6))
+
+    def chunked(*args):
+        out, final = _CausalChunks.apply(*args, chunk)
+        return {"both": (out, final), "outputs": out, "state": final}[used]
+
+    assert torch.autograd.gradcheck(chunked, (q, k, v, initial))
+    # And the forward itself: outputs and final state against the quadratic form and a plain sum.
+    with torch.no_grad():
+        out, final = _CausalChunks.apply(q, k, v, initial, chunk)
+        values = torch.cat([v, torch.ones(*batch_heads, length, 1, dtype=torch.float64)], dim=-1)
+        expected = (q @ k.transpose(-1, -2)).tril() @ values + q @ initial
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(final, initial + k.transpose(-1, -2) @ values, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("group_rows", [8, 16, 4096])
+def test_causal_groups_on_strided_inputs(monkeypatch, group_rows):
+    # (batch, seq, heads, dim) inputs seen as (batch, heads, seq, dim): no group slice is a view, and groups
+    # of one head's span, of whole sequences, or of everything must agree with the reference, gradients too.
+    monkeypatch.setattr(linear_module, "GROUP_ROWS", group_rows)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 13, 2, 3, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = linear_attention(*leaves, "elu", True, chunk_size=4)
+    torch.testing.assert_close(out, linear_attention_reference(q, k, v, "elu", True), atol=1e-12, rtol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b, c: linear_attention(a, b, c, "elu", True, chunk_size=4), leaves)
+
+
+@pytest.mark.parametrize("group_rows", [16, 1024])
+def test_float32_chunk_states_keep_a_tiny_prefix_beside_a_large_own_term(monkeypatch, group_rows):
+    # Keys of 1e-12 everywhere but one of 1 at position 23, the last of chunk 5: rows 20..22 see only tiny
+    # keys, so their outputs rest on the state before chunk 5. Taken as "inclusive sum - own term" that state
+    # is (tiny + 1) - 1, rounding noise of 1e-7, and those outputs were off by up to 1.4; an exclusive sum
+    # proper keeps float32 within rounding of float64, forward and backward, whether the chunk states are
+    # carried within one group or across groups of four chunks.
+    monkeypatch.setattr(linear_module, "GROUP_ROWS", group_rows)
+    g = torch.Generator().manual_seed(8)
+    phi_q = torch.rand(1, 2, 64, 4, generator=g) + 0.5
+    phi_k = 1e-12 * (torch.rand(1, 2, 64, 4, generator=g) + 0.5)
+    phi_k[:, :, 23] = 1.0
+    v, weights = torch.randn(1, 2, 64, 5, generator=g), torch.randn(1, 2, 64, 5, generator=g)
+
+    def run(fn, dtype):
+        inputs = [t.to(dtype).detach().requires_grad_() for t in (phi_q, phi_k, v)]
+        out = fn(*inputs)
+        (out * weights.to(dtype)).sum().backward()
+        return [out.detach()] + [t.grad for t in inputs]
+
+    got = run(lambda a, b, c: kernel_attention(a, b, c, True, chunk_size=4), torch.float32)
+    expected = run(lambda a, b, c: kernel_attention_reference(a, b, c, True), torch.float64)
+    for x, y in zip(got, expected):
+        assert (x.double() - y).abs().max() < 1e-4 * y.abs().max()
+
+
+def causal_with_poison(where, value, decayed, chunk_size=64, column=None):
+    """Causal outputs over 200 positions with ``value`` written at position 150 of q, k, v or the log decay
+    (in one column of v when ``column`` is given), and the outputs over the first 150 positions alone."""
+    q, k, v, raw = tensors((1, 2, 200, 8), (1, 2, 200, 8), (1, 2, 200, 5), (1, 2, 200), seed=7)
+    inputs = {"q": q.exp(), "k": k.exp(), "v": v, "log_decay": -raw.abs() if decayed else None}
+    prefix = {name: None if x is None else x[:, :, :150] for name, x in inputs.items()}
+    poisoned = inputs[where].clone()
+    poisoned[:, :, 150, ...] = value
+    if column is not None:
+        poisoned[:, :, 150] = torch.where(torch.arange(5) == column, poisoned[:, :, 150], inputs[where][:, :, 150])
+    inputs[where] = poisoned
+    run = lambda x: kernel_attention(  # noqa: E731
+        x["q"], x["k"], x["v"], True, log_decay=x["log_decay"], chunk_size=chunk_size
+    )
+    return run(inputs), run(prefix)
+
+
+@pytest.mark.parametrize(
+    "decayed, where, value",
+    [(decayed, where, value) for decayed in (False, True) for where in ("q", "k") for value in (math.nan, math.inf)]
+    + [(True, "log_decay", math.nan)],  # log decays are <= 0: only a NaN one is out of range
+)
+def test_non_finite_query_key_or_decay_reaches_no_earlier_output(decayed, where, value):
+    # Position 150 shares its chunk (128..191) with the earlier positions 128..149. With a decay, a future
+    # key's weight used to be exp(-inf) = 0 times q.k = NaN (or inf): a NaN in every earlier row of the chunk.
+    # Now the outputs before 150 are those of the first 150 positions alone, as incremental decoding gives.
+    out, prefix = causal_with_poison(where, value, decayed)
+    assert torch.isfinite(out[:, :, :150]).all()
+    torch.testing.assert_close(out[:, :, :150], prefix, atol=1e-12, rtol=1e-12)
+    assert not torch.isfinite(out[:, :, 150]).all()
+
+
+@pytest.mark.parametrize("decayed", [False, True])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_non_finite_value_reaches_earlier_outputs_of_its_chunk_only(decayed, value):
+    # The remaining, documented leak: the intra-chunk product multiplies the zero weight of a future value by
+    # that value, and 0 * NaN = 0 * inf = NaN. A non-finite entry of v at position 150 (column 2 here) makes
+    # column 2 of the outputs 128..149 (the earlier positions of its chunk) NaN; earlier chunks, the other
+    # columns and the normaliser are untouched. (SDPA's exact softmax leaks such a value into every earlier
+    # position.)
+    out, prefix = causal_with_poison("v", value, decayed, column=2)
+    torch.testing.assert_close(out[:, :, :128], prefix[:, :, :128], atol=1e-12, rtol=1e-12)
+    assert torch.isnan(out[:, :, 128:150, 2]).all()
+    others = [0, 1, 3, 4]
+    torch.testing.assert_close(out[:, :, :150, others], prefix[..., others], atol=1e-12, rtol=1e-12)
+    # One-position chunks have no future position inside a chunk: no leak at all, at the cost of speed.
+    out, prefix = causal_with_poison("v", value, decayed, chunk_size=1, column=2)
+    torch.testing.assert_close(out[:, :, :150], prefix, atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize(

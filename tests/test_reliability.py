@@ -79,6 +79,8 @@ def test_truthy_values_are_refused_for_causal(value):
         mha(x, causal=value)
     with pytest.raises(TypeError, match="causal"):
         attnzoo.functional.softmax_attention(*(randn(1, 2, 4, 8),) * 3, causal=value)
+    with pytest.raises(TypeError, match="causal"):
+        attnzoo.functional.linear_attention(*(randn(1, 2, 4, 8),) * 3, causal=value)
 
 
 # -- numeric options: type, finiteness and range, named --------------------------------------------------------
