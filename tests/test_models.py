@@ -1,5 +1,9 @@
 """Transformer layers and models: incremental decoding equals the full forward pass, padding, per-slot
-mechanism options, pooling, and clear errors for bad input."""
+mechanism options, pooling, clear errors for bad input, and one checked BlockConfig behind every constructor."""
+
+import ast
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ from attnzoo import (
     Seq2SeqTransformer,
     SequenceClassifier,
 )
+from attnzoo.models import AttentionSpec, BlockConfig, DecoderLayer, EncoderLayer
 from attnzoo.state import select_batch
 
 VOCAB = 13
@@ -281,3 +286,236 @@ def test_language_model_trains_one_step_with_finite_gradients():
     loss = F.cross_entropy(model(sequence[:, :-1]).transpose(1, 2), sequence[:, 1:])
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# -- one BlockConfig behind every constructor ----------------------------------------------------------------
+BOOL_OPTION_BUILDS = {
+    "LanguageModel norm_first": lambda bad: LanguageModel(VOCAB, 16, 2, 1, norm_first=bad),
+    "SequenceClassifier norm_first": lambda bad: SequenceClassifier(VOCAB, 3, 16, 2, 1, norm_first=bad),
+    "Seq2SeqTransformer norm_first": lambda bad: Seq2SeqTransformer(VOCAB, VOCAB, 16, 2, norm_first=bad),
+    "Encoder norm_first": lambda bad: Encoder(16, 2, 1, norm_first=bad),
+    "Decoder norm_first": lambda bad: Decoder(16, 2, 1, norm_first=bad),
+    "Encoder rotary": lambda bad: Encoder(16, 2, 1, rotary=bad),
+    "Decoder rotary": lambda bad: Decoder(16, 2, 1, rotary=bad),
+    "BlockConfig rotary": lambda bad: BlockConfig(16, 2, rotary=bad),
+}
+
+
+@pytest.mark.parametrize("truthy", ["False", "True", 1, None])
+@pytest.mark.parametrize("where", list(BOOL_OPTION_BUILDS))
+def test_yes_no_options_refuse_truthy_stand_ins(where, truthy):
+    option = where.split()[-1]
+    with pytest.raises(TypeError, match=f"{option} must be True or False"):
+        BOOL_OPTION_BUILDS[where](truthy)
+
+
+@pytest.mark.parametrize(
+    "option, bad, error",
+    [
+        ("layer_norm_eps", math.nan, ValueError),
+        ("layer_norm_eps", math.inf, ValueError),
+        ("layer_norm_eps", 0.0, ValueError),
+        ("layer_norm_eps", -1e-5, ValueError),
+        ("layer_norm_eps", "1e-5", TypeError),
+        ("dropout", math.nan, ValueError),
+        ("dropout", -0.1, ValueError),
+        ("dropout", 1.0, ValueError),
+        ("dropout", True, TypeError),
+        ("ff_dim", 0, ValueError),
+        ("ff_dim", 32.0, TypeError),
+        ("activation", "tanh", ValueError),
+    ],
+)
+@pytest.mark.parametrize("model", ["LanguageModel", "Seq2SeqTransformer", "SequenceClassifier", "Encoder"])
+def test_bad_numbers_and_choices_raise_naming_the_option(model, option, bad, error):
+    build = {
+        "LanguageModel": lambda: LanguageModel(VOCAB, 16, 2, 1, **{option: bad}),
+        "Seq2SeqTransformer": lambda: Seq2SeqTransformer(VOCAB, VOCAB, 16, 2, **{option: bad}),
+        "SequenceClassifier": lambda: SequenceClassifier(VOCAB, 3, 16, 2, 1, **{option: bad}),
+        "Encoder": lambda: Encoder(16, 2, 1, **{option: bad}),
+    }[model]
+    with pytest.raises(error, match=option):
+        build()
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: BlockConfig(16, 3), ValueError, "dim=16 is not divisible by heads=3"),
+        (lambda: BlockConfig(16, 0), ValueError, "heads"),
+        (lambda: BlockConfig(16.0, 2), TypeError, "dim"),
+        (lambda: BlockConfig(16, 2, self_attention="softmax"), TypeError, "self_attention must be an AttentionSpec"),
+        (lambda: BlockConfig(16, 2, self_attention=AttentionSpec("nonesuch")), ValueError, "self_attention.*softmax"),
+        (lambda: BlockConfig(16, 2, cross_attention=AttentionSpec("softmax", ["scale"])), TypeError,
+         "cross_attention_options"),
+        (lambda: BlockConfig(16, 2, memory_dim=8), ValueError, "memory_dim given but cross_attention=None"),
+        (lambda: Decoder(16, 2, 1, memory_dim=0), ValueError, "memory_dim"),
+        (lambda: Decoder(16, 2, 1, cross_attention=None, cross_attention_options={"scale": 0.5}), ValueError,
+         "cross_attention_options given but cross_attention=None"),
+        (lambda: EncoderLayer(BlockConfig(16, 2, cross_attention=AttentionSpec())), ValueError, "cross_attention=None"),
+        (lambda: DecoderLayer({"dim": 16, "heads": 2}), TypeError, "config must be a BlockConfig"),
+    ],
+)
+def test_block_config_checks_every_option(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_block_config_is_frozen_and_works_out_the_feed_forward_width():
+    config = BlockConfig(16, 2)
+    with pytest.raises(AttributeError):
+        config.dim = 32
+    assert config.feed_forward_dim == 64
+    assert replace(config, dim=32).feed_forward_dim == 128
+    assert BlockConfig(16, 2, ff_dim=24).feed_forward_dim == 24
+
+
+def test_stacks_built_from_a_config_equal_those_built_from_keywords():
+    options = dict(ff_dim=24, activation="swiglu", norm_first=False, dropout=0.1, layer_norm_eps=1e-6)
+    config = BlockConfig(16, 2, **options, cross_attention=AttentionSpec("softmax", {"scale": 0.5}), memory_dim=10)
+    torch.manual_seed(0)
+    from_keywords = Decoder(16, 2, 2, **options, cross_attention_options={"scale": 0.5}, memory_dim=10)
+    torch.manual_seed(0)
+    from_config = Decoder.from_config(config, 2)
+    assert isinstance(from_config, Decoder)
+    assert from_keywords.config == from_config.config == config
+    assert all(layer.config is config for layer in from_config.layers)
+    ours, theirs = from_config.state_dict(), from_keywords.state_dict()
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+    assert from_config.layers[0].cross_attention.mechanism.scale == 0.5
+
+
+def test_seq2seq_encoder_config_differs_in_its_self_attention_only():
+    model = Seq2SeqTransformer(VOCAB, VOCAB, 16, 2, positional="rotary", norm_first=False,
+                               encoder_self_attention="linear", cross_attention_options={"scale": 0.5})
+    encoder, decoder = model.encoder.config, model.decoder.config
+    assert encoder.self_attention == AttentionSpec("linear") and encoder.cross_attention is None
+    assert decoder.self_attention == AttentionSpec("softmax")
+    assert decoder.cross_attention == AttentionSpec("softmax", {"scale": 0.5})
+    assert encoder.rotary and decoder.rotary and not encoder.norm_first and not decoder.norm_first
+
+
+# state_dict keys and shapes of three models, recorded before the constructors shared one BlockConfig: a
+# checkpoint saved then loads now, and the parameters come in the same order (optimizer states follow it).
+RECORDED_STATE_DICTS = {
+    "decoder": (lambda: Decoder(16, 2, 1, activation="swiglu", memory_dim=10), """
+    layers.0.self_attention.q_proj.weight (16, 16)
+    layers.0.self_attention.q_proj.bias (16,)
+    layers.0.self_attention.k_proj.weight (16, 16)
+    layers.0.self_attention.k_proj.bias (16,)
+    layers.0.self_attention.v_proj.weight (16, 16)
+    layers.0.self_attention.v_proj.bias (16,)
+    layers.0.self_attention.out_proj.weight (16, 16)
+    layers.0.self_attention.out_proj.bias (16,)
+    layers.0.attention_block.norm.weight (16,)
+    layers.0.attention_block.norm.bias (16,)
+    layers.0.cross_attention.q_proj.weight (16, 16)
+    layers.0.cross_attention.q_proj.bias (16,)
+    layers.0.cross_attention.k_proj.weight (16, 10)
+    layers.0.cross_attention.k_proj.bias (16,)
+    layers.0.cross_attention.v_proj.weight (16, 10)
+    layers.0.cross_attention.v_proj.bias (16,)
+    layers.0.cross_attention.out_proj.weight (16, 16)
+    layers.0.cross_attention.out_proj.bias (16,)
+    layers.0.cross_attention_block.norm.weight (16,)
+    layers.0.cross_attention_block.norm.bias (16,)
+    layers.0.feed_forward.in_proj.weight (128, 16)
+    layers.0.feed_forward.in_proj.bias (128,)
+    layers.0.feed_forward.out_proj.weight (16, 64)
+    layers.0.feed_forward.out_proj.bias (16,)
+    layers.0.feed_forward_block.norm.weight (16,)
+    layers.0.feed_forward_block.norm.bias (16,)
+    norm.weight (16,)
+    norm.bias (16,)
+    """),
+    "language_model": (
+        lambda: LanguageModel(VOCAB, 16, 2, 1, positional="learned", max_length=32, norm_first=False, ff_dim=40), """
+    embedding.embedding.weight (13, 16)
+    embedding.position.embedding.weight (32, 16)
+    decoder.layers.0.self_attention.q_proj.weight (16, 16)
+    decoder.layers.0.self_attention.q_proj.bias (16,)
+    decoder.layers.0.self_attention.k_proj.weight (16, 16)
+    decoder.layers.0.self_attention.k_proj.bias (16,)
+    decoder.layers.0.self_attention.v_proj.weight (16, 16)
+    decoder.layers.0.self_attention.v_proj.bias (16,)
+    decoder.layers.0.self_attention.out_proj.weight (16, 16)
+    decoder.layers.0.self_attention.out_proj.bias (16,)
+    decoder.layers.0.attention_block.norm.weight (16,)
+    decoder.layers.0.attention_block.norm.bias (16,)
+    decoder.layers.0.feed_forward.in_proj.weight (40, 16)
+    decoder.layers.0.feed_forward.in_proj.bias (40,)
+    decoder.layers.0.feed_forward.out_proj.weight (16, 40)
+    decoder.layers.0.feed_forward.out_proj.bias (16,)
+    decoder.layers.0.feed_forward_block.norm.weight (16,)
+    decoder.layers.0.feed_forward_block.norm.bias (16,)
+    head.weight (13, 16)
+    """),
+    "seq2seq": (
+        lambda: Seq2SeqTransformer(
+            VOCAB, VOCAB + 4, 16, 2, encoder_depth=1, decoder_depth=1, encoder_self_attention="performer",
+            encoder_self_attention_options={"nb_features": 8}, decoder_self_attention="linear",
+        ), """
+    src_embedding.embedding.weight (13, 16)
+    tgt_embedding.embedding.weight (17, 16)
+    encoder.layers.0.self_attention.q_proj.weight (16, 16)
+    encoder.layers.0.self_attention.q_proj.bias (16,)
+    encoder.layers.0.self_attention.k_proj.weight (16, 16)
+    encoder.layers.0.self_attention.k_proj.bias (16,)
+    encoder.layers.0.self_attention.v_proj.weight (16, 16)
+    encoder.layers.0.self_attention.v_proj.bias (16,)
+    encoder.layers.0.self_attention.out_proj.weight (16, 16)
+    encoder.layers.0.self_attention.out_proj.bias (16,)
+    encoder.layers.0.self_attention.mechanism.feature_map.projection (4, 8)
+    encoder.layers.0.self_attention.mechanism.feature_map.calls_since_redraw ()
+    encoder.layers.0.feed_forward.in_proj.weight (64, 16)
+    encoder.layers.0.feed_forward.in_proj.bias (64,)
+    encoder.layers.0.feed_forward.out_proj.weight (16, 64)
+    encoder.layers.0.feed_forward.out_proj.bias (16,)
+    encoder.layers.0.attention_block.norm.weight (16,)
+    encoder.layers.0.attention_block.norm.bias (16,)
+    encoder.layers.0.feed_forward_block.norm.weight (16,)
+    encoder.layers.0.feed_forward_block.norm.bias (16,)
+    encoder.norm.weight (16,)
+    encoder.norm.bias (16,)
+    decoder.layers.0.self_attention.q_proj.weight (16, 16)
+    decoder.layers.0.self_attention.q_proj.bias (16,)
+    decoder.layers.0.self_attention.k_proj.weight (16, 16)
+    decoder.layers.0.self_attention.k_proj.bias (16,)
+    decoder.layers.0.self_attention.v_proj.weight (16, 16)
+    decoder.layers.0.self_attention.v_proj.bias (16,)
+    decoder.layers.0.self_attention.out_proj.weight (16, 16)
+    decoder.layers.0.self_attention.out_proj.bias (16,)
+    decoder.layers.0.attention_block.norm.weight (16,)
+    decoder.layers.0.attention_block.norm.bias (16,)
+    decoder.layers.0.cross_attention.q_proj.weight (16, 16)
+    decoder.layers.0.cross_attention.q_proj.bias (16,)
+    decoder.layers.0.cross_attention.k_proj.weight (16, 16)
+    decoder.layers.0.cross_attention.k_proj.bias (16,)
+    decoder.layers.0.cross_attention.v_proj.weight (16, 16)
+    decoder.layers.0.cross_attention.v_proj.bias (16,)
+    decoder.layers.0.cross_attention.out_proj.weight (16, 16)
+    decoder.layers.0.cross_attention.out_proj.bias (16,)
+    decoder.layers.0.cross_attention_block.norm.weight (16,)
+    decoder.layers.0.cross_attention_block.norm.bias (16,)
+    decoder.layers.0.feed_forward.in_proj.weight (64, 16)
+    decoder.layers.0.feed_forward.in_proj.bias (64,)
+    decoder.layers.0.feed_forward.out_proj.weight (16, 64)
+    decoder.layers.0.feed_forward.out_proj.bias (16,)
+    decoder.layers.0.feed_forward_block.norm.weight (16,)
+    decoder.layers.0.feed_forward_block.norm.bias (16,)
+    decoder.norm.weight (16,)
+    decoder.norm.bias (16,)
+    head.weight (17, 16)
+    """),
+}
+
+
+@pytest.mark.parametrize("name", list(RECORDED_STATE_DICTS))
+def test_models_have_the_recorded_state_dict_keys_and_shapes(name):
+    build, recorded = RECORDED_STATE_DICTS[name]
+    expected = []
+    for line in recorded.strip().splitlines():
+        key, shape = line.split(maxsplit=1)
+        expected.append((key, ast.literal_eval(shape)))
+    assert [(key, tuple(value.shape)) for key, value in build().state_dict().items()] == expected

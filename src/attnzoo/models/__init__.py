@@ -1,5 +1,6 @@
 """Transformer layers and models built on :class:`attnzoo.MultiHeadAttention`."""
 
+from .config import AttentionSpec, BlockConfig
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
 from .transformer import (
     Decoder,
@@ -12,6 +13,8 @@ from .transformer import (
 )
 
 __all__ = [
+    "AttentionSpec",
+    "BlockConfig",
     "DecoderLayer",
     "EncoderLayer",
     "FeedForward",

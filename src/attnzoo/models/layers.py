@@ -2,34 +2,22 @@
 
 Every layer works on (batch, seq, dim) and supports pre-norm (``norm_first=True``: ``x + f(norm(x))``) and
 post-norm (``norm_first=False``: ``norm(x + f(x))``, the original Transformer and
-``torch.nn.TransformerEncoderLayer``'s default). Each attention slot takes its own mechanism name and a dict
-of that mechanism's options, so one model can mix mechanisms.
+``torch.nn.TransformerEncoderLayer``'s default). The layers are built from one checked :class:`BlockConfig`;
+each attention slot takes its own mechanism and options (an :class:`AttentionSpec`), so one model can mix
+mechanisms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._validation import check_bool, check_number, check_positive_int, check_probability
+from .._validation import check_bool, check_choice, check_positive_int, check_probability
 from ..attention import AttentionState, MultiHeadAttention
-
-ACTIVATIONS = ("relu", "gelu", "swiglu")
-
-
-def check_dropout(dropout: float) -> None:
-    check_probability("dropout", dropout)
-
-
-def _options(name: str, options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    if options is None:
-        return {}
-    if not isinstance(options, dict):
-        raise TypeError(f"{name} must be a dict of mechanism options or None, got {type(options).__name__}")
-    return dict(options)
+from .config import ACTIVATIONS, AttentionSpec, BlockConfig
 
 
 class FeedForward(nn.Module):
@@ -45,11 +33,9 @@ class FeedForward(nn.Module):
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("hidden_dim", hidden_dim)
-        check_dropout(dropout)
+        check_probability("dropout", dropout)
         check_bool("bias", bias)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; valid choices: {', '.join(ACTIVATIONS)}")
-        self.activation = activation
+        self.activation = check_choice("activation", activation, ACTIVATIONS)
         gated = activation == "swiglu"
         self.in_proj = nn.Linear(dim, 2 * hidden_dim if gated else hidden_dim, bias=bias)
         self.out_proj = nn.Linear(hidden_dim, dim, bias=bias)
@@ -68,13 +54,13 @@ class FeedForward(nn.Module):
 
 
 class _Sublayer(nn.Module):
-    """A residual branch with its layer norm and dropout, placed pre- or post-norm."""
+    """A residual branch with its layer norm and dropout, placed pre- or post-norm: (batch, seq, dim)."""
 
-    def __init__(self, dim: int, norm_first: bool, dropout: float, eps: float) -> None:
+    def __init__(self, config: BlockConfig) -> None:
         super().__init__()
-        self.norm_first = check_bool("norm_first", norm_first)
-        self.norm = nn.LayerNorm(dim, eps=check_number("layer_norm_eps", eps, minimum=0.0, exclusive_minimum=True))
-        self.dropout = nn.Dropout(dropout)
+        self.norm_first = config.norm_first
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, branch: Callable[[Tensor], Tensor]) -> Tensor:
         if self.norm_first:
@@ -92,42 +78,52 @@ class LayerState:
     memory_v: Optional[Tensor] = None
 
 
-class EncoderLayer(nn.Module):
+class _Block(nn.Module):
+    """What encoder and decoder layers share: their :class:`BlockConfig` (kept as ``config``) and the
+    construction of their parts from it. Each layer registers the parts in its own order, which fixes the
+    order of its parameters and state_dict entries."""
+
+    def __init__(self, config: BlockConfig) -> None:
+        super().__init__()
+        if not isinstance(config, BlockConfig):
+            raise TypeError(
+                f"config must be a BlockConfig, e.g. BlockConfig(dim=512, heads=8), got {type(config).__name__}"
+            )
+        self.config = config
+
+    def _attention(
+        self, spec: AttentionSpec, *, rotary: bool = False, context_dim: Optional[int] = None
+    ) -> MultiHeadAttention:
+        return MultiHeadAttention(
+            self.config.dim, self.config.heads, spec.mechanism, rotary=rotary, context_dim=context_dim,
+            **(spec.options or {}),
+        )
+
+    def _self_attention(self) -> MultiHeadAttention:
+        return self._attention(self.config.self_attention, rotary=self.config.rotary)
+
+    def _feed_forward(self) -> FeedForward:
+        config = self.config
+        return FeedForward(config.dim, config.feed_forward_dim, config.activation, config.dropout)
+
+
+class EncoderLayer(_Block):
     """Self-attention + feed-forward, (batch, seq, dim) -> (batch, seq, dim).
 
     Args:
-        dim, heads: model width and attention heads.
-        ff_dim: hidden width of the feed-forward network, ``4 * dim`` by default.
-        activation: "relu", "gelu" or "swiglu".
-        norm_first: pre-norm (True) or post-norm (False).
-        dropout: on each residual branch and inside the feed-forward network.
-        self_attention: mechanism name (see :func:`attnzoo.available`); self_attention_options: its options.
-        rotary: rotary position embedding on the self-attention queries and keys.
-        layer_norm_eps: epsilon of the layer norms.
+        config: a :class:`BlockConfig` without cross-attention, e.g.
+            ``EncoderLayer(BlockConfig(dim=512, heads=8, self_attention=AttentionSpec("performer")))``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        *,
-        ff_dim: Optional[int] = None,
-        activation: str = "gelu",
-        norm_first: bool = True,
-        dropout: float = 0.0,
-        self_attention: str = "softmax",
-        self_attention_options: Optional[Dict[str, Any]] = None,
-        rotary: bool = False,
-        layer_norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        check_dropout(dropout)
-        self.self_attention = MultiHeadAttention(
-            dim, heads, self_attention, rotary=rotary, **_options("self_attention_options", self_attention_options)
-        )
-        self.feed_forward = FeedForward(dim, 4 * dim if ff_dim is None else ff_dim, activation, dropout)
-        self.attention_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
-        self.feed_forward_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+    def __init__(self, config: BlockConfig) -> None:
+        super().__init__(config)
+        if config.cross_attention is not None:
+            raise ValueError("an EncoderLayer has no cross-attention: give it a BlockConfig with cross_attention=None")
+        # Both parts before their norms, unlike DecoderLayer: the order saved checkpoints and optimizer states have.
+        self.self_attention = self._self_attention()
+        self.feed_forward = self._feed_forward()
+        self.attention_block = _Sublayer(config)
+        self.feed_forward_block = _Sublayer(config)
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
         """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
@@ -135,52 +131,28 @@ class EncoderLayer(nn.Module):
         return self.feed_forward_block(x, self.feed_forward)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Block):
     """Causal self-attention + cross-attention to an encoder memory + feed-forward, (batch, seq, dim).
 
-    With ``cross_attention=None`` the layer has no cross-attention: the block of a decoder-only language
-    model. Arguments as for :class:`EncoderLayer`, plus ``cross_attention`` / ``cross_attention_options``
-    for the cross-attention slot and ``memory_dim`` (width of the memory, ``dim`` by default).
+    Args:
+        config: a :class:`BlockConfig`; with ``cross_attention=None`` the layer has no cross-attention: the
+            block of a decoder-only language model. ``config.memory_dim`` is the width of the memory.
 
     Incremental decoding: :meth:`prefill` over a prefix, then :meth:`step` one position at a time; the
     memory's keys and values are projected once (:meth:`project_memory`) and carried in the state.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        heads: int,
-        *,
-        ff_dim: Optional[int] = None,
-        activation: str = "gelu",
-        norm_first: bool = True,
-        dropout: float = 0.0,
-        self_attention: str = "softmax",
-        self_attention_options: Optional[Dict[str, Any]] = None,
-        cross_attention: Optional[str] = "softmax",
-        cross_attention_options: Optional[Dict[str, Any]] = None,
-        memory_dim: Optional[int] = None,
-        rotary: bool = False,
-        layer_norm_eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        check_dropout(dropout)
-        self.self_attention = MultiHeadAttention(
-            dim, heads, self_attention, rotary=rotary, **_options("self_attention_options", self_attention_options)
-        )
-        self.attention_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+    def __init__(self, config: BlockConfig) -> None:
+        super().__init__(config)
+        self.self_attention = self._self_attention()
+        self.attention_block = _Sublayer(config)
         self.cross_attention: Optional[MultiHeadAttention] = None
         self.cross_attention_block: Optional[_Sublayer] = None
-        if cross_attention is not None:
-            self.cross_attention = MultiHeadAttention(
-                dim, heads, cross_attention, context_dim=memory_dim,
-                **_options("cross_attention_options", cross_attention_options),
-            )
-            self.cross_attention_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
-        elif cross_attention_options:
-            raise ValueError("cross_attention_options given but cross_attention=None (no cross-attention slot)")
-        self.feed_forward = FeedForward(dim, 4 * dim if ff_dim is None else ff_dim, activation, dropout)
-        self.feed_forward_block = _Sublayer(dim, norm_first, dropout, layer_norm_eps)
+        if config.cross_attention is not None:
+            self.cross_attention = self._attention(config.cross_attention, context_dim=config.memory_dim)
+            self.cross_attention_block = _Sublayer(config)
+        self.feed_forward = self._feed_forward()
+        self.feed_forward_block = _Sublayer(config)
 
     def _check_memory(self, memory: Optional[Tensor]) -> None:
         if self.cross_attention is None and memory is not None:

@@ -11,15 +11,16 @@ Padding masks are (batch, seq) bool tensors, True marking padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_positive_int
+from .._validation import check_choice, check_positive_int, check_probability
 from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
-from .layers import DecoderLayer, EncoderLayer, LayerState, check_dropout
+from .config import AttentionSpec, BlockConfig, attention_slot
+from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
 POOLING_KINDS = ("mean", "cls")
@@ -55,12 +56,6 @@ def check_padding_mask(name: str, mask: Optional[Tensor], tokens: Tensor) -> Non
         raise ValueError(f"{name} must be on {tokens.device}, got {mask.device}")
 
 
-def _choice(name: str, value: str, choices: Tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; valid choices: {', '.join(choices)}")
-    return value
-
-
 # -- embeddings ----------------------------------------------------------------------------------------------
 class TokenEmbedding(nn.Module):
     """Token embedding plus an absolute positional encoding, then dropout: (batch, seq) -> (batch, seq, dim).
@@ -75,9 +70,9 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("dim", dim)
-        check_dropout(dropout)
+        check_probability("dropout", dropout)
         self.vocab_size = vocab_size
-        self.positional = _choice("positional", positional, POSITIONAL_KINDS)
+        self.positional = check_choice("positional", positional, POSITIONAL_KINDS)
         self.embedding = nn.Embedding(vocab_size, dim)
         self.position: Optional[nn.Module] = None
         if positional == "sinusoidal":
@@ -107,12 +102,42 @@ class TokenEmbedding(nn.Module):
 
 
 # -- stacks --------------------------------------------------------------------------------------------------
-class Encoder(nn.Module):
+StackT = TypeVar("StackT", bound="_LayerStack")
+
+
+class _LayerStack(nn.Module):
+    """``depth`` layers of ``layer_type`` built from one :class:`BlockConfig` (kept as ``config``), closed by a
+    layer norm in a pre-norm stack (post-norm layers already end with one)."""
+
+    layer_type: ClassVar[Type[_Block]]
+
+    def __init__(self, config: BlockConfig, depth: int) -> None:
+        super().__init__()
+        check_positive_int("depth", depth)
+        self.config = config
+        self.layers = nn.ModuleList(self.layer_type(config) for _ in range(depth))
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+
+    @classmethod
+    def from_config(cls: Type[StackT], config: BlockConfig, depth: int) -> StackT:
+        """The stack of ``depth`` layers built from ``config``, for callers that hold a config already
+        (the token models build theirs once from their own arguments)."""
+        # Skips the subclass's keyword constructor: all it does is make the config that is given here.
+        stack = cls.__new__(cls)
+        _LayerStack.__init__(stack, config, depth)
+        return stack
+
+
+class Encoder(_LayerStack):
     """A stack of :class:`EncoderLayer` on vectors, (batch, seq, dim) -> (batch, seq, dim).
 
     Like ``torch.nn.TransformerEncoder``: no embedding; with pre-norm a final layer norm closes the stack.
-    Arguments are those of :class:`EncoderLayer` plus ``depth`` (number of layers).
+    Arguments are the fields of :class:`BlockConfig` (``self_attention`` and ``self_attention_options`` for
+    its ``self_attention`` spec) plus ``depth``, the number of layers. ``Encoder.from_config(config, depth)``
+    builds one from a config.
     """
+
+    layer_type = EncoderLayer
 
     def __init__(
         self,
@@ -129,17 +154,12 @@ class Encoder(nn.Module):
         rotary: bool = False,
         layer_norm_eps: float = 1e-5,
     ) -> None:
-        super().__init__()
-        check_positive_int("depth", depth)
-        self.layers = nn.ModuleList(
-            EncoderLayer(
-                dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-                self_attention=self_attention, self_attention_options=self_attention_options, rotary=rotary,
-                layer_norm_eps=layer_norm_eps,
-            )
-            for _ in range(depth)
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=rotary,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
         )
-        self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+        super().__init__(config, depth)
 
     def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
         """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding."""
@@ -158,12 +178,16 @@ class DecoderState:
     memory_padding_mask: Optional[Tensor] = None
 
 
-class Decoder(nn.Module):
+class Decoder(_LayerStack):
     """A stack of :class:`DecoderLayer` on vectors, (batch, seq, dim) -> (batch, seq, dim); causal.
 
-    ``cross_attention=None`` gives a decoder-only stack (no memory). Arguments are those of
-    :class:`DecoderLayer` plus ``depth``. Incremental decoding: :meth:`prefill`, then :meth:`step`.
+    Arguments are the fields of :class:`BlockConfig` (each attention slot as ``<slot>`` and
+    ``<slot>_options``) plus ``depth``; ``cross_attention=None`` gives a decoder-only stack (no memory).
+    ``Decoder.from_config(config, depth)`` builds one from a config. Incremental decoding: :meth:`prefill`,
+    then :meth:`step`.
     """
+
+    layer_type = DecoderLayer
 
     def __init__(
         self,
@@ -183,18 +207,14 @@ class Decoder(nn.Module):
         rotary: bool = False,
         layer_norm_eps: float = 1e-5,
     ) -> None:
-        super().__init__()
-        check_positive_int("depth", depth)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-                self_attention=self_attention, self_attention_options=self_attention_options,
-                cross_attention=cross_attention, cross_attention_options=cross_attention_options,
-                memory_dim=memory_dim, rotary=rotary, layer_norm_eps=layer_norm_eps,
-            )
-            for _ in range(depth)
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=rotary,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
+            cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
+            memory_dim=memory_dim,
         )
-        self.norm = nn.LayerNorm(dim, eps=layer_norm_eps) if norm_first else nn.Identity()
+        super().__init__(config, depth)
 
     def forward(
         self,
@@ -246,7 +266,7 @@ class LanguageModel(nn.Module):
 
     Args:
         vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
-        ff_dim, activation, norm_first, dropout, layer_norm_eps: as for :class:`DecoderLayer`.
+        ff_dim, activation, norm_first, dropout, layer_norm_eps: as for :class:`BlockConfig`.
         positional: "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none".
         max_length: the longest sequence, required by ``positional="learned"``.
         self_attention, self_attention_options: mechanism name and options of every self-attention.
@@ -275,11 +295,12 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout)
-        self.decoder = Decoder(
-            dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            self_attention=self_attention, self_attention_options=self_attention_options, cross_attention=None,
-            rotary=self.embedding.rotary, layer_norm_eps=layer_norm_eps,
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
         )
+        self.decoder = Decoder.from_config(config, depth)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -343,18 +364,20 @@ class Seq2SeqTransformer(nn.Module):
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.src_embedding = TokenEmbedding(src_vocab_size, dim, positional, max_length, dropout)
         self.tgt_embedding = TokenEmbedding(tgt_vocab_size, dim, positional, max_length, dropout)
-        rotary = self.src_embedding.rotary
-        self.encoder = Encoder(
-            dim, heads, encoder_depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
-            dropout=dropout, self_attention=encoder_self_attention,
-            self_attention_options=encoder_self_attention_options, rotary=rotary, layer_norm_eps=layer_norm_eps,
+        decoder_config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=self.src_embedding.rotary,
+            self_attention=AttentionSpec(decoder_self_attention, decoder_self_attention_options),
+            cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
         )
-        self.decoder = Decoder(
-            dim, heads, decoder_depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
-            dropout=dropout, self_attention=decoder_self_attention,
-            self_attention_options=decoder_self_attention_options, cross_attention=cross_attention,
-            cross_attention_options=cross_attention_options, rotary=rotary, layer_norm_eps=layer_norm_eps,
+        # The encoder differs in its self-attention slot only, and has no memory to attend to.
+        encoder_config = replace(
+            decoder_config,
+            self_attention=AttentionSpec(encoder_self_attention, encoder_self_attention_options),
+            cross_attention=None,
         )
+        self.encoder = Encoder.from_config(encoder_config, encoder_depth)
+        self.decoder = Decoder.from_config(decoder_config, decoder_depth)
         self.head = nn.Linear(dim, tgt_vocab_size, bias=False)
 
     def encode(self, src: Tensor, *, src_padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -431,16 +454,17 @@ class SequenceClassifier(nn.Module):
         super().__init__()
         check_positive_int("num_classes", num_classes)
         self.vocab_size = vocab_size
-        self.pooling = _choice("pooling", pooling, POOLING_KINDS)
+        self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
         use_cls = pooling == "cls"
         positions = None if max_length is None else max_length + int(use_cls)
         self.embedding = TokenEmbedding(vocab_size, dim, positional, positions, dropout)
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if use_cls else None
-        self.encoder = Encoder(
-            dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            self_attention=self_attention, self_attention_options=self_attention_options,
-            rotary=self.embedding.rotary, layer_norm_eps=layer_norm_eps,
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
         )
+        self.encoder = Encoder.from_config(config, depth)
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
