@@ -20,7 +20,7 @@ class ToyBroken(Mechanism):
 
     name = "toy_broken"
     capabilities = Capabilities(causal=True, cross=False, key_padding=False, recurrent_step=False,
-                                approximate=False, complexity="-", summary="always raises")
+                                kind="exact", complexity="-", summary="always raises")
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -34,7 +34,7 @@ class ToyNonCausal(Mechanism):
 
     name = "toy_noncausal"
     capabilities = Capabilities(causal=False, cross=False, key_padding=False, recurrent_step=False,
-                                approximate=False, complexity="O(N^2)", summary="softmax, non-causal only")
+                                kind="exact", complexity="O(N^2)", summary="softmax, non-causal only")
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -48,7 +48,9 @@ class ToyTruncated(Mechanism):
 
     name = "toy_truncated"
     capabilities = Capabilities(causal=False, cross=False, key_padding=False, recurrent_step=False,
-                                approximate=True, complexity="O(N m)", summary="first m keys only")
+                                kind="approximate", complexity="O(N m)", summary="first m keys only")
+
+    sweep_option = "nb_features"
 
     def __init__(self, heads: int, head_dim: int, *, nb_features: int = 8) -> None:
         super().__init__(heads, head_dim)

@@ -26,7 +26,7 @@ def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
         caps = capabilities(name)
         assert cells[1:5] == ["yes" if flag else "-" for flag in (caps.causal, caps.cross, caps.key_padding,
                                                                     caps.recurrent_step)]
-        assert ("approximate" if caps.approximate else "exact") in cells
+        assert caps.kind in cells
 
 
 def test_list_options_names_every_option_with_its_default(capsys):
@@ -151,7 +151,7 @@ def synthetic_data() -> dict:
     from attnzoo.bench.results import CSV_COLUMNS, add_ratios, summarize
 
     row = {column: None for column in CSV_COLUMNS}
-    row.update(mechanism="softmax", source="attnzoo", approximate=False, length=16, batch=1, heads=2, head_dim=8,
+    row.update(mechanism="softmax", source="attnzoo", kind="exact", length=16, batch=1, heads=2, head_dim=8,
                dtype="float32", causal=False, device="cpu", status="ok", forward_ms=1.0, forward_backward_ms=3.0,
                peak_memory_mib=1.0, error=0.0)
     add_ratios([row])

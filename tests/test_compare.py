@@ -208,7 +208,7 @@ def test_prepare_output_creates_the_directory_and_refuses_what_cannot_hold_resul
 # -- peer rows -----------------------------------------------------------------------------------------------
 def _synthetic_row(mechanism: str, source: str, counterpart, ms: float, mib: float, length: int = 1024) -> dict:
     row = {column: None for column in CSV_COLUMNS}
-    row.update(mechanism=mechanism, source=source, counterpart=counterpart, approximate=mechanism != "softmax",
+    row.update(mechanism=mechanism, source=source, counterpart=counterpart, kind="exact" if mechanism == "softmax" else "approximate",
                length=length, batch=1, heads=4, head_dim=64, dtype="float32", causal=False, device="cpu",
                status="ok", forward_ms=ms / 2, forward_backward_ms=ms, peak_memory_mib=mib, error=0.1,
                forward_backward_ms_samples=[ms] * 3)
@@ -251,13 +251,17 @@ def test_peer_ratios_are_attnzoos_figure_over_the_peers_for_time_and_memory_alik
     assert float(rows[2]["attnzoo_memory_over_peer"]) == pytest.approx(0.92)
 
 
-def test_sweep_plan_only_takes_approximate_mechanisms_with_a_feature_option():
-    entries = [mechanism_entry(name) for name in available()]
-    for entry, option in sweep_plan(CompareConfig(), entries):
-        from attnzoo import capabilities, mechanism_options
+def test_sweep_plan_takes_the_option_each_approximate_mechanism_declares():
+    from attnzoo import capabilities
+    from attnzoo.mechanisms import mechanism_class
 
-        assert capabilities(entry["name"]).approximate and option in mechanism_options(entry["name"])
-    assert all(entry["name"] != "softmax" for entry, _ in sweep_plan(CompareConfig(), entries))
+    entries = [mechanism_entry(name) for name in available()]
+    plan = sweep_plan(CompareConfig(), entries)
+    for entry, option in plan:
+        assert capabilities(entry["name"]).kind == "approximate"
+        assert option == mechanism_class(entry["name"]).sweep_option
+    # Attentions of their own (linear, gla, retention, rfa) have no approximation error to sweep.
+    assert {entry["name"] for entry, _ in plan} == {"performer"}
 
 
 # -- isolation -----------------------------------------------------------------------------------------------

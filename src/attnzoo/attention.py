@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple
 from torch import Tensor, nn
 
 from ._validation import check_bool, check_floating, check_positive_int, check_probability
-from .mechanisms.base import UnsupportedOptionError, build_mechanism
+from .mechanisms.base import UnsupportedOptionError, build_mechanism, shapes_only
 from .state import DecodingState
 from .positional import RotaryEmbedding
 
@@ -121,7 +121,7 @@ class MultiHeadAttention(nn.Module):
             self._check_input("context", context, self.context_dim)
             if context.shape[0] != x.shape[0]:
                 raise ValueError(f"context batch {context.shape[0]} does not match x batch {x.shape[0]}")
-            self._require_cross()
+            self._require_cross(x.shape[1], context.shape[1])
             source = context
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(source))
@@ -131,22 +131,22 @@ class MultiHeadAttention(nn.Module):
         out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None)
         return self.out_proj(self.dropout(self._merge_heads(out)))
 
-    def _require_cross(self) -> None:
-        caps = self.mechanism.capabilities
-        if not caps.cross:
-            limited = f" with {caps.limited_by}" if caps.limited_by else ""
-            raise UnsupportedOptionError(
-                f"{self.mechanism.name}{limited} does not support cross-attention (context=...)"
-            )
+    def _require_cross(self, q_len: int, context_len: int) -> None:
+        """Refuse cross-attention (``context=``) before projecting anything, with every reason the mechanism
+        gives (:meth:`~attnzoo.Mechanism.unsupported_reasons`)."""
         if self.rotary is not None:
             raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
+        shapes = shapes_only(1, self.heads, q_len, context_len, self.head_dim)
+        reasons = self.mechanism.unsupported_reasons(*shapes, cross=True)
+        if reasons:
+            raise UnsupportedOptionError("context=...: " + "; ".join(reasons))
 
     # -- cross-attention to a fixed context, projected once -------------------------------------------------
     def project_context(self, context: Tensor) -> Tuple[Tensor, Tensor]:
         """Project ``context`` (batch, seq_c, context_dim) to per-head keys and values, each
         (batch, heads, seq_c, head_dim), so that decoding steps reuse them instead of re-projecting."""
         self._check_input("context", context, self.context_dim)
-        self._require_cross()
+        self._require_cross(1, context.shape[1])
         return self._split_heads(self.k_proj(context)), self._split_heads(self.v_proj(context))
 
     def attend_projected(

@@ -44,7 +44,7 @@ def list_command(args: argparse.Namespace) -> int:
         rows.append([
             name, _yes(caps.causal), _yes(caps.cross), _yes(caps.key_padding), _yes(caps.recurrent_step),
             "-" if caps.max_length is None else str(caps.max_length),
-            "approximate" if caps.approximate else "exact", caps.complexity,
+            caps.kind, caps.complexity,
         ])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths]] + rows:

@@ -29,7 +29,7 @@ from torch.autograd.gradcheck import GradcheckError
 
 import attnzoo
 from attnzoo.functional import softmax_attention_reference
-from attnzoo.mechanisms import Capabilities, Mechanism, UnsupportedOptionError, mechanism_class
+from attnzoo.mechanisms import APPROXIMATE, Capabilities, Mechanism, UnsupportedOptionError, mechanism_class, shapes_only
 from attnzoo.state import DecodingState, map_tensors, select_batch
 
 HEADS = 2
@@ -78,9 +78,11 @@ def as_dtype(mechanism: Mechanism, dtype: torch.dtype) -> Mechanism:
 
 
 def fit(mechanism: Mechanism, length: int) -> int:
-    """``length`` capped at the mechanism's ``max_length``."""
+    """``length`` capped at the mechanism's ``max_length`` and rounded down to its ``length_multiple``."""
     limit = mechanism.max_length
-    return length if limit is None else max(1, min(length, limit))
+    length = length if limit is None else max(1, min(length, limit))
+    multiple = mechanism.capabilities.length_multiple
+    return length if multiple is None else max(multiple, length - length % multiple)
 
 
 def random_qkv(
@@ -137,22 +139,26 @@ class Variant:
         )
 
 
-def variants(mechanism: Mechanism, length: int = SEQ) -> List[Variant]:
-    """Every combination of causal / key padding / cross-attention the mechanism declares. Cross-attention
+def all_variants(mechanism: Mechanism, length: int = SEQ) -> List[Variant]:
+    """Every combination of causal / key padding / self- and cross-attention, supported or not. Cross-attention
     runs with equal lengths too: whether keys come from another sequence is said, never read off the lengths."""
-    caps = mechanism.capabilities
     n = fit(mechanism, length)
-    causal_options = [False, True] if caps.causal else [False]
-    padding_options = [False, True] if caps.key_padding else [False]
-    shapes = [(n, n, False)]
-    if caps.cross:
-        shapes.append((n, n, True))
-        if n > 1:
-            short = max(1, n // 2)
-            shapes += [(short, n, True), (n, short, True)]
-    return [
-        Variant(lq, lk, c, p, cross) for lq, lk, cross in shapes for c in causal_options for p in padding_options
-    ]
+    short = fit(mechanism, max(1, n // 2))
+    shapes = [(n, n, False), (n, n, True)] + ([(short, n, True), (n, short, True)] if short != n else [])
+    return [Variant(lq, lk, c, p, cross) for lq, lk, cross in shapes for c in (False, True) for p in (False, True)]
+
+
+def unsupported_reasons(mechanism: Mechanism, variant: Variant) -> List[str]:
+    """What the mechanism itself says stops it from running ``variant`` (asked with shape-only inputs)."""
+    q, k, v = shapes_only(BATCH, mechanism.heads, variant.q_len, variant.k_len, mechanism.head_dim)
+    mask = torch.zeros(BATCH, variant.k_len, dtype=torch.bool, device="meta") if variant.padded else None
+    return mechanism.unsupported_reasons(q, k, v, variant.causal, mask, cross=variant.cross)
+
+
+def variants(mechanism: Mechanism, length: int = SEQ) -> List[Variant]:
+    """The combinations of :func:`all_variants` the mechanism runs (by its own :meth:`unsupported_reasons`,
+    which :func:`check_unsupported_options` holds to the declared capabilities)."""
+    return [variant for variant in all_variants(mechanism, length) if not unsupported_reasons(mechanism, variant)]
 
 
 def call(mechanism: Mechanism, qkv: Qkv, causal: bool, mask: Optional[Tensor], cross: bool = False) -> Tensor:
@@ -275,6 +281,11 @@ def check_declaration(cls: Type[Mechanism]) -> None:
         raise AssertionError(f"{where}: capabilities.max_length must be None or a positive int, got {limit!r}")
     if caps.recurrent_step and not caps.causal:
         raise AssertionError(f"{where}: recurrent_step=True needs causal=True (step equals the causal forward)")
+    multiple = caps.length_multiple
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+        raise AssertionError(f"{where}: capabilities.length_multiple must be None or a positive int, got {multiple!r}")
+    if multiple is not None and limit is not None and limit % multiple:
+        raise AssertionError(f"{where}: max_length={limit} is not a multiple of length_multiple={multiple}")
 
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
     for p in parameters:
@@ -307,6 +318,27 @@ def check_declaration(cls: Type[Mechanism]) -> None:
     )
     check_bool_options_exercised(cls, options)
     check_option_types(cls)
+    check_declared_option_roles(cls, options)
+
+
+def check_declared_option_roles(cls: Type[Mechanism], options: Dict[str, inspect.Parameter]) -> None:
+    """``sweep_option`` and ``length_option`` name integer options of the mechanism; only an approximate
+    mechanism has an approximation error to sweep."""
+    hints = typing.get_type_hints(cls.__init__)
+    for role in ("sweep_option", "length_option"):
+        option = getattr(cls, role)
+        if option is None:
+            continue
+        annotation = hints.get(option)
+        if typing.get_origin(annotation) is Union:
+            (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if option not in options or annotation is not int:
+            raise AssertionError(f"{cls.__qualname__}.{role} = {option!r} must name an int option of its constructor")
+    if cls.sweep_option is not None and cls.capabilities.kind != APPROXIMATE:
+        raise AssertionError(
+            f"{cls.__qualname__} sweeps {cls.sweep_option!r} but is of kind {cls.capabilities.kind!r}: only an "
+            f"approximation of softmax has an error to sweep"
+        )
 
 
 def check_bool_options_exercised(cls: Type[Mechanism], options: Dict[str, inspect.Parameter]) -> None:
@@ -415,17 +447,35 @@ def check_low_precision(mechanism: Mechanism) -> None:
             if out.dtype != dtype:
                 raise AssertionError(f"{what}: output dtype {out.dtype}, expected the input dtype {dtype}")
             assert_finite(out, what)
-            if not mechanism.capabilities.approximate:
+            if mechanism.capabilities.exact:
                 expected = call(reference, qkv, variant.causal, mask, variant.cross)
                 assert_close(out, expected, f"{what} against float64", **tolerance)
 
 
 def check_unsupported_options(mechanism: Mechanism) -> None:
-    """Every capability the mechanism does not declare is refused with UnsupportedOptionError naming it."""
+    """Every capability the mechanism does not declare is refused with UnsupportedOptionError naming it, and
+    ``unsupported_reasons`` agrees with the declaration: a call has a reason against it exactly when it uses
+    an undeclared capability, every reason is given at once, and calling raises with all of them."""
     caps = mechanism.capabilities
     for option in ("causal", "key_padding", "cross", "recurrent_step"):
         if not getattr(caps, option):
             expect_unsupported(mechanism, option)
+    m = as_dtype(mechanism, torch.float32)
+    name = type(mechanism).__name__
+    for variant in all_variants(mechanism):
+        reasons = unsupported_reasons(mechanism, variant)
+        missing = [option for option, used in (("causal", variant.causal), ("key_padding", variant.padded),
+                                                ("cross", variant.cross)) if used and not getattr(caps, option)]
+        what = f"{name} {variant.describe()}"
+        if bool(reasons) != bool(missing) or len(reasons) < len(missing):
+            raise AssertionError(
+                f"{what}: unsupported_reasons() gives {reasons}, but the declared capabilities "
+                f"{'leave out ' + ', '.join(missing) if missing else 'cover this call'}"
+            )
+        if reasons:
+            qkv, mask = variant_inputs(mechanism, variant, torch.float32, seed=24)
+            expect_error(lambda: call(m, qkv, variant.causal, mask, variant.cross), UnsupportedOptionError,
+                         "; ".join(map(re.escape, reasons)), f"{what}: a call unsupported_reasons() refuses")
 
 
 def check_deterministic(mechanism: Mechanism) -> None:
@@ -795,7 +845,7 @@ def _replace_state(state: object, **changes: Any) -> object:
 # -- exactness, limits, bad input ----------------------------------------------------------------------------
 def check_matches_reference(mechanism: Mechanism) -> None:
     """The fast path equals the mechanism's own float64 quadratic ``reference`` in every declared variant
-    (float64 tightly, float32 within rounding), and a mechanism declaring approximate=False has a reference
+    (float64 tightly, float32 within rounding), and a mechanism declaring kind="exact" has a reference
     equal to exact softmax attention."""
     for variant in variants(mechanism):
         for dtype in (torch.float64, torch.float32):
@@ -810,12 +860,12 @@ def check_matches_reference(mechanism: Mechanism) -> None:
                 raise AssertionError(f"{what}: reference() returned {expected.dtype}, expected float64")
             tolerance = TIGHT if dtype == torch.float64 else FLOAT32
             assert_close(out.double(), expected, f"{what}: differs from its own float64 reference()", **tolerance)
-            if not mechanism.capabilities.approximate:
+            if mechanism.capabilities.exact:
                 exact = softmax_attention_reference(*qkv, variant.causal, mask)
                 assert_close(
                     expected,
                     exact,
-                    f"{what}: declares approximate=False, i.e. that it computes exact softmax attention, but its "
+                    f"{what}: declares kind='exact', i.e. that it computes exact softmax attention, but its "
                     f"reference differs from softmax_attention_reference",
                     **TIGHT,
                 )

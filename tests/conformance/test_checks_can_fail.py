@@ -162,7 +162,7 @@ def _masked_softmax(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_m
 class DriftsFromReference(GoodToy):
     """Declares itself approximate, yet its fast path does not compute what its reference does."""
 
-    capabilities = replace(CAPS, approximate=True)
+    capabilities = replace(CAPS, kind="approximate")
 
     def attend(self, q, k, v, causal, key_padding_mask, cross):
         return softmax_attention(q, k, v, causal, key_padding_mask, scale=0.9 / math.sqrt(q.shape[-1]))

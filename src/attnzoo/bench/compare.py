@@ -20,18 +20,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._validation import check_number as check_option_number
-from ..mechanisms import available, capabilities, mechanism_options
+from ..mechanisms import APPROXIMATE, available, capabilities, mechanism_class
 from .launch import METHODS, Launcher
 from .measure import DEFAULT_MIN_SAMPLE_S
 from .peers import PEERS, installed_peers
 from .targets import Entry, import_user_modules, mechanism_entry, peer_entry
 from .results import BASELINE, CSV_COLUMNS, SCHEMA, add_ratios, summarize
 from .worker import finite
-
-# Integer options that set how many features / what rank / how many landmarks an approximation uses: the
-# error figure sweeps the first one a mechanism takes.
-SWEEP_OPTIONS = ("nb_features", "num_features", "features", "feature_dim", "rank", "proj_dim", "k",
-                 "landmarks", "num_landmarks", "n_landmarks")
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # About a minute on two CPU cores with the six mechanisms registered so far.
@@ -240,13 +235,12 @@ def planned_entries(config: CompareConfig) -> Tuple[List[Entry], List[Dict[str, 
 
 
 def sweep_plan(config: CompareConfig, entries: Sequence[Entry]) -> List[Tuple[Entry, str]]:
-    """(entry, option) for each approximate mechanism with a feature-count-like integer option."""
+    """(entry, option) for each approximate mechanism that declares a ``sweep_option`` (features, rank, ...)."""
     plan = []
     for entry in entries:
-        if entry["kind"] != "mechanism" or not capabilities(entry["name"]).approximate:
+        if entry["kind"] != "mechanism" or capabilities(entry["name"]).kind != APPROXIMATE:
             continue
-        options = mechanism_options(entry["name"])
-        option = next((name for name in SWEEP_OPTIONS if name in options), None)
+        option = mechanism_class(entry["name"]).sweep_option
         if option is not None:
             plan.append((entry, option))
     return plan
@@ -261,10 +255,12 @@ def _job_base(config: CompareConfig, length: int) -> Dict[str, Any]:
 def _entry_info(entry: Entry) -> Dict[str, Any]:
     if entry["kind"] == "peer":
         peer = PEERS[entry["name"]]
-        return {"mechanism": entry["key"], "source": entry["name"], "counterpart": peer.counterpart(),
-                "approximate": None}
+        counterpart = peer.counterpart()
+        # A peer computes what its attnzoo counterpart does, so it is of the same kind.
+        kind = capabilities(counterpart).kind if counterpart in available() else None
+        return {"mechanism": entry["key"], "source": entry["name"], "counterpart": counterpart, "kind": kind}
     return {"mechanism": entry["name"], "source": "attnzoo", "counterpart": None,
-            "approximate": capabilities(entry["name"]).approximate}
+            "kind": capabilities(entry["name"]).kind}
 
 
 def _empty_row(config: CompareConfig, entry: Entry, length: int) -> Dict[str, Any]:

@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from matplotlib import ticker  # noqa: E402
 from matplotlib.transforms import Bbox  # noqa: E402
 
+from ..mechanisms import APPROXIMATE, OWN  # noqa: E402
 from .results import BASELINE  # noqa: E402
 
 EXACT_FLOOR = 1e-3  # errors below this are rounding; plotted at this floor and labelled exact
@@ -195,7 +196,7 @@ def _message_figure(path: Path, title: str, message: str) -> None:
 def plot_error(data: Dict[str, Any], path: Path) -> None:
     """Error against the swept option (left) and, for approximate mechanisms, against N (right)."""
     sweeps = [sweep for sweep in data.get("sweeps", []) if any(p.get("error") for p in sweep["points"])]
-    approximate_rows = [row for row in data["rows"] if row.get("approximate") and row.get("error")]
+    approximate_rows = [row for row in data["rows"] if row.get("kind") == APPROXIMATE and row.get("error")]
     if not sweeps and not approximate_rows:
         _message_figure(path, "Approximation error against exact softmax",
                         "No approximate mechanism was measured,\nso there is no approximation error to show.")
@@ -267,11 +268,14 @@ def plot_bubble(data: Dict[str, Any], path: Path, accuracy: Optional[Dict[str, f
     length = _bubble_length(data)
     rows = [row for row in data["rows"] if row["length"] == length and row["forward_backward_ms"]
             and row["peak_memory_mib"] is not None]
+    own = sorted({row["mechanism"] for row in rows if row.get("kind") == OWN})
     if accuracy:
         points = [(row, accuracy[row["mechanism"]]) for row in rows if row["mechanism"] in accuracy]
         ylabel, title_quality = "accuracy (from --accuracy; higher is better)", "accuracy"
     else:
-        points = [(row, max(row["error"], EXACT_FLOOR)) for row in rows if row.get("error") is not None]
+        # An attention of its own has no approximation error: its distance from softmax is no quality measure.
+        points = [(row, max(row["error"], EXACT_FLOOR)) for row in rows
+                  if row.get("error") is not None and row.get("kind") != OWN]
         ylabel, title_quality = "relative error against exact softmax (log; better is up)", "approximation error"
     if not points:
         _message_figure(path, "Speed, quality and memory", "Nothing to plot: no mechanism has both a time and a "
@@ -289,8 +293,6 @@ def plot_bubble(data: Dict[str, Any], path: Path, accuracy: Optional[Dict[str, f
         ax.scatter([x], [quality], s=size, color=style["color"], alpha=0.45, edgecolors="black", linewidths=0.8,
                    linestyle="--" if style["linestyle"] == "--" else "-")
         label = row["mechanism"] + (" (exact)" if not accuracy and row["error"] < EXACT_FLOOR else "")
-        if not accuracy and row.get("approximate") is False and row["error"] >= EXACT_FLOOR:
-            label += " *"
         labels.append((label, x, quality, math.sqrt(size / math.pi)))  # radius in points of this area
     ax.set_xscale("log")
     ax.set_xlabel(f"speed: tokens per second, forward+backward at N={length} (log; faster to the right)")
@@ -313,9 +315,8 @@ def plot_bubble(data: Dict[str, Any], path: Path, accuracy: Optional[Dict[str, f
     ax.legend(title="peak memory (bubble area)", loc="best", fontsize=8, labelspacing=2.2, borderpad=1.2)
     ax.margins(0.15)
     _place_labels(fig, ax, labels)
-    note = ("\n* a different attention, not an approximation of softmax: its distance from softmax is not a quality "
-            "measure" if any(not accuracy and row.get("approximate") is False and row["error"] >= EXACT_FLOOR
-                             for row, _ in points) else "")
+    note = ("\nnot shown, as attentions of their own have no approximation error (give --accuracy to place them): "
+            + ", ".join(own) if not accuracy and own else "")
     fig.suptitle(f"Speed against {title_quality}, bubble area = peak memory (N={length})\n{_subtitle(data)}"
                  + note, fontsize=10)
     fig.savefig(path, dpi=110, bbox_inches="tight")

@@ -30,7 +30,7 @@ BASELINE = "softmax"
 STATUSES = ("ok", "unsupported", "oom", "timeout", "failed", "skipped")
 
 CSV_COLUMNS = [
-    "mechanism", "source", "counterpart", "approximate", "length", "batch", "heads", "head_dim", "dtype",
+    "mechanism", "source", "counterpart", "kind", "length", "batch", "heads", "head_dim", "dtype",
     "causal", "device", "status", "reason", "forward_ms", "forward_backward_ms", "peak_memory_mib",
     "forward_peak_memory_mib", "error", "speed_vs_softmax", "forward_speed_vs_softmax", "memory_vs_softmax",
     "attnzoo_time_over_peer", "attnzoo_memory_over_peer", "repeats", "forward_spread", "forward_backward_spread",
@@ -181,7 +181,7 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         trouble = next((row for row in own if row["status"] != "ok"), None)
         summary.append({
             "mechanism": mechanism, "source": own[0]["source"], "counterpart": own[0]["counterpart"],
-            "approximate": own[0]["approximate"],
+            "kind": own[0]["kind"],
             "crossover_forward": crossovers["forward_ms"],
             "crossover_forward_backward": crossovers["forward_backward_ms"],
             "longest_length": last["length"] if measured else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..mechanisms import OWN
 from .results import BASELINE, busy_warning, describe_crossover
 
 # Wide enough for a whole peer comparison ("attnzoo linear's time is 0.53x pytorch-fast-transformers', ...").
@@ -21,9 +22,9 @@ def format_error(row: Dict[str, Any]) -> str:
         return "-"
     if error < EXACT_BELOW:
         return "exact"
-    # A mechanism that does not declare itself an approximation of softmax (e.g. a gated linear
-    # attention) is a different model: its distance from softmax is shown, but it is not an error.
-    return f"{error:.3g}*" if row.get("approximate") is False else f"{error:.3g}"
+    # An attention of its own (e.g. a gated linear attention) is a different model: its distance from softmax
+    # is shown, starred, but it is not an approximation error.
+    return f"{error:.3g}*" if row.get("kind") == OWN else f"{error:.3g}"
 
 
 def _number(value: Optional[float]) -> str:
@@ -105,7 +106,7 @@ def results_table(data: Dict[str, Any]) -> str:
                      _shorten(item["note"] or "", 60)])
     lines += render_table(header, body, [False, True, True, True, True, True, True, False])
     if starred:
-        lines.append("* not an approximation of softmax (a different attention): distance from softmax, not error")
+        lines.append("* an attention of its own, not an approximation of softmax: distance from softmax, not an error")
     warning = busy_warning(data["machine"])
     if warning:
         lines.append("warning: " + warning)

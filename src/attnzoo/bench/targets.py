@@ -17,16 +17,11 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..mechanisms import UnsupportedOptionError, build_mechanism, capabilities, mechanism_options
+from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
 from .measure import AttentionFn
 from .peers import build_peer
 
 Entry = Dict[str, Any]
-
-# Mechanisms whose parameters depend on the sequence length (a learned projection over positions) take the
-# length as one of these options; the benchmark sets it to the measured length.
-LENGTH_OPTIONS = ("max_length", "seq_len", "max_seq_len", "sequence_length")
-
 
 def mechanism_entry(name: str, options: Optional[Dict[str, Any]] = None) -> Entry:
     return {"key": name, "kind": "mechanism", "name": name, "options": dict(options or {})}
@@ -66,22 +61,18 @@ def build_target(entry: Entry, heads: int, head_dim: int, length: int, causal: b
             return peer
         return peer.to(device=device, dtype=dtype).eval()
     name = entry["name"]
-    caps = capabilities(name)
-    if causal and not caps.causal:
-        return f"unsupported: {name} does not support causal attention"
-    if caps.max_length is not None and length > caps.max_length:
-        return f"unsupported: {name} accepts at most {caps.max_length} positions"
     options = dict(entry.get("options") or {})
-    for option in LENGTH_OPTIONS:
-        if option in mechanism_options(name) and option not in options:
-            options[option] = length
+    length_option = mechanism_class(name).length_option
+    if length_option is not None and length_option not in options:
+        options[length_option] = length  # a learned projection over positions is built for this length
     try:
         module = build_mechanism(name, heads, head_dim, **options)
     except UnsupportedOptionError as error:
         return f"unsupported: {error}"
+    reasons = module.unsupported_reasons(*shapes_only(1, heads, length, length, head_dim), causal=causal)
+    if reasons:
+        return "unsupported: " + "; ".join(reasons)
     module = module.to(device=device, dtype=dtype).eval()
-    if module.max_length is not None and length > module.max_length:
-        return f"unsupported: {name} built with max_length={module.max_length}"
     return lambda q, k, v, c: module(q, k, v, causal=c)
 
 

@@ -1,6 +1,10 @@
 """Attention mechanisms. Importing this package registers every built-in mechanism."""
 
 from .base import (
+    APPROXIMATE,
+    EXACT,
+    KINDS,
+    OWN,
     Capabilities,
     Mechanism,
     State,
@@ -11,12 +15,17 @@ from .base import (
     mechanism_class,
     mechanism_options,
     register,
+    shapes_only,
 )
 from .softmax import SoftmaxAttention
 from .kernelized import LinearAttention, PerformerAttention, RandomFeatureAttention
 from .gated import GatedLinearAttention, RetentionAttention
 
 __all__ = [
+    "APPROXIMATE",
+    "EXACT",
+    "KINDS",
+    "OWN",
     "Capabilities",
     "Mechanism",
     "State",
@@ -27,6 +36,7 @@ __all__ = [
     "mechanism_class",
     "mechanism_options",
     "register",
+    "shapes_only",
     "SoftmaxAttention",
     "LinearAttention",
     "PerformerAttention",

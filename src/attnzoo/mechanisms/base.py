@@ -32,6 +32,16 @@ class UnsupportedOptionError(ValueError):
 NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step")
 """The capabilities an instance's options may switch off (:meth:`Capabilities.narrowed`)."""
 
+EXACT = "exact"
+APPROXIMATE = "approximate"
+OWN = "own"
+KINDS = {
+    EXACT: "computes exact softmax attention",
+    APPROXIMATE: "approximates softmax attention: its distance from softmax is an approximation error",
+    OWN: "an attention of its own (e.g. decayed linear attention): its distance from softmax is no error",
+}
+"""What a mechanism's output is, relative to exact softmax attention (:attr:`Capabilities.kind`)."""
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -42,10 +52,12 @@ class Capabilities:
         cross: supports cross-attention (``cross=True``): keys and values from another sequence, of any length.
         key_padding: supports ``key_padding_mask``.
         recurrent_step: offers :meth:`Mechanism.step` for incremental decoding.
-        max_length: the longest key sequence it accepts, or None for no limit.
-        approximate: its output approximates exact softmax attention rather than computing it.
+        kind: one of :data:`KINDS`: ``"exact"`` softmax attention, an ``"approximate"`` one (whose error
+            against softmax ``attnzoo compare`` reports), or an attention of its ``"own"``.
         complexity: time/memory in the sequence length N, for people reading ``attnzoo list``.
         summary: one line describing the mechanism.
+        max_length: the longest query or key sequence it accepts, or None for no limit.
+        length_multiple: query and key lengths must be multiples of it (blocks, buckets), or None.
         limited_by: for an instance whose options switched capabilities off (see :meth:`narrowed`), those
             options, so that error messages can name them; None in a class's declaration.
     """
@@ -54,24 +66,42 @@ class Capabilities:
     cross: bool
     key_padding: bool
     recurrent_step: bool
-    approximate: bool
+    kind: str
     complexity: str
     summary: str
     max_length: Optional[int] = None
+    length_multiple: Optional[int] = None
     limited_by: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    @property
+    def exact(self) -> bool:
+        """Whether the output is exact softmax attention."""
+        return self.kind == EXACT
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
-    def narrowed(self, limited_by: str, **changes: bool) -> "Capabilities":
+    def narrowed(self, limited_by: str, *, kind: Optional[str] = None, **switched_off: bool) -> "Capabilities":
         """These capabilities with some switched off by an instance option named in ``limited_by``: any of
-        :data:`NARROWABLE` set to False, or ``approximate=True`` for an option that makes the output differ
-        from exact softmax attention."""
-        switched_off = {key: value for key, value in changes.items() if key != "approximate"}
+        :data:`NARROWABLE` set to False, and/or an exact mechanism's ``kind`` changed (an option that makes
+        its output differ from exact softmax attention)."""
         unknown = sorted(set(switched_off) - set(NARROWABLE))
-        if unknown or any(switched_off.values()) or changes.get("approximate", True) is not True:
-            raise ValueError(f"narrowed() only switches capabilities off, got {changes}")
-        return replace(self, limited_by=limited_by, **changes)
+        if unknown or any(switched_off.values()) or (kind is not None and (kind not in KINDS or not self.exact)):
+            raise ValueError(f"narrowed() only switches capabilities off, got kind={kind!r}, {switched_off}")
+        return replace(self, limited_by=limited_by, kind=kind or self.kind, **switched_off)
+
+
+def shapes_only(
+    batch: int, heads: int, q_len: int, k_len: int, head_dim: int, dtype: torch.dtype = torch.float32
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """q, k, v of the given shapes on the ``meta`` device: no memory, no data. For asking
+    :meth:`Mechanism.unsupported_reasons` about a call before making its inputs."""
+    make = lambda length: torch.empty(batch, heads, length, head_dim, dtype=dtype, device="meta")  # noqa: E731
+    return make(q_len), make(k_len), make(k_len)
 
 
 class Mechanism(nn.Module):
@@ -89,6 +119,12 @@ class Mechanism(nn.Module):
     test_variants: ClassVar[Tuple[Dict[str, Any], ...]] = ()
     """Further option sets the conformance suite also checks: options that change the maths or narrow the
     capabilities (an instance's ``capabilities`` then differ from the class's declaration)."""
+    sweep_option: ClassVar[Optional[str]] = None
+    """For an approximate mechanism, the integer option that trades cost for accuracy (features, rank,
+    landmarks, buckets): what the error sweep of ``attnzoo compare`` varies."""
+    length_option: ClassVar[Optional[str]] = None
+    """The integer option that must equal the sequence length (a learned projection over positions), if any:
+    ``attnzoo compare`` sets it to each length it measures."""
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -157,41 +193,65 @@ class Mechanism(nn.Module):
         key_padding_mask: Optional[Tensor],
         cross: bool = False,
     ) -> None:
+        """Raise for malformed input (naming the argument), then for input this instance cannot run
+        (:class:`UnsupportedOptionError` giving every reason :meth:`unsupported_reasons` finds)."""
         check_bool("causal", causal)
         check_bool("cross", cross)
         check_qkv(q, k, v)
         check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-        caps = self.capabilities
-        limited = f" with {caps.limited_by}" if caps.limited_by else ""
         if q.shape[1] != self.heads:
             raise ValueError(f"{self.name}: q has {q.shape[1]} heads, the mechanism was built with heads={self.heads}")
         if q.shape[3] != self.head_dim:
             raise ValueError(
                 f"{self.name}: q has head_dim={q.shape[3]}, the mechanism was built with head_dim={self.head_dim}"
             )
+        reasons = self.unsupported_reasons(q, k, v, causal, key_padding_mask, cross=cross)
+        if reasons:
+            raise UnsupportedOptionError("; ".join(reasons))
+
+    def unsupported_reasons(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
+    ) -> List[str]:
+        """Every reason this instance cannot run these (well-formed) inputs; empty when it can.
+
+        Read from the declared capabilities (as narrowed by the instance's options) and input constraints
+        (``max_length``, ``length_multiple``); a mechanism with a constraint of its own extends the list. Only
+        shapes are read, so ``q, k, v`` may be :func:`shapes_only` tensors. :meth:`forward`,
+        ``MultiHeadAttention``, ``attnzoo compare`` and the conformance suite all ask here.
+        """
+        caps = self.capabilities
+        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        q_len, k_len = q.shape[2], k.shape[2]
+        reasons = []
         if causal and not caps.causal:
-            raise UnsupportedOptionError(f"{self.name}{limited} does not support causal=True (non-causal only)")
+            reasons.append(f"{who} does not support causal=True (non-causal only)")
         if key_padding_mask is not None and not caps.key_padding:
-            raise UnsupportedOptionError(f"{self.name}{limited} does not support key_padding_mask")
+            reasons.append(f"{who} does not support key_padding_mask")
         if cross and not caps.cross:
-            raise UnsupportedOptionError(
-                f"{self.name}{limited} does not support cross-attention (cross=True): its keys must come from the "
-                f"query sequence"
+            reasons.append(f"{who} does not support cross-attention (cross=True): its keys must come from the "
+                           f"query sequence")
+        if not cross and q_len != k_len:
+            reasons.append(
+                f"{who}: queries of length {q_len} and keys of length {k_len} cannot be self-attention "
+                + ("(cross=False); pass cross=True for keys and values from another sequence" if caps.cross
+                   else "and it does not support cross-attention: its keys must come from the query sequence")
             )
-        if not cross and k.shape[2] != q.shape[2]:
-            if not caps.cross:
-                raise UnsupportedOptionError(
-                    f"{self.name}{limited} does not support cross-attention (queries of length {q.shape[2]}, keys of "
-                    f"length {k.shape[2]}): its keys must come from the query sequence"
-                )
-            raise ValueError(
-                f"{self.name}: queries of length {q.shape[2]} and keys of length {k.shape[2]} cannot be "
-                f"self-attention (cross=False); pass cross=True for keys and values from another sequence"
-            )
-        if self.max_length is not None and max(q.shape[2], k.shape[2]) > self.max_length:
-            raise ValueError(
-                f"{self.name}: sequence length {max(q.shape[2], k.shape[2])} exceeds max_length={self.max_length}"
-            )
+        limit = self.max_length
+        if limit is not None and max(q_len, k_len) > limit:
+            reasons.append(f"{who}: sequence length {max(q_len, k_len)} exceeds max_length={limit}")
+        multiple = caps.length_multiple
+        if multiple is not None:
+            for label, length in (("query", q_len), ("key", k_len)):
+                if length % multiple:
+                    reasons.append(f"{who}: {label} length {length} is not a multiple of length_multiple={multiple}")
+        return reasons
 
     @property
     def max_length(self) -> Optional[int]:

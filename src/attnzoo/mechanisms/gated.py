@@ -2,7 +2,7 @@
 
 Both use the raw scaled dot product ``(q_i . k_j) / sqrt(d)`` as kernel (no feature map) and a recurrent state
 that forgets: ``S_t = a_t S_{t-1} + k_t v_t^T``. They are attentions of their own, not approximations of
-softmax; they declare ``approximate=True`` because their output is not exact softmax attention.
+softmax (``kind="own"``), so their distance from softmax is not reported as an approximation error.
 Normalisation (``normalize=True``, the default) follows RetNet: each output row is divided by
 ``max(|sum_j w_ij|, 1)`` where ``w_ij`` are its decayed scores, which tames rows of large scores without the
 positivity a softmax-style normaliser needs, and is computed from the same state in every path.
@@ -25,7 +25,7 @@ from .._dtypes import working_dtype
 from .._validation import check_bool, check_number, check_numbers
 from ..functional.gated import constant_log_decay, gla_log_gates, key_gate_logits, retention_log_decays
 from ..functional.linear import DEFAULT_CHUNK_SIZE
-from .base import Capabilities, register
+from .base import OWN, Capabilities, register
 from .kernelized import KernelizedMechanism
 
 
@@ -71,7 +71,7 @@ class RetentionAttention(_DotProductDecayed):
         cross=False,
         key_padding=True,
         recurrent_step=True,
-        approximate=True,
+        kind=OWN,
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="retention with a fixed per-head decay, chunkwise and recurrent (Sun et al. 2023, RetNet)",
     )
@@ -121,7 +121,7 @@ class GatedLinearAttention(_DotProductDecayed):
         cross=False,
         key_padding=True,
         recurrent_step=True,
-        approximate=True,
+        kind=OWN,
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="gated linear attention with data-dependent per-head forget gates (Yang et al. 2024)",
     )

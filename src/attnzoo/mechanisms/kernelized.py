@@ -34,7 +34,7 @@ from ..functional.linear import (
     kernel_attention_reference,
     kernel_attention_step,
 )
-from .base import Capabilities, Mechanism, StateLayout, register
+from .base import APPROXIMATE, OWN, Capabilities, Mechanism, StateLayout, register
 
 
 def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
@@ -255,10 +255,11 @@ class PerformerAttention(_RandomFeatureMechanism):
         cross=True,
         key_padding=True,
         recurrent_step=True,
-        approximate=True,
+        kind=APPROXIMATE,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
     )
+    sweep_option = "nb_features"
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0}
     test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
         {"nb_features": 32, "seed": 0, "shrinkage": True},
@@ -354,8 +355,8 @@ class PerformerAttention(_RandomFeatureMechanism):
 class LinearAttention(_FeatureMapMechanism):
     """Linear transformer (Katharopoulos et al. 2020): ``phi(x) = elu(x) + 1``.
 
-    Not an approximation of softmax attention but an attention of its own, with the positive kernel
-    ``phi(q) . phi(k)``; it declares ``approximate=True`` because its output is not exact softmax attention.
+    Not an approximation of softmax attention but an attention of its own (``kind="own"``), with the positive
+    kernel ``phi(q) . phi(k)``.
 
     Options: ``feature_map`` (``"elu"`` or ``"relu"``), ``chunk_size`` (causal path).
     """
@@ -366,7 +367,7 @@ class LinearAttention(_FeatureMapMechanism):
         cross=True,
         key_padding=True,
         recurrent_step=True,
-        approximate=True,
+        kind=OWN,
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
     )
@@ -387,7 +388,8 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     Queries and keys are scaled to unit length, so ``exp(s q.k)`` is a Gaussian kernel of width
     ``1/sqrt(s)`` (s = ``sharpness``, learned per head) that trigonometric random features estimate without
     the norm factors that make them unstable on raw inputs. It approximates softmax attention over the
-    cosine similarities of q and k.
+    cosine similarities of q and k with a learned temperature, not over ``q . k / sqrt(d)``: an attention of its
+    own (``kind="own"``), whose distance from exact softmax attention is no approximation error.
 
     Options:
         nb_features: number of features (sin and cos of ``nb_features / 2`` projections; must be even).
@@ -407,7 +409,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         cross=True,
         key_padding=True,
         recurrent_step=True,
-        approximate=True,
+        kind=OWN,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="random feature attention: trigonometric features on unit q, k, optional gate (Peng et al. 2021)",
     )

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .._validation import check_bool, check_number
 from ..functional.softmax import softmax_attention, softmax_attention_reference
-from .base import Capabilities, Mechanism, StateLayout, register
+from .base import EXACT, OWN, Capabilities, Mechanism, StateLayout, register
 
 CACHE_BLOCK = 256
 """The KV cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
@@ -55,7 +55,7 @@ class SoftmaxAttention(Mechanism):
         cross=True,
         key_padding=True,
         recurrent_step=True,
-        approximate=False,
+        kind=EXACT,
         complexity="time O(N^2), memory O(N) (fused kernel)",
         summary="exact scaled dot-product attention (Vaswani et al. 2017)",
     )
@@ -66,7 +66,7 @@ class SoftmaxAttention(Mechanism):
         self.quiet = check_bool("quiet", quiet)
         if self.quiet:
             # The null key makes the output differ from exact softmax attention (on purpose).
-            self.capabilities = self.capabilities.narrowed("quiet=True", approximate=True)
+            self.capabilities = self.capabilities.narrowed("quiet=True", kind=OWN)
         self.scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
 
     def attend(
