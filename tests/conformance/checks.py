@@ -704,6 +704,26 @@ def check_gradcheck(mechanism: Mechanism) -> None:
             raise AssertionError(f"{what}: gradcheck failed: {error}") from error
 
 
+def check_gradients_match_reference(mechanism: Mechanism) -> None:
+    """The gradients of q, k and v through the fast path equal those through ``reference()`` (float64): a
+    hand-written or recomputing backward is held to the obviously-correct maths, causal and not."""
+    m = as_dtype(mechanism, torch.float64)
+    for variant in variants(mechanism):
+        if variant.padded != mechanism.capabilities.key_padding or variant.cross:
+            continue  # plain and causal self-attention, with padding where declared
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=25)
+        weights = torch.randn(BATCH, mechanism.heads, variant.q_len, mechanism.head_dim,
+                              generator=torch.Generator().manual_seed(26), dtype=torch.float64)
+        grads = []
+        for attend in (m, m.reference):
+            inputs = [t.clone().requires_grad_() for t in qkv]
+            (attend(*inputs, variant.causal, mask, cross=variant.cross) * weights).sum().backward()
+            grads.append([t.grad for t in inputs])
+        for label, fast, slow in zip("qkv", *grads):
+            assert_close(fast, slow, f"{type(mechanism).__name__} {variant.describe()}: gradient of {label} against "
+                                     f"reference()'s", rtol=1e-6, atol=1e-8)
+
+
 # -- incremental decoding ------------------------------------------------------------------------------------
 def _steps(mechanism: Mechanism, qkv: Qkv, start: int, state: object) -> Tuple[List[Tensor], object]:
     q, k, v = qkv
@@ -1040,6 +1060,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_low_precision,
     check_gradients_finite,
     check_gradcheck,
+    check_gradients_match_reference,
     check_step_matches_parallel,
     check_prefill_then_step,
     check_step_state_is_explicit,

@@ -260,12 +260,12 @@ class PerformerAttention(_RandomFeatureMechanism):
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
     )
     sweep_option = "nb_features"
-    test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0}
+    test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0, "chunk_size": 4}
     test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
-        {"nb_features": 32, "seed": 0, "shrinkage": True},
-        {"nb_features": 32, "seed": 0, "optimal_features": True},
-        {"nb_features": 32, "seed": 0, "optimal_features": True, "shrinkage": True},
-        {"nb_features": 32, "seed": 0, "orthogonal": False, "symmetric": False},
+        {"nb_features": 32, "seed": 0, "chunk_size": 4, "shrinkage": True},
+        {"nb_features": 32, "seed": 0, "chunk_size": 4, "optimal_features": True},
+        {"nb_features": 32, "seed": 0, "chunk_size": 4, "optimal_features": True, "shrinkage": True},
+        {"nb_features": 32, "seed": 0, "chunk_size": 4, "orthogonal": False, "symmetric": False},
     )
 
     def __init__(
@@ -371,7 +371,9 @@ class LinearAttention(_FeatureMapMechanism):
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
     )
-    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = ({"feature_map": "relu"},)
+    # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
+    test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
+    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = ({"feature_map": "relu", "chunk_size": 4},)
 
     def __init__(
         self, heads: int, head_dim: int, *, feature_map: str = "elu", chunk_size: int = DEFAULT_CHUNK_SIZE
@@ -415,10 +417,10 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     )
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.
-    test_options: ClassVar[Dict[str, object]] = {"nb_features": 64, "seed": 0}
+    test_options: ClassVar[Dict[str, object]] = {"nb_features": 64, "seed": 0, "chunk_size": 4}
     test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
-        {"nb_features": 64, "seed": 0, "gated": True},
-        {"nb_features": 64, "seed": 0, "orthogonal": False},
+        {"nb_features": 64, "seed": 0, "chunk_size": 4, "gated": True},
+        {"nb_features": 64, "seed": 0, "chunk_size": 4, "orthogonal": False},
     )
 
     def __init__(
