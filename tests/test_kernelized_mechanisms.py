@@ -8,11 +8,22 @@ import pytest
 import torch
 
 from attnzoo.functional import softmax_attention_reference
-from attnzoo.mechanisms import UnsupportedOptionError, available, build_mechanism, capabilities
+from attnzoo.mechanisms import UnsupportedOptionError, available, build_mechanism, capabilities, mechanism_class
 
 NAMES = ["performer", "linear", "rfa", "retention", "gla"]
-CONFIGS = [("performer", {}), ("linear", {}), ("linear", {"feature_map": "relu"}), ("rfa", {}),
-           ("rfa", {"gated": True}), ("retention", {}), ("retention", {"normalize": False}), ("gla", {})]
+def _decodes(name, options):
+    with torch.random.fork_rng(devices=[]):  # building draws parameters; the global generator stays as it was
+        return build_mechanism(name, 2, 8, **options).capabilities.recurrent_step
+
+
+# Every option set each mechanism declares for the conformance suite that keeps it causal and recurrent (the
+# tests here decode), at this file's own sizes.
+CONFIGS = [
+    (name, {key: value for key, value in options.items() if key not in ("nb_features", "seed")})
+    for name in NAMES
+    for options in (mechanism_class(name).test_options, *mechanism_class(name).test_variants)
+    if _decodes(name, options)
+]
 
 
 def build(name, heads=3, head_dim=8, **options):
