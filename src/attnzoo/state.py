@@ -31,10 +31,6 @@ class DecodingState:
     length: int
     tensors: Dict[str, Tensor]
 
-    @property
-    def batch(self) -> int:
-        return next(iter(self.tensors.values())).shape[0]
-
 
 def map_tensors(state: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """Apply ``fn`` to every tensor in a state tree, keeping everything else as it is."""

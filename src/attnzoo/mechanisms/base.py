@@ -364,7 +364,7 @@ class Mechanism(nn.Module):
                     f"(a state keeps the batch it was made for: reorder it with attnzoo.state.select_batch)"
                 )
             if any(want is not None and got != want for got, want in zip(tensor.shape[1:], shape)):
-                expected = "(" + ", ".join(str(size) for size in (batch, *shape)).replace("None", "*") + ")"
+                expected = "(" + ", ".join("*" if size is None else str(size) for size in (batch, *shape)) + ")"
                 raise ValueError(
                     f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} for "
                     f"heads={self.heads}, head_dim={self.head_dim}: it was made by a mechanism of another shape"
