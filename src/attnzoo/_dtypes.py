@@ -1,5 +1,6 @@
-"""The dtype sums run in: float32 for half-precision inputs (half-precision sums over long sequences
-overflow or lose their small terms), the input's own dtype for float32 and float64."""
+"""The dtype features and sums are computed in: float32 for half-precision inputs (exp() of half-precision
+logits overflows, and half-precision sums over long sequences lose their small terms), the input's own dtype
+for float32 and float64. One helper for the functional cores, the feature maps and the mechanisms."""
 
 from __future__ import annotations
 

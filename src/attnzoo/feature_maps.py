@@ -28,12 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._dtypes import working_dtype
 from ._validation import check_bool, check_floating, check_number, check_positive_int
 
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """Features are computed in at least float32: exp() of half-precision logits overflows easily."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 # -- projection samplers -------------------------------------------------------------------------------------
@@ -282,7 +279,7 @@ class RandomFeatureMap(FeatureMap):
         ``projection_scale`` s: an optional (batch, heads, 1, 1) factor on the projection only (FAVOR++).
         """
         self.check_input(x)
-        dtype = _compute_dtype(x)
+        dtype = working_dtype(x.dtype)
         x = x.to(dtype)
         # The scales go into the small (m, d) matrix or over the (N, d) input, never over the (N, m) logits.
         scaled = x if projection_scale is None else x * projection_scale.to(dtype)
@@ -412,7 +409,7 @@ class FavorPositiveFeatures(RandomFeatureMap):
             raise ValueError(
                 f"self_attention=True needs queries and keys of one sequence, got {q.shape[2]} and {k.shape[2]}"
             )
-        dtype = _compute_dtype(q)
+        dtype = working_dtype(q.dtype)
         q, k = (self.input_scale * x.to(dtype) for x in (q, k))
         keep = torch.ones(k.shape[:3], dtype=torch.bool, device=k.device)
         if key_padding_mask is not None:

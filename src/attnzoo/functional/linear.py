@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_positive_int, check_qkv
 from ..feature_maps import FeatureMap, resolve_feature_map
 from .masks import allowed_mask
@@ -71,9 +72,6 @@ KernelState = Dict[str, Tensor]
 ``exp(log_scale) * kv`` holds ``sum_j decay * phi_k_j [v_j, 1]^T``; the separate scale lets feature maps whose
 keys are stabilised by a shift (FAVOR+) merge new keys exactly."""
 
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _check_features(phi_q: Tensor, phi_k: Tensor, v: Tensor) -> None:
@@ -599,7 +597,7 @@ def kernel_attention(
         raise ValueError(f"log_decay needs queries and keys of one sequence, got seq_q={q_len} and seq_kv={k_len}")
     _check_log_decay(log_decay, batch, heads, k_len)
 
-    out_dtype, dtype = v.dtype, _accumulation_dtype(v.dtype)
+    out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     phi_q = phi_q.to(dtype)
     phi_k, v = _masked_keys(phi_k, v, key_padding_mask, dtype)
     log_decay = _masked_log_decay(log_decay, key_padding_mask, dtype)
@@ -641,7 +639,7 @@ def kernel_attention_prefill(
             f"prefill needs queries and keys of one sequence, got seq_q={q_len} and seq_kv={phi_k.shape[2]}"
         )
     _check_log_decay(log_decay, batch, heads, q_len)
-    out_dtype, dtype = v.dtype, _accumulation_dtype(v.dtype)
+    out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     phi_k, v = _masked_keys(phi_k, v, None, dtype)
     log_decay = None if log_decay is None else log_decay.to(dtype)
     num_den, kv = _chunked_causal(phi_q.to(dtype), phi_k, v, log_decay, chunk_size, None)
@@ -687,7 +685,7 @@ def kernel_attention_step(
     if phi_q_t.shape[2] != 1 or phi_k_t.shape[2] != 1:
         raise ValueError("kernel_attention_step takes one position: phi_q_t and phi_k_t of shape (batch, heads, 1, m)")
     _check_log_decay(log_decay_t, batch, heads, 1, "log_decay_t")
-    dtype = _accumulation_dtype(v_t.dtype)
+    dtype = working_dtype(v_t.dtype)
     phi_k_t, v1 = _prepare_keys(phi_k_t, v_t, None, dtype)
     token_kv = phi_k_t.transpose(-1, -2) @ v1
     token_scale = _log_scale_or_zero(key_log_scale, batch, heads, dtype, phi_q_t.device)

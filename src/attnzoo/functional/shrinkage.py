@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from .._validation import check_key_padding_mask
-from .linear import _accumulation_dtype, _check_features, _prepare_keys, denominator_floor, normalize_output
+from .._dtypes import working_dtype
+from .linear import _check_features, _prepare_keys, denominator_floor, normalize_output
 
 
 def _check_halves(second_half: Tensor, nb_features: int) -> None:
@@ -90,7 +91,7 @@ def shrunk_kernel_attention(
     _check_features(phi_q, phi_k, v)
     _check_halves(second_half, phi_q.shape[-1])
     check_key_padding_mask(key_padding_mask, phi_q.shape[0], phi_k.shape[2], phi_q.device)
-    dtype = _accumulation_dtype(v.dtype)
+    dtype = working_dtype(v.dtype)
     phi_q = phi_q.to(dtype)
     phi_k, v1 = _prepare_keys(phi_k, v, key_padding_mask, dtype)
     kv = phi_k.transpose(-1, -2) @ v1  # (B, H, m, d + 1)
