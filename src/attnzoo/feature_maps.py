@@ -25,122 +25,18 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._dtypes import working_dtype
 from ._validation import check_bool, check_floating, check_number, check_positive_int
+from .functional.features import (  # noqa: F401  (samplers and exp_features are also public here)
+    elu_plus_one,
+    exp_features,
+    gaussian_projection,
+    orthogonal_projection,
+    relu_features,
+)
 
-
-
-# -- projection samplers -------------------------------------------------------------------------------------
-def gaussian_projection(
-    nb_rows: int, dim: int, *, generator: Optional[torch.Generator] = None, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """(nb_rows, dim) matrix of iid N(0, 1) entries: the plain random features of Rahimi & Recht."""
-    check_positive_int("nb_rows", nb_rows)
-    check_positive_int("dim", dim)
-    return torch.randn(nb_rows, dim, generator=generator, dtype=dtype)
-
-
-def orthogonal_projection(
-    nb_rows: int, dim: int, *, generator: Optional[torch.Generator] = None, dtype: torch.dtype = torch.float32
-) -> Tensor:
-    """(nb_rows, dim) block-orthogonal random matrix (Performer, Choromanski et al. 2021).
-
-    Rows come in blocks of ``dim`` exactly orthogonal directions (the last block truncated); each row is then
-    given the norm of an independent ``dim``-dimensional Gaussian vector (chi-distributed), so every row has
-    the same marginal law as an iid Gaussian row, which keeps the kernel estimate unbiased, while rows within
-    a block are orthogonal, which lowers its variance.
-    """
-    check_positive_int("nb_rows", nb_rows)
-    check_positive_int("dim", dim)
-    blocks = []
-    for _ in range(math.ceil(nb_rows / dim)):
-        gaussian = torch.randn(dim, dim, generator=generator, dtype=torch.float64)
-        q, r = torch.linalg.qr(gaussian)
-        # Sign fix makes Q Haar-distributed (QR alone is biased by its sign convention).
-        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
-        blocks.append(q.T)
-    directions = torch.cat(blocks, dim=0)[:nb_rows]
-    norms = torch.randn(nb_rows, dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
-    return (directions * norms).to(dtype)
-
-
-# -- fused exponential features ------------------------------------------------------------------------------
-class _ExpFeatures(torch.autograd.Function):
-    """``exp(p + b - offset)``, or ``exp([p + b, -p + b] - offset)`` when symmetric, written into one buffer.
-
-    The (seq, nb_features) feature tensor is the largest in FAVOR+, so forward and backward each make two
-    passes over it instead of the five or six that neg, cat, sub and exp with their own backwards take.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, projected: Tensor, offset: Tensor, symmetric: bool, bias: Optional[Tensor]
-    ) -> Tensor:
-        m = projected.shape[-1]
-        if symmetric:
-            out = projected.new_empty(*projected.shape[:-1], 2 * m)
-            if bias is None:
-                torch.sub(projected, offset, out=out[..., :m])
-                torch.sub(-offset, projected, out=out[..., m:])
-            else:
-                torch.add(projected, bias, out=out[..., :m]).sub_(offset)
-                torch.sub(bias, projected, out=out[..., m:]).sub_(offset)
-        else:
-            out = projected - offset if bias is None else (projected + bias).sub_(offset)
-        out.exp_()
-        ctx.save_for_backward(out)
-        ctx.symmetric = symmetric
-        ctx.offset_shape = offset.shape
-        ctx.bias_shape = None if bias is None else bias.shape
-        return out
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx, grad: Tensor
-    ) -> Tuple[Optional[Tensor], Optional[Tensor], None, Optional[Tensor]]:
-        (features,) = ctx.saved_tensors
-        weighted = grad * features
-        grad_projected = grad_offset = None
-        if ctx.needs_input_grad[0]:
-            if ctx.symmetric:
-                m = features.shape[-1] // 2
-                grad_projected = weighted[..., :m] - weighted[..., m:]
-            else:
-                grad_projected = weighted
-        if ctx.needs_input_grad[1]:
-            grad_offset = -weighted.sum(-1, keepdim=True)
-            grad_offset = grad_offset.sum_to_size(ctx.offset_shape)
-        grad_bias = None
-        if ctx.needs_input_grad[3]:
-            grad_bias = weighted
-            if ctx.symmetric:
-                m = features.shape[-1] // 2
-                grad_bias = weighted[..., :m] + weighted[..., m:]
-            grad_bias = grad_bias.sum_to_size(ctx.bias_shape)
-        return grad_projected, grad_offset, None, grad_bias
-
-
-def exp_features(projected: Tensor, offset: Tensor, symmetric: bool = False, bias: Optional[Tensor] = None) -> Tensor:
-    """``exp(p + b - offset)`` (or ``exp([p + b, -p + b] - offset)`` when ``symmetric``), differentiable in
-    all three.
-
-    Args:
-        projected: (..., m) logits p.
-        offset: broadcastable to (..., 1), e.g. one value per row.
-        symmetric: also the mirrored logits -p, giving (..., 2 m).
-        bias: optional, broadcastable to (..., m) and added to both p and -p, e.g. one value per feature.
-    """
-    if bias is not None:
-        if torch.broadcast_shapes(projected.shape, bias.shape) != projected.shape:
-            raise ValueError(
-                f"exp_features: bias of shape {tuple(bias.shape)} must broadcast to the logits' shape "
-                f"{tuple(projected.shape)} without widening them"
-            )
-        bias = bias.to(projected.dtype)
-    return _ExpFeatures.apply(projected, offset, symmetric, bias)
 
 
 # -- base classes ---------------------------------------------------------------------------------------------
@@ -168,37 +64,18 @@ class FeatureMap(nn.Module):
         return self(x), None
 
 
-class _EluPlusOne(torch.autograd.Function):
-    """``elu(x) + 1`` whose backward reads the saved output: the derivative is 1 where x > 0 and
-    ``exp(x) = elu(x) + 1`` elsewhere, i.e. ``min(out, 1)`` everywhere. Autograd's elu backward recomputes
-    ``exp`` from the input instead, which makes it the slowest step of non-causal linear attention on CPU."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
-        out = F.elu(x).add_(1.0)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        (out,) = ctx.saved_tensors
-        return out.clamp(max=1.0).mul_(grad)
-
-
 class EluFeatureMap(FeatureMap):
     """``elu(x) + 1`` (Katharopoulos et al. 2020): positive, cheap, deterministic."""
 
     def forward(self, x: Tensor) -> Tensor:
-        check_floating("x", x)
-        return _EluPlusOne.apply(x)
+        return elu_plus_one(x)
 
 
 class ReluFeatureMap(FeatureMap):
     """``relu(x)``: non-negative; a query orthogonal to every key gets a zero normaliser and outputs zeros."""
 
     def forward(self, x: Tensor) -> Tensor:
-        check_floating("x", x)
-        return F.relu(x)
+        return relu_features(x)
 
 
 class RandomFeatureMap(FeatureMap):

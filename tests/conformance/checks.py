@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import inspect
 import re
+import sys
 import typing
 import warnings
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from torch import Tensor
 from torch.autograd.gradcheck import GradcheckError
 
 import attnzoo
+from attnzoo import _validation
 from attnzoo.functional import softmax_attention_reference
 from attnzoo.mechanisms import APPROXIMATE, Capabilities, Mechanism, UnsupportedOptionError, mechanism_class, shapes_only
 from attnzoo.state import DecodingState, map_tensors, select_batch
@@ -827,6 +829,50 @@ def check_step_state_batch_first(mechanism: Mechanism) -> None:
         _compare_steps(outputs, full[index], prefix, f"{name}: after select_batch(state from {label})")
 
 
+class _CallCounter:
+    """Counts calls of the given functions while active (by code object, so imports by name count too)."""
+
+    def __init__(self, *functions: Callable) -> None:
+        self.codes = {f.__code__: f.__name__ for f in functions}
+        self.counts: Dict[str, int] = collections.Counter()
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code in self.codes:
+            self.counts[self.codes[frame.f_code]] += 1
+
+    def __enter__(self) -> "_CallCounter":
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+
+def check_inputs_validated_once(mechanism: Mechanism) -> None:
+    """``forward`` and ``step`` check q, k, v and the padding mask once, at the entry point: the functional
+    cores a mechanism calls after :meth:`Mechanism.check_inputs` are their unchecked forms."""
+    validators = (_validation.check_qkv, _validation.check_key_padding_mask)
+    for variant in variants(mechanism):
+        qkv, mask = variant_inputs(mechanism, variant, torch.float32, seed=31)
+        with _CallCounter(*validators) as counter:
+            call(mechanism, qkv, variant.causal, mask, variant.cross)
+        for name in ("check_qkv", "check_key_padding_mask"):
+            if counter.counts[name] != 1:
+                raise AssertionError(
+                    f"{mechanism.name}: {variant.describe()}: {name} ran {counter.counts[name]} times in one "
+                    "forward; validate once at the entry point and call the functional core's unchecked form"
+                )
+    if mechanism.capabilities.recurrent_step:
+        q, k, v = random_qkv(mechanism, BATCH, 2, 2, torch.float32, seed=32)
+        _, state = mechanism.step(q[:, :, :1], k[:, :, :1], v[:, :, :1], None)
+        with _CallCounter(*validators) as counter:
+            mechanism.step(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:], state)
+        if counter.counts["check_qkv"] != 1:
+            raise AssertionError(
+                f"{mechanism.name}: check_qkv ran {counter.counts['check_qkv']} times in one step; validate once"
+            )
+
+
 def check_step_refuses_foreign_state(mechanism: Mechanism) -> None:
     """``step`` refuses, with an error naming ``state``, a state it cannot continue: one made for another
     batch size (never broadcast), by another mechanism, of another layout (heads, widths), or not a
@@ -1066,4 +1112,5 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_step_state_is_explicit,
     check_step_state_batch_first,
     check_step_refuses_foreign_state,
+    check_inputs_validated_once,
 )

@@ -264,6 +264,13 @@ class NoValidation(GoodToy):
         pass
 
 
+class ValidatesTwice(GoodToy):
+    """Calls the checked functional entry point after forward() has already checked everything."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return softmax_attention(q, k, v, causal, key_padding_mask)
+
+
 def toy(cls, heads: int = checks.HEADS, **options) -> Mechanism:
     return cls(heads, checks.HEAD_DIM, **options).double().eval()
 
@@ -307,7 +314,8 @@ BROKEN = [
     (checks.check_unsupported_options, GuessesCrossFromLengths, {}, r"cross=True with q_len=6, k_len=6: expected"),
     (checks.check_bad_input, TruthyCausal, {}, r"causal='no': expected TypeError"),
     (checks.check_max_length, IgnoresMaxLength, {}, r"max_length=16: expected ValueError"),
-    (checks.check_bad_input, NoValidation, {}, r"expected ValueError"),
+    (checks.check_bad_input, NoValidation, {}, r"q of rank 3: .*does not name"),
+    (checks.check_inputs_validated_once, ValidatesTwice, {}, r"check_qkv ran 2 times in one forward"),
 ]
 
 

@@ -45,7 +45,7 @@ so they leave both the numerator and the normaliser; with a decay, a padded posi
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_positive_int, check_qkv
-from ..feature_maps import FeatureMap, resolve_feature_map
+from .features import NAMED_FEATURES
 from .masks import allowed_mask
 
 DEFAULT_CHUNK_SIZE = 64
@@ -596,7 +596,24 @@ def kernel_attention(
     if log_decay is not None and q_len != k_len:
         raise ValueError(f"log_decay needs queries and keys of one sequence, got seq_q={q_len} and seq_kv={k_len}")
     _check_log_decay(log_decay, batch, heads, k_len)
+    return kernel_attention_unchecked(
+        phi_q, phi_k, v, causal, key_padding_mask, log_decay, normalizer, chunk_size, denominator_eps
+    )
 
+
+def kernel_attention_unchecked(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    causal: bool,
+    key_padding_mask: Optional[Tensor],
+    log_decay: Optional[Tensor],
+    normalizer: str,
+    chunk_size: int,
+    denominator_eps: float,
+) -> Tensor:
+    """:func:`kernel_attention` for callers that validated its arguments themselves (the mechanisms check
+    their inputs and options once, and compute the features and decays from them)."""
     out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     phi_q = phi_q.to(dtype)
     phi_k, v = _masked_keys(phi_k, v, key_padding_mask, dtype)
@@ -639,6 +656,23 @@ def kernel_attention_prefill(
             f"prefill needs queries and keys of one sequence, got seq_q={q_len} and seq_kv={phi_k.shape[2]}"
         )
     _check_log_decay(log_decay, batch, heads, q_len)
+    return kernel_attention_prefill_unchecked(
+        phi_q, phi_k, v, key_log_scale, log_decay, normalizer, chunk_size, denominator_eps
+    )
+
+
+def kernel_attention_prefill_unchecked(
+    phi_q: Tensor,
+    phi_k: Tensor,
+    v: Tensor,
+    key_log_scale: Optional[Tensor],
+    log_decay: Optional[Tensor],
+    normalizer: str,
+    chunk_size: int,
+    denominator_eps: float,
+) -> Tuple[Tensor, KernelState]:
+    """:func:`kernel_attention_prefill` for callers that validated its arguments themselves."""
+    batch, heads = phi_q.shape[:2]
     out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     phi_k, v = _masked_keys(phi_k, v, None, dtype)
     log_decay = None if log_decay is None else log_decay.to(dtype)
@@ -685,6 +719,24 @@ def kernel_attention_step(
     if phi_q_t.shape[2] != 1 or phi_k_t.shape[2] != 1:
         raise ValueError("kernel_attention_step takes one position: phi_q_t and phi_k_t of shape (batch, heads, 1, m)")
     _check_log_decay(log_decay_t, batch, heads, 1, "log_decay_t")
+    return kernel_attention_step_unchecked(
+        phi_q_t, phi_k_t, v_t, state, key_log_scale, log_decay_t, normalizer, denominator_eps
+    )
+
+
+def kernel_attention_step_unchecked(
+    phi_q_t: Tensor,
+    phi_k_t: Tensor,
+    v_t: Tensor,
+    state: Optional[KernelState],
+    key_log_scale: Optional[Tensor],
+    log_decay_t: Optional[Tensor],
+    normalizer: str,
+    denominator_eps: float,
+) -> Tuple[Tensor, KernelState]:
+    """:func:`kernel_attention_step` for callers that validated its arguments themselves (the mechanisms,
+    whose decoding states are checked against their declared layout)."""
+    batch, heads = phi_q_t.shape[:2]
     dtype = working_dtype(v_t.dtype)
     phi_k_t, v1 = _prepare_keys(phi_k_t, v_t, None, dtype)
     token_kv = phi_k_t.transpose(-1, -2) @ v1
@@ -736,7 +788,52 @@ def kernel_attention_reference(
     return normalize_output(num_den, normalizer, denominator_eps)
 
 
-FeatureMapArg = Union[str, FeatureMap]
+class FeatureMapLike(Protocol):
+    """What :func:`linear_attention` needs of a feature map; every :class:`attnzoo.feature_maps.FeatureMap`
+    has it. ``__call__`` gives the unstabilised features (for the reference), the other two the stabilised
+    ones described in :mod:`attnzoo.feature_maps`."""
+
+    positive: bool
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+    def query_features(self, x: Tensor) -> Tensor: ...
+
+    def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]: ...
+
+
+class _Pointwise:
+    """A named feature function of :mod:`attnzoo.functional.features` seen as a :class:`FeatureMapLike`."""
+
+    positive = True
+
+    def __init__(self, function: Callable[[Tensor], Tensor]) -> None:
+        self.function = function
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.function(x)
+
+    def query_features(self, x: Tensor) -> Tensor:
+        return self.function(x)
+
+    def key_features(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        return self.function(x), None
+
+
+FeatureMapArg = Union[str, FeatureMapLike]
+
+
+def _resolve_features(feature_map: FeatureMapArg) -> FeatureMapLike:
+    if isinstance(feature_map, str) and feature_map in NAMED_FEATURES:
+        return _Pointwise(NAMED_FEATURES[feature_map])
+    if not isinstance(feature_map, str) and all(
+        hasattr(feature_map, name) for name in ("positive", "query_features", "key_features")
+    ):
+        return feature_map
+    raise ValueError(
+        f"feature_map must be one of {', '.join(repr(n) for n in NAMED_FEATURES)} or a FeatureMap instance, "
+        f"got {feature_map!r}"
+    )
 
 
 def linear_attention(
@@ -768,7 +865,7 @@ def linear_attention(
     check_bool("causal", causal)
     check_qkv(q, k, v)
     check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-    phi_map = resolve_feature_map(feature_map)
+    phi_map = _resolve_features(feature_map)
     phi_q = phi_map.query_features(q)
     phi_k, _ = phi_map.key_features(k, key_padding_mask)
     eps = 0.0 if phi_map.positive else SIGNED_DENOMINATOR_EPS
@@ -785,7 +882,7 @@ def linear_attention_reference(
 ) -> Tensor:
     """Quadratic float64 reference of :func:`linear_attention`, on the map's unstabilised features
     (``feature_map(x)``), so it also checks that the stabilisers cancel. Returns float64."""
-    phi_map = resolve_feature_map(feature_map)
+    phi_map = _resolve_features(feature_map)
     eps = 0.0 if phi_map.positive else SIGNED_DENOMINATOR_EPS
     return kernel_attention_reference(
         phi_map(q.double()), phi_map(k.double()), v, causal, key_padding_mask, denominator_eps=eps

@@ -91,6 +91,13 @@ def shrunk_kernel_attention(
     _check_features(phi_q, phi_k, v)
     _check_halves(second_half, phi_q.shape[-1])
     check_key_padding_mask(key_padding_mask, phi_q.shape[0], phi_k.shape[2], phi_q.device)
+    return shrunk_kernel_attention_unchecked(phi_q, phi_k, v, second_half, key_padding_mask)
+
+
+def shrunk_kernel_attention_unchecked(
+    phi_q: Tensor, phi_k: Tensor, v: Tensor, second_half: Tensor, key_padding_mask: Optional[Tensor]
+) -> Tensor:
+    """:func:`shrunk_kernel_attention` for callers that validated its arguments themselves."""
     dtype = working_dtype(v.dtype)
     phi_q = phi_q.to(dtype)
     phi_k, v1 = _prepare_keys(phi_k, v, key_padding_mask, dtype)

@@ -49,6 +49,17 @@ def softmax_attention(
     batch, heads, q_len, _ = q.shape
     k_len = k.shape[2]
     check_key_padding_mask(key_padding_mask, batch, k_len, q.device)
+    return softmax_attention_unchecked(q, k, v, causal, key_padding_mask, quiet, scale)
+
+
+def softmax_attention_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], quiet: bool,
+    scale: Optional[float],
+) -> Tensor:
+    """:func:`softmax_attention` for callers that have validated every argument themselves (the mechanisms,
+    whose :meth:`~attnzoo.mechanisms.base.Mechanism.check_inputs` runs first): inputs are checked once."""
+    batch, heads, q_len, _ = q.shape
+    k_len = k.shape[2]
     allowed = allowed_mask(batch, q_len, k_len, causal, key_padding_mask, q.device)
     k, v = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
 

@@ -25,14 +25,14 @@ from ..feature_maps import (
     ReluFeatureMap,
 )
 from ..functional.gated import key_gate_logits, rfa_gates
-from ..functional.shrinkage import shrunk_kernel_attention, shrunk_kernel_attention_reference
+from ..functional.shrinkage import shrunk_kernel_attention_reference, shrunk_kernel_attention_unchecked
 from ..functional.linear import (
     DEFAULT_CHUNK_SIZE,
     SIGNED_DENOMINATOR_EPS,
-    kernel_attention,
-    kernel_attention_prefill,
+    kernel_attention_prefill_unchecked,
     kernel_attention_reference,
-    kernel_attention_step,
+    kernel_attention_step_unchecked,
+    kernel_attention_unchecked,
 )
 from .base import APPROXIMATE, OWN, Capabilities, Mechanism, StateLayout, register
 
@@ -123,16 +123,10 @@ class KernelizedMechanism(Mechanism):
     ) -> Tensor:
         phi_q, phi_k, _ = self.features(q, k, key_padding_mask, cross)
         phi_k, log_decay = self._keys(k, phi_k)
-        return kernel_attention(
-            phi_q,
-            phi_k,
-            v,
-            causal,
-            key_padding_mask,
-            log_decay=log_decay,
-            normalizer=self.normalizer,
-            chunk_size=self.chunk_size,
-            denominator_eps=self.denominator_eps,
+        # Inputs were checked by forward(); the features and decays are computed from them.
+        return kernel_attention_unchecked(
+            phi_q, phi_k, v, causal, key_padding_mask, log_decay, self.normalizer, self.chunk_size,
+            self.denominator_eps,
         )
 
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
@@ -144,15 +138,8 @@ class KernelizedMechanism(Mechanism):
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         phi_q, phi_k, key_log_scale = self.features(q, k, None)
         phi_k, log_decay = self._keys(k, phi_k)
-        return kernel_attention_prefill(
-            phi_q,
-            phi_k,
-            v,
-            key_log_scale=key_log_scale,
-            log_decay=log_decay,
-            normalizer=self.normalizer,
-            chunk_size=self.chunk_size,
-            denominator_eps=self.denominator_eps,
+        return kernel_attention_prefill_unchecked(
+            phi_q, phi_k, v, key_log_scale, log_decay, self.normalizer, self.chunk_size, self.denominator_eps
         )
 
     def attend_step(
@@ -160,15 +147,8 @@ class KernelizedMechanism(Mechanism):
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
         phi_q, phi_k, key_log_scale = self.features(q_t, k_t, None)
         phi_k, log_decay = self._keys(k_t, phi_k)
-        return kernel_attention_step(
-            phi_q,
-            phi_k,
-            v_t,
-            tensors,
-            key_log_scale=key_log_scale,
-            log_decay_t=log_decay,
-            normalizer=self.normalizer,
-            denominator_eps=self.denominator_eps,
+        return kernel_attention_step_unchecked(
+            phi_q, phi_k, v_t, tensors, key_log_scale, log_decay, self.normalizer, self.denominator_eps
         )
 
     def extra_repr(self) -> str:
@@ -329,7 +309,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         if not self.shrinkage:
             return super().attend(q, k, v, causal, key_padding_mask, cross)
         phi_q, phi_k, _ = self.features(q, k, key_padding_mask, cross)
-        return shrunk_kernel_attention(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
+        return shrunk_kernel_attention_unchecked(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
     def reference(
         self,

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_bool, check_number
-from ..functional.softmax import softmax_attention, softmax_attention_reference
+from ..functional.softmax import softmax_attention_reference, softmax_attention_unchecked
 from .base import EXACT, OWN, Capabilities, Mechanism, StateLayout, register
 
 CACHE_BLOCK = 256
@@ -72,7 +72,8 @@ class SoftmaxAttention(Mechanism):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
-        return softmax_attention(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
+        # forward() checked the inputs and __init__ the options: validate once.
+        return softmax_attention_unchecked(q, k, v, causal, key_padding_mask, self.quiet, self.scale)
 
     def reference(
         self,
@@ -112,7 +113,7 @@ class SoftmaxAttention(Mechanism):
             cache["filled"].fill_(length + 1)
         # The new position sees the whole cache and itself: no mask needed.
         keys, values = cache["k"][:, :, : length + 1], cache["v"][:, :, : length + 1]
-        return softmax_attention(q_t, keys, values, quiet=self.quiet, scale=self.scale), cache
+        return softmax_attention_unchecked(q_t, keys, values, False, None, self.quiet, self.scale), cache
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         return self.attend(q, k, v, True, None, False), _new_cache(k, v, _capacity(k.shape[2] + 1))
