@@ -20,6 +20,8 @@ from .base import (
 from .softmax import SoftmaxAttention
 from .kernelized import LinearAttention, PerformerAttention, RandomFeatureAttention
 from .gated import GatedLinearAttention, RetentionAttention
+# Low-rank, landmark, synthesized and attention-free families: importing a module registers its mechanisms.
+from . import aft, efficient, fnet, linformer, nystrom, sinkhorn, synthesizer  # noqa: E402,F401
 
 __all__ = [
     "APPROXIMATE",

@@ -1,0 +1,1 @@
+"""aft (functional): being built."""

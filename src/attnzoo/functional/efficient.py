@@ -1,0 +1,1 @@
+"""efficient (functional): being built."""

@@ -1,0 +1,1 @@
+"""fnet (functional): being built."""

@@ -1,0 +1,1 @@
+"""linformer (functional): being built."""

@@ -1,0 +1,1 @@
+"""nystrom (functional): being built."""

@@ -1,0 +1,1 @@
+"""sinkhorn (functional): being built."""

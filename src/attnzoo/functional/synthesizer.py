@@ -1,0 +1,1 @@
+"""synthesizer (functional): being built."""

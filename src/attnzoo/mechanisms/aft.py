@@ -1,0 +1,1 @@
+"""aft (mechanisms): being built."""

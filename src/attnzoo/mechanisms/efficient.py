@@ -1,0 +1,1 @@
+"""efficient (mechanisms): being built."""

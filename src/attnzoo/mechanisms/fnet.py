@@ -1,0 +1,1 @@
+"""fnet (mechanisms): being built."""

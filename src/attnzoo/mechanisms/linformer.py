@@ -1,0 +1,1 @@
+"""linformer (mechanisms): being built."""

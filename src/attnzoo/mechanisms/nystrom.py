@@ -1,0 +1,1 @@
+"""nystrom (mechanisms): being built."""

@@ -1,0 +1,1 @@
+"""sinkhorn (mechanisms): being built."""

@@ -1,0 +1,1 @@
+"""synthesizer (mechanisms): being built."""
