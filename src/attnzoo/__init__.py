@@ -24,6 +24,7 @@ from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalP
 from . import decoding
 from .decoding import BeamSearchResult, beam_search, greedy_decode, sample_decode
 from .models import (
+    AttentionFusion,
     Decoder,
     DecoderLayer,
     Encoder,
@@ -38,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "functional",
+    "AttentionFusion",
     "AttentionState",
     "MultiHeadAttention",
     "Capabilities",

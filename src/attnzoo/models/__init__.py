@@ -1,6 +1,7 @@
 """Transformer layers and models built on :class:`attnzoo.MultiHeadAttention`."""
 
 from .config import AttentionSpec, BlockConfig
+from .fusion import AttentionFusion
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
 from .transformer import (
     Decoder,
@@ -13,6 +14,7 @@ from .transformer import (
 )
 
 __all__ = [
+    "AttentionFusion",
     "AttentionSpec",
     "BlockConfig",
     "DecoderLayer",
