@@ -243,15 +243,22 @@ class Mechanism(nn.Module):
                 + ("(cross=False); pass cross=True for keys and values from another sequence" if caps.cross
                    else "and it does not support cross-attention: its keys must come from the query sequence")
             )
-        limit = self.max_length
-        if limit is not None and max(q_len, k_len) > limit:
-            reasons.append(f"{who}: sequence length {max(q_len, k_len)} exceeds max_length={limit}")
+        reasons += self.length_limit_reasons(q_len, k_len, cross)
         multiple = caps.length_multiple
         if multiple is not None:
             for label, length in (("query", q_len), ("key", k_len)):
                 if length % multiple:
                     reasons.append(f"{who}: {label} length {length} is not a multiple of length_multiple={multiple}")
         return reasons
+
+    def length_limit_reasons(self, q_len: int, k_len: int, cross: bool) -> List[str]:
+        """Why these lengths exceed :attr:`max_length` (empty if they don't). Queries and keys alike by default; a
+        mechanism whose limit binds only the keys (a learned projection over key positions) narrows it here."""
+        limit = self.max_length
+        if limit is not None and max(q_len, k_len) > limit:
+            who = self.name + (f" with {self.capabilities.limited_by}" if self.capabilities.limited_by else "")
+            return [f"{who}: sequence length {max(q_len, k_len)} exceeds max_length={limit}"]
+        return []
 
     @property
     def max_length(self) -> Optional[int]:
