@@ -137,7 +137,8 @@ def _nystrom(heads: int, head_dim: int, length: int, causal: bool) -> Union[Peer
     from nystrom_attention import NystromAttention
 
     landmarks = _option(_NYSTROM, ("landmarks", "num_landmarks", "n_landmarks"), 64)
-    # residual=False: the optional depth-wise convolution on v is not attention and attnzoo has none.
+    # residual=False: the optional depth-wise convolution on v is not attention; attnzoo's nystrom leaves it off
+    # by default (conv_kernel=None).
     module = NystromAttention(dim=heads * head_dim, dim_head=head_dim, heads=heads, num_landmarks=landmarks,
                               residual=False)
     module.to_qkv = nn.Identity()  # chunk(3) of the concatenated q|k|v then yields ours unchanged
