@@ -45,6 +45,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from .masks import zero_padded
+from .softmax import masked_sdpa
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_ITERATIONS = 8
@@ -378,7 +379,7 @@ def sinkhorn_attention_unchecked(
         # SortCut: every query attends to the keys of the first `rows` sorted blocks, and nothing else.
         keys, values = sorted_k.flatten(2, 3), sorted_v.flatten(2, 3)
         allowed = None if slot_ok is None else slot_ok.flatten(2, 3)[:, :, None, :]
-        out = _attend(q_work, keys, values, allowed)
+        out = masked_sdpa(q_work, keys, values, allowed)
         return out[:, :, :n].to(q.dtype)
 
     # Each query block attends to [its sorted block, its local block]: 2b keys, batched over the blocks.
@@ -394,19 +395,8 @@ def sinkhorn_attention_unchecked(
             local_ok = local_ok & torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
         local_ok = local_ok.expand(batch, heads, count, size, size)
         allowed = torch.cat([sorted_ok, local_ok], dim=-1).flatten(1, 2)
-    out = _attend(q_work.reshape(batch, heads * count, size, dim), keys, values, allowed)
+    out = masked_sdpa(q_work.reshape(batch, heads * count, size, dim), keys, values, allowed)
     return out.reshape(batch, heads, count * size, dim_v)[:, :, :n].to(q.dtype)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor]) -> Tensor:
-    """Softmax attention on 4-d tensors with an optional bool allowed mask; a row that may see no key gives
-    zeros (it is let see everything, to keep softmax and its gradient finite, and then zeroed: no branch on
-    the mask's values, so traced graphs hold for any mask)."""
-    if allowed is None:
-        return F.scaled_dot_product_attention(q, k, v)
-    empty = ~allowed.any(dim=-1, keepdim=True)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty)
-    return out.masked_fill(empty, 0.0)
 
 
 def sinkhorn_attention(

@@ -78,9 +78,20 @@ def softmax_attention_unchecked(
         # Plain causal self-attention has a fused path; every row sees at least itself.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
-    # Rows with no visible key would be 0/0. Let them see everything (keeps softmax and its gradient finite)
-    # and then zero their output, so they contribute neither values nor gradients. Done for every row, with no
-    # branch on whether any row is empty: a data-dependent branch would be frozen into a traced graph.
+    return masked_sdpa(q, k, v, allowed, scale)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: Optional[float] = None) -> Tensor:
+    """SDPA under a bool ``allowed`` mask (broadcastable to (..., seq_q, seq_kv); None: every key) where a row
+    that may see no key outputs zeros instead of NaN. The one place every mechanism's masked softmax goes
+    through.
+
+    Rows with no visible key would be 0/0. They are let see everything (keeps softmax and its gradient finite)
+    and their output is then zeroed, so they contribute neither values nor gradients. Done for every row, with
+    no branch on whether any row is empty: a data-dependent branch would be frozen into a traced graph.
+    """
+    if allowed is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
     empty = ~allowed.any(dim=-1, keepdim=True)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty, scale=scale)
     return out.masked_fill(empty, 0.0)

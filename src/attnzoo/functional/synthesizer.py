@@ -41,6 +41,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_positive_int, check_qkv
 from .masks import allowed_mask, causal_allowed, zero_padded
+from .softmax import masked_sdpa
 
 MODES = ("dense", "random", "factorized_dense", "factorized_random")
 """How the logits are synthesised (see the module docstring)."""
@@ -330,9 +331,7 @@ def factored_synthesizer_attention_unchecked(
     else:
         # A row with no visible key (see synthesizer_attention_unchecked): sees everything, output zeroed.
         allowed = allowed_mask(batch, n, n, causal, key_padding_mask, v.device)
-        empty = ~allowed.any(dim=-1, keepdim=True)
-        out = F.scaled_dot_product_attention(left, right, values, attn_mask=allowed | empty, scale=1.0)
-        out = out.masked_fill(empty, 0.0)
+        out = masked_sdpa(left, right, values, allowed, scale=1.0)
     return out[..., :width_v].to(dtype)
 
 
