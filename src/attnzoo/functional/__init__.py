@@ -28,9 +28,25 @@ from .shrinkage import (
     shrunk_kernel_attention_unchecked,
 )
 
-__all__ = ["allowed_mask", "causal_allowed", "elu_plus_one", "exp_features", "relu_features",
-           "softmax_attention", "softmax_attention_reference", "softmax_attention_unchecked",
-           "kernel_attention", "kernel_attention_prefill", "kernel_attention_prefill_unchecked",
-           "kernel_attention_reference", "kernel_attention_step", "kernel_attention_step_unchecked",
-           "kernel_attention_unchecked", "linear_attention", "linear_attention_reference", "shrink_towards_mean",
-           "shrunk_kernel_attention", "shrunk_kernel_attention_reference", "shrunk_kernel_attention_unchecked"]
+from .linformer import linformer_attention, linformer_attention_reference, linformer_attention_unchecked
+from .nystrom import iterative_pinv, nystrom_attention, nystrom_attention_reference, nystrom_attention_unchecked
+from .efficient import (
+    efficient_attention,
+    efficient_attention_prefill,
+    efficient_attention_reference,
+    efficient_attention_step,
+    efficient_attention_unchecked,
+)
+from .aft import aft_full, aft_local, aft_reference, aft_simple, aft_simple_prefill, aft_simple_step
+from .synthesizer import synthesizer_attention, synthesizer_attention_reference, synthesizer_attention_unchecked
+from .fnet import fourier_mixing, fourier_mixing_reference, fourier_mixing_unchecked
+from .sinkhorn import (
+    sinkhorn_attention,
+    sinkhorn_attention_reference,
+    sinkhorn_attention_unchecked,
+    sinkhorn_balance,
+    sinkhorn_sorting,
+)
+
+__all__ = sorted(name for name in dir() if not name.startswith("_") and name not in ("annotations",)
+                 and callable(globals()[name]))
