@@ -84,6 +84,11 @@ def one_error_line(err: str) -> str:
     (["--device", "cuda:x"], "--device must be 'cpu' or 'cuda[:N]', got 'cuda:x'"),
     (["--accuracy", "/nonexistent/results.json"], "--accuracy"),
     (["--import", "/nonexistent/mechanisms.py"], "--import /nonexistent/mechanisms.py: No such file or directory"),
+    (["--set", "nystrom.landmarks=0"], "--set for nystrom: landmarks must be an integer >= 1, got 0"),
+    (["--set", "nystrom.landmark=16"], "--set for nystrom: mechanism 'nystrom' got unknown option(s) landmark"),
+    (["--set", "nosuch.rank=4"], "--set names unknown mechanism 'nosuch'"),
+    (["--set", "linformer.sharing=diagonal"], "--set for linformer: sharing must be one of"),
+    (["--set", "performer.shrinkage=yes"], "--set for performer: shrinkage must be True or False, got 'yes'"),
 ])
 def test_bad_values_exit_2_with_one_line_naming_them_before_measuring(argv, message, capsys, tmp_path,
                                                                        no_measuring):
@@ -176,7 +181,8 @@ def test_threads_0_means_every_core(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--lengths", "a"], ["--preset", "huge"], ["--quiet", "--json"],
-                                  ["--batch", "1.5"], ["--budget", "soon"]])
+                                  ["--batch", "1.5"], ["--budget", "soon"], ["--set", "landmarks=16"],
+                                  ["--set", "nystrom.=16"]])
 def test_malformed_arguments_exit_2_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", *argv])
@@ -216,3 +222,24 @@ def test_compare_json_prints_exactly_the_results(capsys, tmp_path):
     assert str(accuracy) in (tmp_path / "report.md").read_text()
     assert all(row["causal"] and row["status"] == "ok" for row in data["rows"])
     assert "[1/" not in captured.err  # no progress lines either
+
+
+def test_set_reaches_the_mechanism_and_is_recorded(tmp_path):
+    """--set builds the mechanism with the option (a rank of 4 makes linformer differ from softmax at length
+    16) and results.json records it beside the command."""
+    out = tmp_path / "out"
+    assert main(["compare", *TINY[:-3], "--no-sweep", "--mechanisms", "linformer", "--set", "linformer.rank=4",
+                 "--set", "linformer.sharing=kv", "--output", str(out), "--quiet"]) == EXIT_OK
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["options"] == {"linformer": {"rank": 4, "sharing": "kv"}}
+    assert "--set linformer.rank=4" in data["command"]
+    rows = [row for row in data["rows"] if row["mechanism"] == "linformer" and row["status"] == "ok"]
+    assert rows and all(row["error"] > 1e-3 for row in rows)
+
+
+def test_peers_follow_the_options_given_to_their_counterpart():
+    from attnzoo.bench.peers import _NYSTROM, _option
+
+    names = ("landmarks", "num_landmarks")
+    assert _option({"landmarks": 256}, _NYSTROM, names, 64) == 256
+    assert _option({}, _NYSTROM, names, 7) == mechanism_options("nystrom")["landmarks"]

@@ -22,7 +22,7 @@ EXIT_CODES = """exit codes:
      an --output directory that cannot be created or written (checked before anything is measured)"""
 
 # The option behind each CompareConfig setting whose name differs from it, for error messages.
-OPTION_NAMES = {"budget_s": "--budget", "imports": "--import"}
+OPTION_NAMES = {"budget_s": "--budget", "imports": "--import", "options": "--set"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,6 +64,30 @@ def _int_list(text: str) -> List[int]:
         return [int(item) for item in text.replace(" ", "").split(",") if item]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _mechanism_setting(text: str) -> Tuple[str, str, object]:
+    """``MECHANISM.OPTION=VALUE`` -> (mechanism, option, value); the value is read as an int, a float, true or
+    false, none, or else kept as a string. Whether the mechanism takes it is checked by CompareConfig.validate."""
+    target, sep, raw = text.partition("=")
+    mechanism, dot, option = target.strip().partition(".")
+    if not sep or not dot or not mechanism or not option.strip():
+        raise argparse.ArgumentTypeError(f"expected MECHANISM.OPTION=VALUE (e.g. nystrom.landmarks=256), got {text!r}")
+    raw = raw.strip()
+    value: object
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    elif raw.lower() == "none":
+        value = None
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = raw
+    return mechanism, option.strip(), value
 
 
 def _name_list(text: str) -> List[str]:
@@ -117,6 +141,13 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _collect_settings(settings: List[Tuple[str, str, object]]) -> Dict[str, Dict[str, object]]:
+    options: Dict[str, Dict[str, object]] = {}
+    for mechanism, option, value in settings:
+        options.setdefault(mechanism, {})[option] = value
+    return options
+
+
 def compare_command(args: argparse.Namespace) -> int:
     from .bench.compare import CompareConfig, ConfigError, run_compare
     from .bench.results import load_accuracy, prepare_output, write_results
@@ -134,6 +165,7 @@ def compare_command(args: argparse.Namespace) -> int:
             head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
             repeats=args.repeats, threads=args.threads, budget_s=args.budget, peers=args.peers,
             sweep=not args.no_sweep, imports=args.imports or None, launch=args.launch,
+            options=_collect_settings(args.settings or []) or None,
         )
         for spec in config.imports:  # first: the modules register mechanisms that --mechanisms may name
             try:
@@ -227,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="training-benchmark results: their accuracy is the quality axis of bubble.png")
     compare.add_argument("--import", dest="imports", action="append", metavar="MODULE",
                          help="import a module or .py file that registers extra mechanisms (repeatable)")
+    compare.add_argument("--set", dest="settings", action="append", type=_mechanism_setting,
+                         metavar="MECHANISM.OPTION=VALUE",
+                         help="an option of one mechanism, also given to its peer library (repeatable), e.g. "
+                              "--set nystrom.landmarks=256 --set linformer.rank=128")
     compare.add_argument("--no-sweep", action="store_true", help="skip the error against feature count sweep")
     compare.add_argument("--launch", choices=["fork", "subprocess"], default="fork",
                          help="fresh process per job: forked from a server that imported torch once (default) "

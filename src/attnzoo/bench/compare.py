@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._validation import check_number as check_option_number
-from ..mechanisms import APPROXIMATE, available, capabilities, mechanism_class
+from ..mechanisms import APPROXIMATE, available, build_mechanism, capabilities, mechanism_class
 from .launch import METHODS, Launcher
 from .measure import DEFAULT_MIN_SAMPLE_S
 from .peers import PEERS, installed_peers
@@ -44,6 +44,8 @@ class CompareConfig:
 
     preset: str = "quick"
     mechanisms: Optional[List[str]] = None  # None: every registered mechanism
+    # Options of particular mechanisms ({"nystrom": {"landmarks": 256}}); a peer of a mechanism gets them too.
+    options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     lengths: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["lengths"]))
     batch: int = 1
     heads: int = 4
@@ -111,6 +113,20 @@ class CompareConfig:
         if unknown:
             raise ConfigError("mechanisms", f"names unknown mechanism(s) {', '.join(unknown)}; "
                                             f"valid choices: {', '.join(available())}")
+        self._validate_options()
+
+    def _validate_options(self) -> None:
+        """Each mechanism named in ``options`` exists and accepts those options with those values (it is built
+        once, small, to find out: a bad value must fail here, not as a row per length)."""
+        if not isinstance(self.options, dict):
+            raise ConfigError("options", f"must map mechanism names to option dicts, got {self.options!r}")
+        for name, options in self.options.items():
+            if name not in available():
+                raise ConfigError("options", f"names unknown mechanism {name!r}; valid choices: {', '.join(available())}")
+            try:
+                build_mechanism(name, 1, 8, **options)
+            except (TypeError, ValueError) as error:
+                raise ConfigError("options", f"for {name}: {error}") from None
 
     def _validate_device(self) -> None:
         # torch.device parses "cuda:1" and rejects "cuda:x"; a malformed string would otherwise only fail in
@@ -226,11 +242,12 @@ def planned_entries(config: CompareConfig) -> Tuple[List[Entry], List[Dict[str, 
     if BASELINE in available() and BASELINE not in names:
         names.insert(0, BASELINE)
     names = sorted(dict.fromkeys(names), key=lambda name: (name != BASELINE, name))
-    entries = [mechanism_entry(name) for name in names]
+    entries = [mechanism_entry(name, config.options.get(name)) for name in names]
     missing: List[Dict[str, str]] = []
     if config.peers:
         present, missing = installed_peers()
-        entries += [peer_entry(name) for name in present]
+        # A peer runs at the settings of its attnzoo counterpart, so the two rows compare like with like.
+        entries += [peer_entry(name, config.options.get(PEERS[name].counterpart() or "")) for name in present]
     return entries, missing
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,10 @@ class PeerAttention(nn.Module):
         return self.call(self.inner, q, k, v)
 
 
-Adapter = Callable[[int, int, int, bool], Union[PeerAttention, str]]
+Options = Dict[str, Any]
+"""The options given to the attnzoo counterpart (``attnzoo compare --set``), which its peer follows."""
+
+Adapter = Callable[[int, int, int, bool, Options], Union[PeerAttention, str]]
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,12 @@ class Peer:
         return next((name for name in self.counterparts if name in registered), None)
 
 
-def _option(counterparts: Sequence[str], names: Sequence[str], fallback: int) -> int:
-    """The default of the first matching integer option of a registered counterpart, else ``fallback``."""
+def _option(given: Dict[str, Any], counterparts: Sequence[str], names: Sequence[str], fallback: int) -> int:
+    """The first of ``names`` among the options ``given`` to the attnzoo counterpart (``--set``), else the
+    default of the first matching integer option of a registered counterpart, else ``fallback``."""
+    for name in names:
+        if isinstance(given.get(name), int) and not isinstance(given.get(name), bool):
+            return int(given[name])
     registered = set(available())
     for mechanism in counterparts:
         if mechanism not in registered:
@@ -108,21 +115,21 @@ _REFORMER = ("reformer", "lsh")
 _LINEAR = ("linear",)
 
 
-def _performer(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _performer(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     from performer_pytorch import FastAttention
 
-    features = _option(_PERFORMER, ("nb_features", "num_features", "features"), 256)
+    features = _option(options, _PERFORMER, ("nb_features", "num_features", "features"), 256)
     return PeerAttention(FastAttention(dim_heads=head_dim, nb_features=features, causal=causal),
                          lambda m, q, k, v: m(q, k, v))
 
 
-def _linformer(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _linformer(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     if causal:
         return "unsupported: linformer has no causal mode"
     from linformer import LinformerSelfAttention
 
     inner = heads * head_dim
-    rank = _option(_LINFORMER, ("k", "proj_dim", "rank", "projected_length"), 256)
+    rank = _option(options, _LINFORMER, ("k", "proj_dim", "rank", "projected_length"), 256)
     module = LinformerSelfAttention(dim=3 * inner, seq_len=length, k=rank, heads=heads, dim_head=head_dim)
     # q|k|v arrive concatenated on the feature axis; each former projection takes its own block.
     module.to_q, module.to_k, module.to_v = _Slice(0, inner), _Slice(inner, 2 * inner), _Slice(2 * inner, 3 * inner)
@@ -131,12 +138,12 @@ def _linformer(heads: int, head_dim: int, length: int, causal: bool) -> Union[Pe
     return PeerAttention(module, _concatenated_call(heads))
 
 
-def _nystrom(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _nystrom(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     if causal:
         return "unsupported: nystrom-attention has no causal mode"
     from nystrom_attention import NystromAttention
 
-    landmarks = _option(_NYSTROM, ("landmarks", "num_landmarks", "n_landmarks"), 64)
+    landmarks = _option(options, _NYSTROM, ("landmarks", "num_landmarks", "n_landmarks"), 64)
     # residual=False: the optional depth-wise convolution on v is not attention; attnzoo's nystrom leaves it off
     # by default (conv_kernel=None).
     module = NystromAttention(dim=heads * head_dim, dim_head=head_dim, heads=heads, num_landmarks=landmarks,
@@ -147,20 +154,20 @@ def _nystrom(heads: int, head_dim: int, length: int, causal: bool) -> Union[Peer
     return PeerAttention(module, _concatenated_call(heads))
 
 
-def _local(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _local(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     from local_attention import LocalAttention
 
-    window = _option(_LOCAL, ("window", "window_size", "block_size"), 128)
+    window = _option(options, _LOCAL, ("window", "window_size", "block_size"), 128)
     module = LocalAttention(window_size=window, causal=causal, look_backward=1, look_forward=0 if causal else 1,
                             autopad=True)
     return PeerAttention(module, lambda m, q, k, v: m(q, k, v))
 
 
-def _reformer(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _reformer(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     from reformer_pytorch.reformer_pytorch import LSHAttention
 
-    bucket = _option(_REFORMER, ("bucket_size",), 64)
-    hashes = _option(_REFORMER, ("n_hashes", "hashes", "num_hashes"), 4)
+    bucket = _option(options, _REFORMER, ("bucket_size",), 64)
+    hashes = _option(options, _REFORMER, ("n_hashes", "hashes", "num_hashes"), 4)
     if length % (2 * bucket):
         return f"unsupported: reformer-pytorch needs the length to be a multiple of 2 x bucket_size = {2 * bucket}"
 
@@ -173,7 +180,7 @@ def _reformer(heads: int, head_dim: int, length: int, causal: bool) -> Union[Pee
     return PeerAttention(LSHAttention(bucket_size=bucket, n_hashes=hashes, causal=causal), call)
 
 
-def _fast_transformers(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _fast_transformers(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     from fast_transformers.masking import FullMask, LengthMask, TriangularCausalMask
 
     if causal:
@@ -192,7 +199,7 @@ def _fast_transformers(heads: int, head_dim: int, length: int, causal: bool) -> 
     return PeerAttention(Layer(head_dim), call)
 
 
-def _x_transformers(heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
+def _x_transformers(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
     from x_transformers.attend import Attend
 
     return PeerAttention(Attend(causal=causal), lambda m, q, k, v: m(q, k, v)[0])
@@ -227,13 +234,16 @@ def installed_peers() -> Tuple[List[str], List[Dict[str, str]]]:
     return present, missing
 
 
-def build_peer(name: str, heads: int, head_dim: int, length: int, causal: bool) -> Union[PeerAttention, str]:
-    """The peer's attention callable, or a reason it cannot run in this configuration."""
+def build_peer(
+    name: str, heads: int, head_dim: int, length: int, causal: bool, options: Optional[Options] = None
+) -> Union[PeerAttention, str]:
+    """The peer's attention callable, or a reason it cannot run in this configuration. ``options``: those
+    given to its attnzoo counterpart, whose hyper-parameters (rank, landmarks, ...) the peer takes."""
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; valid choices: {', '.join(PEERS)}")
     if not peer_installed(name):
         return f"not installed (pip install {name})"
     try:
-        return PEERS[name].build(heads, head_dim, length, causal)
+        return PEERS[name].build(heads, head_dim, length, causal, dict(options or {}))
     except ImportError as error:
         return f"import failed: {error}"

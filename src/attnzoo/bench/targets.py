@@ -27,8 +27,9 @@ def mechanism_entry(name: str, options: Optional[Dict[str, Any]] = None) -> Entr
     return {"key": name, "kind": "mechanism", "name": name, "options": dict(options or {})}
 
 
-def peer_entry(name: str) -> Entry:
-    return {"key": f"peer:{name}", "kind": "peer", "name": name, "options": {}}
+def peer_entry(name: str, options: Optional[Dict[str, Any]] = None) -> Entry:
+    """A peer library's row; ``options`` are those given to its attnzoo counterpart (rank, landmarks, ...)."""
+    return {"key": f"peer:{name}", "kind": "peer", "name": name, "options": dict(options or {})}
 
 
 def import_user_modules(specs: Sequence[str]) -> None:
@@ -56,7 +57,7 @@ def build_target(entry: Entry, heads: int, head_dim: int, length: int, causal: b
     Raises whatever building raises (a broken mechanism is a failed row, not an unsupported one).
     """
     if entry["kind"] == "peer":
-        peer = build_peer(entry["name"], heads, head_dim, length, causal)
+        peer = build_peer(entry["name"], heads, head_dim, length, causal, entry.get("options") or {})
         if isinstance(peer, str):
             return peer
         return peer.to(device=device, dtype=dtype).eval()
