@@ -519,3 +519,47 @@ def test_models_have_the_recorded_state_dict_keys_and_shapes(name):
         key, shape = line.split(maxsplit=1)
         expected.append((key, ast.literal_eval(shape)))
     assert [(key, tuple(value.shape)) for key, value in build().state_dict().items()] == expected
+
+
+def _declared_options(name):
+    """The mechanism's small conformance settings (learned position tables sized for short sequences)."""
+    return dict(attnzoo.mechanisms.mechanism_class(name).test_options)
+
+
+@pytest.mark.parametrize("name", attnzoo.available())
+def test_every_mechanism_trains_in_a_classifier_with_padding(name):
+    """Any registered mechanism drops into a model by its name: one training step of a padded classifier gives
+    a finite loss and finite gradients that reach the embeddings, and padded tokens change nothing."""
+    torch.manual_seed(0)
+    model = SequenceClassifier(VOCAB, 3, dim=16, heads=2, depth=1, self_attention=name,
+                               self_attention_options=_declared_options(name)).double()
+    sequence = tokens(2, 8, seed=5)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[1, 5:] = True
+    logits = model(sequence, padding_mask=mask)
+    loss = F.cross_entropy(logits, torch.tensor([0, 2]))
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads), name
+    assert model.embedding.embedding.weight.grad.abs().sum() > 0
+    other = sequence.clone()
+    other[1, 5:] = (other[1, 5:] + 1) % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(model(other, padding_mask=mask), logits.detach(), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in attnzoo.available() if attnzoo.capabilities(n).causal])
+def test_every_causal_mechanism_trains_a_language_model(name):
+    """A causal mechanism drops into a language model: finite loss and gradients, and no logit depends on a
+    later token."""
+    torch.manual_seed(0)
+    model = language_model(self_attention=name, self_attention_options=_declared_options(name))
+    sequence = tokens(2, 8, seed=6)
+    logits = model(sequence)
+    F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), sequence[:, 1:].reshape(-1)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    later = sequence.clone()
+    later[:, 5:] = (later[:, 5:] + 1) % VOCAB
+    with torch.no_grad():
+        torch.testing.assert_close(model(later)[:, :5], logits.detach()[:, :5], atol=1e-10, rtol=0)

@@ -17,6 +17,7 @@ import collections.abc
 import copy
 import dataclasses
 import inspect
+import itertools
 import re
 import sys
 import typing
@@ -678,6 +679,46 @@ def check_gradients_finite(mechanism: Mechanism) -> None:
                 assert_finite(parameter.grad, f"{what}: gradient of parameter {label}")
 
 
+def _heads_split(x: Tensor) -> Tensor:
+    """The same values laid out (batch, seq, heads, dim) and seen as (batch, heads, seq, dim): the
+    non-contiguous tensors ``MultiHeadAttention`` passes on after splitting its projections into heads."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _every_other(x: Tensor) -> Tensor:
+    """The same values at every other position of a buffer twice as long: strided along the sequence (a
+    slice of a longer tensor), non-contiguous whatever the head count."""
+    wide = x.new_zeros(*x.shape[:2], 2 * x.shape[2], x.shape[3])
+    wide[:, :, ::2] = x
+    return wide[:, :, ::2]
+
+
+def check_non_contiguous_inputs(mechanism: Mechanism) -> None:
+    """Inputs in the head-split layout (non-contiguous) give the same output and gradients as contiguous ones,
+    for every declared variant: no ``view`` of an input that only holds for contiguous memory."""
+    m = as_dtype(mechanism, torch.float64)
+    # Also at 8 positions, a multiple of the usual chunk and block sizes: no padding copy hides a view there.
+    for variant, layout in itertools.product(variants(mechanism) + variants(mechanism, 8), (_heads_split, _every_other)):
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=12)
+        what = f"{type(mechanism).__name__} {variant.describe()} with non-contiguous q, k, v ({layout.__name__})"
+        results = []
+        for arrange in (lambda t: t, layout):
+            leaves = tuple(arrange(t.clone()).requires_grad_() for t in qkv)
+            m.zero_grad(set_to_none=True)
+            try:
+                out = call(m, leaves, variant.causal, mask, variant.cross)
+                weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(13), dtype=out.dtype)
+                (out * weights).sum().backward()
+            except RuntimeError as error:
+                raise AssertionError(f"{what}: {error}") from error
+            results.append((out.detach(), *(t.grad for t in leaves)))
+        for label, got, want in zip(("output", "gradient of q", "gradient of k", "gradient of v"), results[1],
+                                    results[0]):
+            if got is None or want is None:
+                raise AssertionError(f"{what}: no {label}")
+            assert_close(got, want, f"{what}: {label}", rtol=1e-9, atol=1e-10)
+
+
 def check_gradcheck(mechanism: Mechanism) -> None:
     """float64 ``torch.autograd.gradcheck`` on small sizes: plain, causal with padding, causal cross-attention
     (each where declared)."""
@@ -1105,6 +1146,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_matches_reference,
     check_low_precision,
     check_gradients_finite,
+    check_non_contiguous_inputs,
     check_gradcheck,
     check_gradients_match_reference,
     check_step_matches_parallel,

@@ -264,6 +264,14 @@ class NoValidation(GoodToy):
         pass
 
 
+class ViewsItsInputs(GoodToy):
+    """Flattens each head's queries with ``view``, which only works when positions are contiguous."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        flat = q.view(q.shape[0], q.shape[1], -1)
+        return super().attend(flat.view(q.shape), k, v, causal, key_padding_mask, cross)
+
+
 class ValidatesTwice(GoodToy):
     """Calls the checked functional entry point after forward() has already checked everything."""
 
@@ -315,6 +323,7 @@ BROKEN = [
     (checks.check_bad_input, TruthyCausal, {}, r"causal='no': expected TypeError"),
     (checks.check_max_length, IgnoresMaxLength, {}, r"max_length=16: expected ValueError"),
     (checks.check_bad_input, NoValidation, {}, r"q of rank 3: .*does not name"),
+    (checks.check_non_contiguous_inputs, ViewsItsInputs, {}, r"view size is not compatible"),
     (checks.check_inputs_validated_once, ValidatesTwice, {}, r"check_qkv ran 2 times in one forward"),
 ]
 

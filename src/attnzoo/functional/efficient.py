@@ -309,7 +309,7 @@ class _CausalChunks(torch.autograd.Function):
         # outputs zero instead of NaN (and the backward's divisions finite).
         den = weights.cumsum(3).add_(previous[..., d_v].unsqueeze(3)).clamp_min_(floor)
         phi = queries / den
-        p3, d3 = phi.view(-1, chunk, d), previous.view(-1, d, d_v + 1)
+        p3, d3 = phi.reshape(-1, chunk, d), previous.view(-1, d, d_v + 1)
         scores = torch.bmm(p3, w3.transpose(1, 2)).tril_()
         out = torch.bmm(p3, d3[..., :d_v]).baddbmm_(scores, v3)
         ctx.save_for_backward(weights, values, decay, previous, den, phi, scores)
@@ -322,7 +322,7 @@ class _CausalChunks(torch.autograd.Function):
         weights, values, decay, previous, den, phi, scores = ctx.saved_tensors
         batch, heads, chunks, chunk, d = weights.shape
         d_v = values.shape[-1]
-        w3, v3, p3 = weights.view(-1, chunk, d), values.reshape(-1, chunk, d_v), phi.view(-1, chunk, d)
+        w3, v3, p3 = weights.reshape(-1, chunk, d), values.reshape(-1, chunk, d_v), phi.reshape(-1, chunk, d)
         if grad_out is None:
             grad_out = values.new_zeros(values.shape)
         g3 = grad_out.reshape(-1, chunk, d_v)
