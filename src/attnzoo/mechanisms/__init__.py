@@ -22,6 +22,8 @@ from .kernelized import LinearAttention, PerformerAttention, RandomFeatureAttent
 from .gated import GatedLinearAttention, RetentionAttention
 # Low-rank, landmark, synthesized and attention-free families: importing a module registers its mechanisms.
 from . import aft, efficient, fnet, linformer, nystrom, sinkhorn, synthesizer  # noqa: E402,F401
+# Sparse and hashed families.
+from . import clustered, reformer, sparse  # noqa: E402,F401
 
 __all__ = [
     "APPROXIMATE",

@@ -1,0 +1,1 @@
+"""blocksparse: being built."""

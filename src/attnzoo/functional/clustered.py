@@ -1,0 +1,1 @@
+"""clustered: being built."""

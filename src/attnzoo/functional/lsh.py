@@ -1,0 +1,1 @@
+"""lsh: being built."""

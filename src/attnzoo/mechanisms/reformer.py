@@ -1,0 +1,1 @@
+"""reformer: being built."""

@@ -1,0 +1,1 @@
+"""sparse: being built."""
