@@ -47,6 +47,7 @@ from .sinkhorn import (
     sinkhorn_balance,
     sinkhorn_sorting,
 )
+from .clustered import cluster_queries, clustered_attention, clustered_attention_reference, clustered_attention_unchecked
 
 __all__ = sorted(name for name in dir() if not name.startswith("_") and name not in ("annotations",)
                  and callable(globals()[name]))
