@@ -31,6 +31,8 @@ from .models import (
     EncoderLayer,
     FeedForward,
     LanguageModel,
+    ReversibleDecoder,
+    ReversibleEncoder,
     Seq2SeqTransformer,
     SequenceClassifier,
 )
@@ -64,6 +66,8 @@ __all__ = [
     "EncoderLayer",
     "FeedForward",
     "LanguageModel",
+    "ReversibleDecoder",
+    "ReversibleEncoder",
     "Seq2SeqTransformer",
     "SequenceClassifier",
 ]

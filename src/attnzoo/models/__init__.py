@@ -3,6 +3,7 @@
 from .config import AttentionSpec, BlockConfig
 from .fusion import AttentionFusion
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
+from .reversible import ReversibleDecoder, ReversibleEncoder
 from .transformer import (
     Decoder,
     DecoderState,
@@ -25,6 +26,8 @@ __all__ = [
     "DecoderState",
     "Encoder",
     "LanguageModel",
+    "ReversibleDecoder",
+    "ReversibleEncoder",
     "Seq2SeqTransformer",
     "SequenceClassifier",
     "TokenEmbedding",

@@ -74,6 +74,11 @@ class BlockConfig:
             None for layers without one (encoder layers, decoder-only models).
         memory_dim: width of that memory (batch, seq_mem, memory_dim), ``dim`` when None; only with
             ``cross_attention``.
+        ff_chunks: run the feed-forward network on this many slices of the sequence, one after the other
+            (Kitaev et al. 2020), so its hidden activation is (batch, seq / ff_chunks, ff_dim) at a time instead
+            of (batch, seq, ff_dim); the outputs are those of one pass. 1: one pass over the whole sequence.
+            In training, the slices of a plain stack keep their activations for the backward pass; reversible
+            stacks (``reversible=True``) also recompute and differentiate slice by slice.
 
     Every option is checked when the config is made: a yes/no option must be a bool (``norm_first="False"`` is
     a TypeError, not a truthy yes), numbers are checked for type, finiteness and range, and each error names
@@ -91,6 +96,7 @@ class BlockConfig:
     self_attention: AttentionSpec = field(default_factory=AttentionSpec)
     cross_attention: Optional[AttentionSpec] = None
     memory_dim: Optional[int] = None
+    ff_chunks: int = 1
 
     def __post_init__(self) -> None:
         check_positive_int("dim", self.dim)
@@ -109,6 +115,7 @@ class BlockConfig:
         check_number("memory_dim", self.memory_dim, integer=True, minimum=1, optional=True)
         if self.memory_dim is not None and self.cross_attention is None:
             raise ValueError("memory_dim given but cross_attention=None (no memory to attend to)")
+        check_positive_int("ff_chunks", self.ff_chunks)
 
     @property
     def feed_forward_dim(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -25,16 +26,30 @@ class FeedForward(nn.Module):
 
     ``relu`` / ``gelu``: ``W2 · dropout(act(W1 x))``. ``swiglu`` (Shazeer 2020): ``W2 · dropout(silu(W x) ⊙ V x)``,
     with the two input projections fused into one ``in_proj`` of width ``2 * hidden_dim``.
+
+    ``chunks`` > 1 runs the network on that many slices of the sequence (dimension -2) one after the other and
+    joins the outputs (Kitaev et al. 2020): every position is transformed on its own, so the result is that of
+    one pass, while the hidden activation is (batch, seq / chunks, hidden_dim) at a time. That bounds the memory
+    of inference; under autograd each slice keeps its own activations for the backward pass, which together
+    are as large as one pass's, unless the backward pass is chunked as well (the reversible stacks of
+    :mod:`attnzoo.models.reversible` recompute and differentiate the network slice by slice).
     """
 
     def __init__(
-        self, dim: int, hidden_dim: int, activation: str = "gelu", dropout: float = 0.0, bias: bool = True
+        self,
+        dim: int,
+        hidden_dim: int,
+        activation: str = "gelu",
+        dropout: float = 0.0,
+        bias: bool = True,
+        chunks: int = 1,
     ) -> None:
         super().__init__()
         check_positive_int("dim", dim)
         check_positive_int("hidden_dim", hidden_dim)
         check_probability("dropout", dropout)
         check_bool("bias", bias)
+        self.chunks = check_positive_int("chunks", chunks)
         self.activation = check_choice("activation", activation, ACTIVATIONS)
         gated = activation == "swiglu"
         self.in_proj = nn.Linear(dim, 2 * hidden_dim if gated else hidden_dim, bias=bias)
@@ -42,6 +57,13 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        """x: (..., seq, dim) -> (..., seq, dim), in ``chunks`` slices of the sequence."""
+        if self.chunks == 1 or x.dim() < 2:
+            return self.transform(x)
+        return torch.cat([self.transform(part) for part in x.chunk(self.chunks, dim=-2)], dim=-2)
+
+    def transform(self, x: Tensor) -> Tensor:
+        """The network on all of x (..., dim) at once, whatever ``chunks`` says."""
         hidden = self.in_proj(x)
         if self.activation == "swiglu":
             gate, value = hidden.chunk(2, dim=-1)
@@ -51,6 +73,9 @@ class FeedForward(nn.Module):
         else:
             hidden = F.relu(hidden)
         return self.out_proj(self.dropout(hidden))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, chunks={self.chunks}"
 
 
 class _Sublayer(nn.Module):
@@ -104,7 +129,9 @@ class _Block(nn.Module):
 
     def _feed_forward(self) -> FeedForward:
         config = self.config
-        return FeedForward(config.dim, config.feed_forward_dim, config.activation, config.dropout)
+        return FeedForward(
+            config.dim, config.feed_forward_dim, config.activation, config.dropout, chunks=config.ff_chunks
+        )
 
 
 class EncoderLayer(_Block):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_choice, check_positive_int, check_probability
+from .._validation import check_bool, check_choice, check_positive_int, check_probability
 from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .config import AttentionSpec, BlockConfig, attention_slot
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
@@ -114,9 +114,14 @@ class _LayerStack(nn.Module):
     def __init__(self, config: BlockConfig, depth: int) -> None:
         super().__init__()
         check_positive_int("depth", depth)
+        self._check_config(config)
         self.config = config
         self.layers = nn.ModuleList(self.layer_type(config) for _ in range(depth))
         self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+
+    @classmethod
+    def _check_config(cls, config: BlockConfig) -> None:
+        """Refuse a config this kind of stack cannot run (naming the option); every config by default."""
 
     @classmethod
     def from_config(cls: Type[StackT], config: BlockConfig, depth: int) -> StackT:
@@ -153,10 +158,11 @@ class Encoder(_LayerStack):
         self_attention_options: Optional[Dict[str, Any]] = None,
         rotary: bool = False,
         layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
     ) -> None:
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            layer_norm_eps=layer_norm_eps, rotary=rotary,
+            layer_norm_eps=layer_norm_eps, rotary=rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
         )
         super().__init__(config, depth)
@@ -206,10 +212,11 @@ class Decoder(_LayerStack):
         memory_dim: Optional[int] = None,
         rotary: bool = False,
         layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
     ) -> None:
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            layer_norm_eps=layer_norm_eps, rotary=rotary,
+            layer_norm_eps=layer_norm_eps, rotary=rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
             cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
             memory_dim=memory_dim,
@@ -255,6 +262,19 @@ class Decoder(_LayerStack):
 
 
 # -- token models --------------------------------------------------------------------------------------------
+def _encoder_type(reversible: bool) -> Type[Encoder]:
+    # Imported here: the reversible stacks are subclasses of the ones above, in a module that imports this one.
+    from .reversible import ReversibleEncoder
+
+    return ReversibleEncoder if reversible else Encoder
+
+
+def _decoder_type(reversible: bool) -> Type[Decoder]:
+    from .reversible import ReversibleDecoder
+
+    return ReversibleDecoder if reversible else Decoder
+
+
 def _check_step_token(token_t: Tensor, state: Any, vocab_size: int) -> None:
     check_tokens("token_t", token_t, vocab_size, rank=1)
     if not isinstance(state, DecoderState):
@@ -266,10 +286,13 @@ class LanguageModel(nn.Module):
 
     Args:
         vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
-        ff_dim, activation, norm_first, dropout, layer_norm_eps: as for :class:`BlockConfig`.
+        ff_dim, activation, norm_first, dropout, layer_norm_eps, ff_chunks: as for :class:`BlockConfig`.
         positional: "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none".
         max_length: the longest sequence, required by ``positional="learned"``.
         self_attention, self_attention_options: mechanism name and options of every self-attention.
+        reversible: a :class:`~attnzoo.models.reversible.ReversibleDecoder` (Kitaev et al. 2020) instead of a
+            :class:`Decoder`: the same layers coupled reversibly, so training keeps the activations of one
+            branch instead of every layer's (pre-norm only). Decoding works the same way.
 
     Decoding: ``logits, state = model.prefill(prompt)`` then ``logits_t, state = model.step(token_t, state)``;
     see :mod:`attnzoo.decoding` for greedy, sampling and beam search.
@@ -291,16 +314,19 @@ class LanguageModel(nn.Module):
         self_attention: str = "softmax",
         self_attention_options: Optional[Dict[str, Any]] = None,
         layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
     ) -> None:
         super().__init__()
+        check_bool("reversible", reversible)
         self.vocab_size = vocab_size
         self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout)
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary,
+            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
         )
-        self.decoder = Decoder.from_config(config, depth)
+        self.decoder = _decoder_type(reversible).from_config(config, depth)
         self.head = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -328,8 +354,9 @@ class Seq2SeqTransformer(nn.Module):
     Args:
         src_vocab_size, tgt_vocab_size: vocabularies of source and target.
         dim, heads, encoder_depth, decoder_depth: width, heads and the two stack depths.
-        ff_dim, activation, norm_first, dropout, positional, max_length, layer_norm_eps: as for
-            :class:`LanguageModel` (the positional kind applies to both sides).
+        ff_dim, activation, norm_first, dropout, positional, max_length, layer_norm_eps, ff_chunks, reversible:
+            as for :class:`LanguageModel` (the positional kind applies to both sides; ``reversible`` makes both
+            stacks reversible).
         encoder_self_attention, decoder_self_attention, cross_attention (+ ``*_options``): the mechanism
             of each attention slot, e.g. an approximate encoder with exact cross-attention.
 
@@ -359,14 +386,17 @@ class Seq2SeqTransformer(nn.Module):
         cross_attention: str = "softmax",
         cross_attention_options: Optional[Dict[str, Any]] = None,
         layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
     ) -> None:
         super().__init__()
+        check_bool("reversible", reversible)
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.src_embedding = TokenEmbedding(src_vocab_size, dim, positional, max_length, dropout)
         self.tgt_embedding = TokenEmbedding(tgt_vocab_size, dim, positional, max_length, dropout)
         decoder_config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            layer_norm_eps=layer_norm_eps, rotary=self.src_embedding.rotary,
+            layer_norm_eps=layer_norm_eps, rotary=self.src_embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(decoder_self_attention, decoder_self_attention_options),
             cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
         )
@@ -376,8 +406,8 @@ class Seq2SeqTransformer(nn.Module):
             self_attention=AttentionSpec(encoder_self_attention, encoder_self_attention_options),
             cross_attention=None,
         )
-        self.encoder = Encoder.from_config(encoder_config, encoder_depth)
-        self.decoder = Decoder.from_config(decoder_config, decoder_depth)
+        self.encoder = _encoder_type(reversible).from_config(encoder_config, encoder_depth)
+        self.decoder = _decoder_type(reversible).from_config(decoder_config, decoder_depth)
         self.head = nn.Linear(dim, tgt_vocab_size, bias=False)
 
     def encode(self, src: Tensor, *, src_padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -429,7 +459,8 @@ class SequenceClassifier(nn.Module):
 
     ``pooling="mean"`` averages the final vectors of the non-padding positions; ``pooling="cls"`` prepends a
     learned classification vector (at position 0) and reads its final vector. With ``positional="learned"``,
-    ``max_length`` counts the tokens only. Other arguments as for :class:`LanguageModel`.
+    ``max_length`` counts the tokens only. Other arguments as for :class:`LanguageModel` (``reversible``: a
+    :class:`~attnzoo.models.reversible.ReversibleEncoder`).
     """
 
     def __init__(
@@ -450,9 +481,12 @@ class SequenceClassifier(nn.Module):
         self_attention: str = "softmax",
         self_attention_options: Optional[Dict[str, Any]] = None,
         layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
+        check_bool("reversible", reversible)
         self.vocab_size = vocab_size
         self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
         use_cls = pooling == "cls"
@@ -461,10 +495,10 @@ class SequenceClassifier(nn.Module):
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if use_cls else None
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
-            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary,
+            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
         )
-        self.encoder = Encoder.from_config(config, depth)
+        self.encoder = _encoder_type(reversible).from_config(config, depth)
         self.head = nn.Linear(dim, num_classes)
 
     def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
