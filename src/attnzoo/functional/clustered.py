@@ -132,7 +132,7 @@ def cluster_queries_unchecked(
     if count == q_len:
         # One cluster per query (a decision on shapes only, so traced graphs stay valid for any mask).
         return torch.arange(q_len, device=q.device).expand(batch, heads, q_len)
-    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    work = working_dtype(q.dtype)
     with torch.no_grad():
         # Padded queries are zeroed first, so whatever they hold gives them the same code (every bit 0).
         q = zero_padded(q.detach(), query_padding_mask)

@@ -3,7 +3,7 @@ of the keys plus learned position biases, gated by the sigmoid of the query. No 
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -136,25 +136,6 @@ class AttentionFreeTransformer(Mechanism):
                 f"{self.name}: v has head_dim={v.shape[3]}; AFT gates each value feature with its query feature, "
                 f"so v needs the mechanism's head_dim={self.head_dim}"
             )
-
-    def unsupported_reasons(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-    ) -> List[str]:
-        reasons = super().unsupported_reasons(q, k, v, causal, key_padding_mask, cross=cross)
-        limit = self.max_length
-        if limit is not None and max(q.shape[2], k.shape[2]) > limit:
-            reasons.append(
-                f"{self.name} with variant={self.variant!r} learns position biases for max_seq_len={limit} "
-                f"positions: build it with a larger max_seq_len"
-            )
-        return reasons
 
     def dense_position_bias(self, length: int) -> Tensor:
         """full, local: the (heads, length, length) bias matrix ``w`` of the first ``length`` positions."""

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_bool, check_key_padding_mask, check_positive_int, check_qkv
+from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from ..state import DecodingState
 
 State = Optional[DecodingState]
@@ -93,6 +93,13 @@ class Capabilities:
         if unknown or any(switched_off.values()) or (kind is not None and (kind not in KINDS or not self.exact)):
             raise ValueError(f"narrowed() only switches capabilities off, got kind={kind!r}, {switched_off}")
         return replace(self, limited_by=limited_by, kind=kind or self.kind, **switched_off)
+
+
+def seeded_generator(seed: Optional[int]) -> Optional[torch.Generator]:
+    """For a mechanism's ``seed`` option (an int >= 0, checked here): a generator seeded with it, or None to draw
+    from the global RNG. Mechanisms draw their random buffers from it at construction, never in a forward."""
+    seed = check_number("seed", seed, integer=True, minimum=0, optional=True)
+    return None if seed is None else torch.Generator().manual_seed(seed)
 
 
 def shapes_only(
@@ -257,7 +264,10 @@ class Mechanism(nn.Module):
         limit = self.max_length
         if limit is not None and max(q_len, k_len) > limit:
             who = self.name + (f" with {self.capabilities.limited_by}" if self.capabilities.limited_by else "")
-            return [f"{who}: sequence length {max(q_len, k_len)} exceeds max_length={limit}"]
+            # A limit set by an option (a learned table over positions) is named with the option to change.
+            fix = f" (set by {self.length_option}: build it with a larger {self.length_option})" \
+                if self.length_option else ""
+            return [f"{who}: sequence length {max(q_len, k_len)} exceeds max_length={limit}{fix}"]
         return []
 
     @property

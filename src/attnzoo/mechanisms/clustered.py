@@ -18,7 +18,7 @@ from ..functional.clustered import (
     clustered_attention_reference,
     clustered_attention_unchecked,
 )
-from .base import APPROXIMATE, Capabilities, Mechanism, register
+from .base import APPROXIMATE, Capabilities, Mechanism, register, seeded_generator
 
 
 @register
@@ -90,7 +90,7 @@ class ClusteredAttention(Mechanism):
         self.improved = check_bool("improved", improved)
         self.topk = check_positive_int("topk", topk)
         self.seed = check_number("seed", seed, integer=True, minimum=0, optional=True)
-        generator = None if self.seed is None else torch.Generator().manual_seed(self.seed)
+        generator = seeded_generator(self.seed)
         # Hyperplane normals (head_dim, hash_bits), shared by the heads; a buffer, so saved with the model and
         # never redrawn during a forward pass.
         self.register_buffer("planes", torch.randn(head_dim, self.hash_bits, generator=generator))

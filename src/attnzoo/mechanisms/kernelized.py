@@ -34,12 +34,7 @@ from ..functional.linear import (
     kernel_attention_step_unchecked,
     kernel_attention_unchecked,
 )
-from .base import APPROXIMATE, OWN, Capabilities, Mechanism, StateLayout, register
-
-
-def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
-    seed = check_number("seed", seed, integer=True, minimum=0, optional=True)
-    return None if seed is None else torch.Generator().manual_seed(seed)
+from .base import APPROXIMATE, OWN, Capabilities, Mechanism, StateLayout, register, seeded_generator
 
 
 class KernelizedMechanism(Mechanism):
@@ -271,7 +266,7 @@ class PerformerAttention(_RandomFeatureMechanism):
             symmetric=check_bool("symmetric", symmetric),
             orthogonal=check_bool("orthogonal", orthogonal),
             redraw_interval=redraw_interval,
-            generator=_generator(seed),
+            generator=seeded_generator(seed),
         )
         if self.shrinkage:
             self.feature_map.second_half()  # fails now, naming nb_features, if there are too few to split
@@ -424,7 +419,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
             orthogonal=check_bool("orthogonal", orthogonal),
             input_scale=1.0,
             redraw_interval=redraw_interval,
-            generator=_generator(seed),
+            generator=seeded_generator(seed),
         )
         self.log_sharpness = nn.Parameter(torch.full((heads,), math.log(sharpness)))
         self.gated = check_bool("gated", gated)

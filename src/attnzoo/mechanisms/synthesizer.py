@@ -4,7 +4,7 @@ weights synthesised from each position alone, or learned outright, instead of co
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -160,22 +160,6 @@ class SynthesizerAttention(Mechanism):
     @property
     def max_length(self) -> Optional[int]:
         return self.max_seq_len
-
-    def unsupported_reasons(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-    ) -> List[str]:
-        reasons = super().unsupported_reasons(q, k, v, causal, key_padding_mask, cross=cross)
-        # The base names the limit max_length; say which option sets it and what to do.
-        hint = (f" (the option max_seq_len: the synthesised logits cover {self.max_seq_len} positions; build it "
-                f"with a larger max_seq_len)")
-        return [reason + hint if f"max_length={self.max_seq_len}" in reason else reason for reason in reasons]
 
     # -- maths -------------------------------------------------------------------------------------------------
     def factors(self, q: Tensor) -> Tuple[Tensor, Tensor]:
