@@ -37,7 +37,7 @@ from torch import Tensor
 
 from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from .masks import zero_padded
-from .softmax import masked_sdpa
+from .softmax import masked_sdpa, masked_softmax_reference
 
 
 class BlockLayout(NamedTuple):
@@ -571,10 +571,4 @@ def blocksparse_attention_reference(
     if key_padding_mask is not None:
         allowed = allowed & ~key_padding_mask.view(-1, 1, 1, length)
     logits = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    logits = logits.masked_fill(~allowed, -math.inf)
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(logits - top)
-    total = weights.sum(-1, keepdim=True)
-    weights = torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
-    return weights @ v
+    return masked_softmax_reference(logits, allowed) @ v

@@ -45,7 +45,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from .masks import zero_padded
-from .softmax import masked_sdpa
+from .softmax import masked_sdpa, masked_softmax_reference
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_ITERATIONS = 8
@@ -514,7 +514,7 @@ def sinkhorn_attention_reference(
         for row in range(n):
             logit_list = [(q[:, :, row] * key).sum(-1) * scale for key, _, _ in slots]
             ok_list = [filled for _, _, filled in slots]
-            probabilities = _softmax_reference(torch.stack(logit_list, -1), torch.stack(ok_list, -1))
+            probabilities = masked_softmax_reference(torch.stack(logit_list, -1), torch.stack(ok_list, -1))
             for s, (_, mix, _) in enumerate(slots):
                 dense[:, :, row] = dense[:, :, row] + probabilities[..., s : s + 1] * mix
         return dense @ v
@@ -533,7 +533,7 @@ def sinkhorn_attention_reference(
                 if causal and column > row:
                     visible = torch.zeros_like(visible)
                 ok_list.append(visible)
-            probabilities = _softmax_reference(torch.stack(logit_list, -1), torch.stack(ok_list, -1))
+            probabilities = masked_softmax_reference(torch.stack(logit_list, -1), torch.stack(ok_list, -1))
             for s, (_, mix, _) in enumerate(slots):
                 dense[:, :, row] = dense[:, :, row] + probabilities[..., s : s + 1] * mix
             for s, column in enumerate(local):
@@ -541,11 +541,3 @@ def sinkhorn_attention_reference(
     return dense @ v
 
 
-def _softmax_reference(logits: Tensor, ok: Tensor) -> Tensor:
-    """Softmax over the last dim restricted to ``ok``; all zeros where nothing is ok."""
-    masked = logits.masked_fill(~ok, -math.inf)
-    shift = masked.amax(-1, keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    weights = torch.exp(masked - shift)
-    total = weights.sum(-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))

@@ -97,6 +97,17 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scal
     return out.masked_fill(empty, 0.0)
 
 
+def masked_softmax_reference(logits: Tensor, allowed: Optional[Tensor], dim: int = -1) -> Tensor:
+    """Softmax of ``logits`` along ``dim`` over the ``allowed`` entries (bool, broadcastable; None: all), the
+    obviously-correct form the float64 references share: exactly 0 at excluded entries, and all zeros on a
+    row where nothing is allowed (never NaN)."""
+    masked = logits if allowed is None else logits.masked_fill(~allowed, -math.inf)
+    shift = masked.amax(dim, keepdim=True)
+    weights = torch.exp(masked - torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift)))
+    total = weights.sum(dim, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
+
+
 def softmax_attention_reference(
     q: Tensor,
     k: Tensor,

@@ -41,7 +41,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_positive_int, check_qkv
 from .masks import allowed_mask, causal_allowed, zero_padded
-from .softmax import masked_sdpa
+from .softmax import masked_sdpa, masked_softmax_reference
 
 MODES = ("dense", "random", "factorized_dense", "factorized_random")
 """How the logits are synthesised (see the module docstring)."""
@@ -395,13 +395,7 @@ def synthesizer_attention_reference(
         visible = visible & torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     if key_padding_mask is not None:
         visible = visible & ~key_padding_mask[:, None, None, :]
-    masked = scores.masked_fill(~visible, -math.inf)
-    shift = masked.amax(-1, keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    weights = torch.exp(masked - shift)
-    total = weights.sum(-1, keepdim=True)
-    probabilities = torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
-    return probabilities @ v
+    return masked_softmax_reference(scores, visible) @ v
 
 
 def factored_synthesizer_attention_reference(
