@@ -14,6 +14,10 @@ Every fixed pattern here reads "each query block attends to a set of key blocks"
   mask: the slot is real, the pattern's rule on (query position, key position, tag) holds, causality by
   original positions, key padding. A row that may see no key outputs zeros (:func:`masked_sdpa`).
 
+A pattern may instead be a disjoint union of *parts* (:meth:`BlockPattern.parts`), each laid out as above in
+its own order (the strided pattern: its window in natural order, its column grouped by residue); the core
+runs each part blockwise and merges their softmaxes into one (:func:`_merged_parts`).
+
 Memory is O(N * blocks_per_row * block_size) (the gathered keys, logits and mask); nothing N x N is made. A
 pattern's rule and table must agree: the rule is applied to the gathered keys only, so the table must reach
 every key the rule allows (and a position must never be reachable twice, through two views, unless the rule
@@ -29,12 +33,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from .masks import zero_padded
 from .softmax import masked_sdpa, masked_softmax_reference
@@ -85,6 +90,12 @@ class BlockPattern:
     def dense(self, length: int, device: Optional[torch.device] = None) -> Tensor:
         """(length, length) bool: query i may attend to key j (before causality and padding)."""
         raise NotImplementedError
+
+    def parts(self) -> Tuple["BlockPattern", ...]:
+        """Patterns with disjoint masks whose union is this one, each laid out on its own (its own query
+        order, keys and table); the core runs each blockwise and merges their softmaxes. Empty (the default):
+        the pattern is laid out whole by :meth:`layout`."""
+        return ()
 
 
 # -- table helpers ------------------------------------------------------------------------------------------
@@ -187,29 +198,17 @@ class StridedPattern(BlockPattern):
     i sees keys j with ``|i - j| < stride`` (the previous ``stride`` positions, causally) or ``(i - j) %
     stride == 0`` (every stride-th).
 
-    Natural order: a query block sees the band of blocks of its window and, for every multiple m of the
-    stride, the blocks holding its queries' positions minus m * stride (1 or 2 blocks each; 1 when
-    ``block_size`` divides ``stride``). Small blocks waste little: a query uses ~1 / block_size of each
-    strided block, so time is O(N (stride + block_size * N / stride))."""
+    Two parts (:meth:`parts`), one softmax: the window, a band of blocks in natural order
+    (:class:`LocalPattern`), and the column beyond it, with queries and keys grouped by residue (position
+    modulo ``stride``) as in :class:`DilatedPattern`, so a query block reads its own residue class alone (a
+    natural-order block of b queries would read b classes to use one each). Each query block reads O(stride +
+    block_size) keys of the window and O(N / stride) of the column: time O(N (stride + N / stride))."""
 
     stride: int
     block_size: int
 
-    def layout(self, length: int, causal: bool, device: torch.device) -> BlockLayout:
-        bs, s = self.block_size, self.stride
-        n = _blocks(length, bs)
-        reach = min(-(-(s - 1) // bs), n - 1)
-        band = _band_table(n, n, -reach, 0 if causal else reach, device)
-        first = torch.arange(n, device=device) * bs  # first and last query of each block
-        last = torch.clamp(first + bs - 1, max=length - 1)
-        steps = torch.arange(-((length - 1) // s), ((length - 1) // s) + 1, device=device)
-        if causal:
-            steps = steps[steps >= 0]
-        low = (first[:, None] - steps[None, :] * s).div(bs, rounding_mode="floor")
-        high = (last[:, None] - steps[None, :] * s).div(bs, rounding_mode="floor")
-        strided = torch.cat([low, high], dim=1)
-        strided = torch.where((strided >= 0) & (strided < n), strided, torch.full_like(strided, -1))
-        return BlockLayout(bs, None, None, None, _dedupe_rows(torch.cat([band, strided], dim=1)))
+    def parts(self) -> Tuple[BlockPattern, ...]:
+        return LocalPattern(self.stride, self.block_size), _FarColumnPattern(self.stride, self.block_size)
 
     def rule(self, query: Tensor, key: Tensor, tag: Tensor) -> Tensor:
         distance = query - key
@@ -219,6 +218,21 @@ class StridedPattern(BlockPattern):
         i = torch.arange(length, device=device)
         distance = i[:, None] - i[None, :]
         return (distance.abs() < self.stride) | (distance % self.stride == 0)
+
+
+@dataclass(frozen=True)
+class _FarColumnPattern(DilatedPattern):
+    """The strided pattern's column outside its window: ``(i - j) % stride == 0`` and ``|i - j| >= stride``
+    (the window part covers the rest), on the dilated layout."""
+
+    def rule(self, query: Tensor, key: Tensor, tag: Tensor) -> Tensor:
+        distance = query - key
+        return (distance % self.stride == 0) & (distance.abs() >= self.stride)
+
+    def dense(self, length: int, device: Optional[torch.device] = None) -> Tensor:
+        i = torch.arange(length, device=device)
+        distance = i[:, None] - i[None, :]
+        return (distance % self.stride == 0) & (distance.abs() >= self.stride)
 
 
 @dataclass(frozen=True)
@@ -423,6 +437,8 @@ class BlockPlan(NamedTuple):
         full_rows: every row of ``allowed`` sees at least one key (then, without key padding, no output row
             needs zeroing).
         order: (length,) the slot of each position when queries are permuted, else None.
+        parts: the plans of the pattern's :meth:`BlockPattern.parts` (empty when it is laid out whole); the
+            fields above then describe the first part.
     """
 
     layout: BlockLayout
@@ -433,10 +449,15 @@ class BlockPlan(NamedTuple):
     allowed: Tensor
     full_rows: bool
     order: Optional[Tensor]
+    parts: Tuple["BlockPlan", ...] = ()
 
 
 def blocksparse_plan(pattern: BlockPattern, length: int, causal: bool, device: torch.device) -> BlockPlan:
     """The input-independent part of a block-sparse call (layout, gather indices, element mask)."""
+    parts = pattern.parts()
+    if parts:
+        plans = tuple(blocksparse_plan(part, length, causal, device) for part in parts)
+        return plans[0]._replace(parts=plans)
     layout = pattern.layout(length, causal, device)
     bs = layout.block_size
     table = layout.table
@@ -483,6 +504,61 @@ def _gather_queries(q: Tensor, plan: BlockPlan) -> Tensor:
     return blocks.reshape(batch * n_query_blocks, heads, bs, dim)
 
 
+def _gathered(q: Tensor, k0: Tensor, v0: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor]) -> tuple:
+    """The query blocks, gathered key and value blocks of ``plan`` (keys and values already zero-padded) and
+    the element mask, (batch * n_query_blocks, 1, block_size, S), key padding included."""
+    batch = q.shape[0]
+    n_query_blocks, bs = plan.query_positions.shape
+    width = plan.index.shape[1]
+    q_blocks = _gather_queries(q, plan)
+    k_blocks = _gather_keys(k0, plan.layout, plan.index)
+    v_blocks = _gather_keys(v0, plan.layout, plan.index)
+    if key_padding_mask is None:
+        allowed = plan.allowed.repeat(batch, 1, 1, 1) if batch > 1 else plan.allowed
+    else:
+        keep = ~F.pad(key_padding_mask, (0, 1), value=True)[:, plan.index]  # (batch, nqb, S)
+        allowed = (plan.allowed.unsqueeze(0) & keep.view(batch, n_query_blocks, 1, 1, width))
+        allowed = allowed.reshape(batch * n_query_blocks, 1, bs, width)
+    return q_blocks, k_blocks, v_blocks, allowed
+
+
+def _to_positions(x: Tensor, plan: BlockPlan, batch: int, heads: int, length: int) -> Tensor:
+    """(batch * n_query_blocks, heads, block_size, d) per query slot -> (batch, heads, length, d) by position."""
+    n_query_blocks, bs = plan.query_positions.shape
+    x = x.reshape(batch, n_query_blocks, heads, bs, x.shape[-1]).transpose(1, 2)
+    x = x.reshape(batch, heads, n_query_blocks * bs, x.shape[-1])
+    return x[:, :, :length] if plan.order is None else x.index_select(2, plan.order)
+
+
+def _merged_parts(q: Tensor, k0: Tensor, v0: Tensor, parts: Tuple[BlockPlan, ...],
+                  key_padding_mask: Optional[Tensor], scale: Optional[float]) -> Tensor:
+    """One softmax over the union of disjoint parts: each part's unnormalised sums (exp(logit - its row
+    max) against the values, and alone) by position, rescaled to a common max and divided once. A row no part
+    lets see a key is zeros. The maxima are detached: they cancel, and only keep exp() in range."""
+    batch, heads, length, dim = q.shape
+    out_dtype, dtype = q.dtype, working_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q, k0, v0 = q.to(dtype), k0.to(dtype), v0.to(dtype)
+    terms = []
+    for plan in parts:
+        q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
+        logits = (q_blocks @ k_blocks.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
+        top = logits.detach().amax(-1, keepdim=True)  # -inf on a row that sees no key of this part
+        weights = torch.exp(logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+        numerator, total = weights @ v_blocks, weights.sum(-1, keepdim=True)
+        terms.append(tuple(_to_positions(x, plan, batch, heads, length) for x in (numerator, total, top)))
+    top = torch.stack([t[2] for t in terms]).amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    numerator, total = 0.0, 0.0
+    for part_numerator, part_total, part_top in terms:
+        factor = torch.exp(part_top - top)  # 0 for a part whose row is empty
+        numerator = numerator + part_numerator * factor
+        total = total + part_total * factor
+    out = numerator / torch.where(total > 0, total, torch.ones_like(total))
+    return out.to(out_dtype)
+
+
+
 def blocksparse_attention_unchecked(
     q: Tensor,
     k: Tensor,
@@ -498,28 +574,18 @@ def blocksparse_attention_unchecked(
     batch, heads, length, _ = q.shape
     if plan is None:
         plan = blocksparse_plan(pattern, length, causal, q.device)
-    n_query_blocks, bs = plan.query_positions.shape
-    width = plan.index.shape[1]
 
     k0, v0 = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
-    q_blocks = _gather_queries(q, plan)
-    k_blocks = _gather_keys(k0, plan.layout, plan.index)
-    v_blocks = _gather_keys(v0, plan.layout, plan.index)
-
-    if key_padding_mask is None:
-        allowed = plan.allowed.repeat(batch, 1, 1, 1) if batch > 1 else plan.allowed
+    if plan.parts:
+        out = _merged_parts(q, k0, v0, plan.parts, key_padding_mask, scale)
     else:
-        keep = ~F.pad(key_padding_mask, (0, 1), value=True)[:, plan.index]  # (batch, nqb, S)
-        allowed = (plan.allowed.unsqueeze(0) & keep.view(batch, n_query_blocks, 1, 1, width))
-        allowed = allowed.reshape(batch * n_query_blocks, 1, bs, width)
-    if key_padding_mask is None and plan.full_rows:
-        # Every row sees a key (which rows do is fixed by the shapes, not by input values): plain SDPA.
-        out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
-    else:
-        out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)  # (batch * nqb, heads, bs, dim_v)
-    out = out.view(batch, n_query_blocks, heads, bs, v.shape[3]).transpose(1, 2)
-    out = out.reshape(batch, heads, n_query_blocks * bs, v.shape[3])
-    out = out[:, :, :length] if plan.order is None else out.index_select(2, plan.order)
+        q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
+        if key_padding_mask is None and plan.full_rows:
+            # Every row sees a key (which rows do is fixed by the shapes, not by input values): plain SDPA.
+            out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
+        else:
+            out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)  # (batch * nqb, heads, bs, dim_v)
+        out = _to_positions(out, plan, batch, heads, length)
 
     g = plan.layout.global_queries
     if g:

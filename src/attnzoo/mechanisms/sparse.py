@@ -181,10 +181,10 @@ class StridedAttention(BlockSparseAttention):
         summary: the fixed pattern's c, 1 <= c <= stride (ignored by the other patterns). None:
             ``max(1, stride // 16)`` (the paper's c = 8 at l = 128).
         block_size: positions per block of the blockwise core (a speed knob; the output does not depend on
-            it). None: 16 for strided (a query uses ~1/block_size of each strided block), 64 otherwise.
+            it). None: 64.
 
-    Time O(N (l + b N / l)) for strided (b the block size), O(N (l + c N / l)) for fixed, O(N^2 / l) for
-    dilated; memory alike. Self-attention only; no decoding state (the patterns reach back to the start).
+    Time O(N (l + N / l)) for strided (its window in natural order, its column grouped by residue modulo l),
+    O(N (l + c N / l)) for fixed, O(N^2 / l) for dilated; memory alike. Self-attention only; no decoding state (the patterns reach back to the start).
     """
 
     name = "strided"
@@ -226,7 +226,7 @@ class StridedAttention(BlockSparseAttention):
 
     def pattern(self) -> BlockPattern:
         if self.pattern_name == "strided":
-            return StridedPattern(self.stride, self.block_size or 16)
+            return StridedPattern(self.stride, self.block_size or 64)
         if self.pattern_name == "fixed":
             return FixedPattern(self.stride, self.summary, self.block_size or 64)
         return DilatedPattern(self.stride, self.block_size or 64)
