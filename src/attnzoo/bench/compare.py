@@ -29,7 +29,7 @@ from .results import BASELINE, CSV_COLUMNS, SCHEMA, add_ratios, summarize
 from .worker import finite
 
 PRESETS: Dict[str, Dict[str, Any]] = {
-    # About two minutes on two CPU cores with the thirteen built-in mechanisms (117 s measured).
+    # About three minutes on two CPU cores with the nineteen built-in mechanisms (162 s measured).
     "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=10.0,
                   sweep_values=[16, 32, 64, 128, 256]),
     # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
