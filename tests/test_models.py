@@ -17,6 +17,7 @@ from attnzoo import (
     LanguageModel,
     Seq2SeqTransformer,
     SequenceClassifier,
+    SequenceTagger,
 )
 from attnzoo.models import AttentionSpec, BlockConfig, DecoderLayer, EncoderLayer
 from attnzoo.state import select_batch
@@ -149,6 +150,23 @@ def test_classifier_mean_pooling_is_the_mean_of_the_encoder_output():
     sequence = tokens(1, 6)
     hidden = model.encoder(model.embedding(sequence))
     torch.testing.assert_close(model(sequence), model.head(hidden.mean(dim=1)))
+
+
+def test_tagger_gives_a_label_per_position_and_ignores_padding():
+    model = SequenceTagger(VOCAB, 5, dim=16, heads=2, depth=2).double().eval()
+    sequence = tokens(2, 8)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, 6:] = True
+    logits = model(sequence, padding_mask=mask)
+    assert logits.shape == (2, 8, 5)
+    changed = sequence.clone()
+    changed[0, 6:] = (changed[0, 6:] + 1) % VOCAB
+    torch.testing.assert_close(model(changed, padding_mask=mask)[~mask], logits[~mask], atol=1e-12, rtol=0)
+    torch.testing.assert_close(logits[0, :6], model(sequence[:1, :6])[0], atol=1e-10, rtol=1e-10)
+    # Bidirectional: the first position's label depends on the last token.
+    later = sequence.clone()
+    later[1, -1] = (later[1, -1] + 1) % VOCAB
+    assert not torch.allclose(model(later)[1, 0], model(sequence)[1, 0])
 
 
 # -- layers --------------------------------------------------------------------------------------------------

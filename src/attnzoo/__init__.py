@@ -35,6 +35,7 @@ from .models import (
     ReversibleEncoder,
     Seq2SeqTransformer,
     SequenceClassifier,
+    SequenceTagger,
 )
 
 __version__ = "0.1.0"
@@ -70,4 +71,5 @@ __all__ = [
     "ReversibleEncoder",
     "Seq2SeqTransformer",
     "SequenceClassifier",
+    "SequenceTagger",
 ]

@@ -11,6 +11,7 @@ from .transformer import (
     LanguageModel,
     Seq2SeqTransformer,
     SequenceClassifier,
+    SequenceTagger,
     TokenEmbedding,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "ReversibleEncoder",
     "Seq2SeqTransformer",
     "SequenceClassifier",
+    "SequenceTagger",
     "TokenEmbedding",
 ]

@@ -519,3 +519,52 @@ class SequenceClassifier(nn.Module):
         # A row of padding only pools to zeros instead of 0/0.
         pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
         return self.head(pooled)
+
+
+class SequenceTagger(nn.Module):
+    """Encoder-only tagger: tokens (batch, seq) -> a label's logits at every position (batch, seq, num_classes).
+
+    The encoder is bidirectional (no causal mask), so every mechanism can serve it; padded positions are
+    masked as keys and their own logits are meaningless (leave them out of the loss). Used for per-position
+    tasks such as associative recall. Arguments as for :class:`SequenceClassifier`, without pooling.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        dim: int = 128,
+        heads: int = 4,
+        depth: int = 2,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
+    ) -> None:
+        super().__init__()
+        check_positive_int("num_classes", num_classes)
+        check_bool("reversible", reversible)
+        self.vocab_size = vocab_size
+        self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout)
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
+        )
+        self.encoder = _encoder_type(reversible).from_config(config, depth)
+        self.head = nn.Linear(dim, num_classes)
+
+    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns
+        (batch, seq, num_classes)."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        check_padding_mask("padding_mask", padding_mask, tokens)
+        return self.head(self.encoder(self.embedding(tokens), key_padding_mask=padding_mask))
