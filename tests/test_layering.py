@@ -18,10 +18,11 @@ LAYERS = [
     {"feature_maps"},
     {"mechanisms"},
     {"positional", "attention"},
-    {"models"},
+    {"models", "tasks"},
     {"decoding"},
+    {"training"},
     {"bench"},
-    {"cli"},
+    {"cli", "cli_training"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 

@@ -1,4 +1,4 @@
-"""The ``attnzoo`` command line: ``attnzoo list`` and ``attnzoo compare``."""
+"""The ``attnzoo`` command line: ``attnzoo list``, ``attnzoo compare``, ``attnzoo train`` and ``attnzoo eval``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List, NoReturn, Optional, Tuple
 
+from .cli_training import add_training_commands
 from .mechanisms import available, capabilities, mechanism_options
 
 EXIT_OK = 0
@@ -271,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--quiet", action="store_true", help="no progress and no table (files are still written)")
     output.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
     compare.set_defaults(run=compare_command)
+    add_training_commands(commands)
     return parser
 
 

@@ -1,0 +1,25 @@
+"""Training on :mod:`attnzoo.tasks`: a config, the loop, evaluation and atomic checkpoints that resume exactly.
+
+    from attnzoo.training import TrainConfig, train
+    result = train(TrainConfig("listops", mechanism="performer", steps=200), output="runs/listops-performer")
+    result.test, result.baseline     # {'loss': ..., 'accuracy': ...}, {'accuracy': ...}
+"""
+
+from .checkpoint import CheckpointError, find_checkpoint
+from .config import TrainConfig
+from .loop import TrainResult, batch_indices, evaluate, evaluate_checkpoint, load_trained, train
+from .model import build_model, unsupported_reasons
+
+__all__ = [
+    "CheckpointError",
+    "TrainConfig",
+    "TrainResult",
+    "batch_indices",
+    "build_model",
+    "evaluate",
+    "evaluate_checkpoint",
+    "find_checkpoint",
+    "load_trained",
+    "train",
+    "unsupported_reasons",
+]

@@ -1,0 +1,125 @@
+"""What one training run is: the task, the model, the optimiser and the schedule, in one validated record.
+
+A :class:`TrainConfig` is written into every checkpoint (``config.json``) and is all ``attnzoo eval`` and
+``--resume`` need to rebuild the task, the model and the optimiser.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, Optional
+
+from .._validation import check_choice, check_number, check_positive_int, check_probability
+
+PRECISIONS = ("float32", "bfloat16")
+POOLINGS = ("mean", "cls")
+POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Settings of one training run.
+
+    Args:
+        task, task_options: a task of :mod:`attnzoo.tasks` and the options it is built with (its data ``seed``
+            among them; the task's own default otherwise).
+        mechanism, mechanism_options: the attention of every self-attention slot and its options. A mechanism
+            whose option must equal the sequence length (``length_option``) gets the task's length by default.
+        dim, depth, heads, ff_dim, dropout, positional, pooling: the model (pooling for classification only).
+        batch_size, steps: sequences per step and optimiser steps in all.
+        lr, warmup_steps, min_lr_ratio: AdamW's peak learning rate, reached linearly over ``warmup_steps``
+            (None: a tenth of ``steps``), then cosine decay down to ``min_lr_ratio * lr`` at the last step.
+        weight_decay: AdamW's decoupled decay, applied to matrices only (not to biases, norms or embeddings).
+        grad_clip: the largest gradient norm (0 switches clipping off).
+        precision: "float32", or "bfloat16" for autocast (mixed precision) on the CPU.
+        seed: weights, dropout and the order of the training examples.
+        eval_interval: steps between evaluations on the validation split (and checkpoints).
+        eval_batches: batches per evaluation (None: the whole split).
+    """
+
+    task: str
+    task_options: Dict[str, Any] = field(default_factory=dict)
+    mechanism: str = "softmax"
+    mechanism_options: Dict[str, Any] = field(default_factory=dict)
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    ff_dim: Optional[int] = None
+    dropout: float = 0.0
+    positional: str = "sinusoidal"
+    pooling: str = "mean"
+    batch_size: int = 32
+    steps: int = 500
+    lr: float = 1e-3
+    warmup_steps: Optional[int] = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    precision: str = "float32"
+    seed: int = 0
+    eval_interval: int = 100
+    eval_batches: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, str) or not self.task:
+            raise TypeError(f"task must be a task name, got {self.task!r}")
+        if not isinstance(self.mechanism, str) or not self.mechanism:
+            raise TypeError(f"mechanism must be a mechanism name, got {self.mechanism!r}")
+        for name in ("task_options", "mechanism_options"):
+            value = getattr(self, name)
+            if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+                raise TypeError(f"{name} must be a dict of option names to values, got {value!r}")
+        for name in ("dim", "depth", "heads", "batch_size", "steps", "eval_interval"):
+            check_positive_int(name, getattr(self, name))
+        check_number("ff_dim", self.ff_dim, integer=True, minimum=1, optional=True)
+        check_number("eval_batches", self.eval_batches, integer=True, minimum=1, optional=True)
+        check_number("warmup_steps", self.warmup_steps, integer=True, minimum=0, optional=True)
+        check_number("seed", self.seed, integer=True, minimum=0)
+        check_probability("dropout", self.dropout)
+        check_number("lr", self.lr, minimum=0.0, exclusive_minimum=True)
+        check_number("min_lr_ratio", self.min_lr_ratio, minimum=0.0, maximum=1.0)
+        check_number("weight_decay", self.weight_decay, minimum=0.0)
+        check_number("grad_clip", self.grad_clip, minimum=0.0)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_choice("positional", self.positional, POSITIONALS)
+        if self.dim % self.heads:
+            raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up steps in effect: ``warmup_steps``, or a tenth of the run."""
+        return self.steps // 10 if self.warmup_steps is None else min(self.warmup_steps, self.steps)
+
+    def learning_rate_factor(self, step: int) -> float:
+        """The learning rate of optimiser step ``step`` (0-based) as a fraction of ``lr``: linear warm-up to
+        1, then a cosine down to ``min_lr_ratio`` at the last step."""
+        warmup = self.warmup
+        if step < warmup:
+            return (step + 1) / warmup
+        decay_steps = max(self.steps - warmup - 1, 1)
+        progress = min((step - warmup) / decay_steps, 1.0)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "TrainConfig":
+        """Rebuild from :meth:`as_dict`; an unknown or missing field is an error naming it."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a training config must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown training config field(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        if "task" not in data:
+            raise ValueError("training config has no task")
+        return cls(**data)
+
+    def differences(self, other: "TrainConfig") -> Dict[str, Any]:
+        """{field: (mine, other's)} for every field whose values differ."""
+        mine, theirs = self.as_dict(), other.as_dict()
+        return {key: (mine[key], theirs[key]) for key in mine if mine[key] != theirs[key]}
+

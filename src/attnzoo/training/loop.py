@@ -1,0 +1,436 @@
+"""The training loop: AdamW with warm-up and cosine decay, periodic evaluation, atomic checkpoints, exact resume.
+
+Everything random is seeded from the config and saved with each checkpoint: the model's initial weights and
+dropout draw from torch's generator, seeded at the start and restored on resume (the caller's own generator
+state is left as it was: the run happens inside :func:`torch.random.fork_rng`); the order of the training
+examples is a pure function of ``(seed, step)`` (:func:`batch_indices`). A run interrupted and resumed
+therefore ends with exactly the parameters of one that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import tasks as task_registry
+from ..tasks import IGNORE_INDEX, Split, Task
+from .checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_state,
+    load_weights,
+    read_config,
+    save_checkpoint,
+)
+from .config import TrainConfig
+from .model import build_model
+
+LN2 = math.log(2.0)
+METRICS_CSV = "metrics.csv"
+RESULTS_JSON = "results.json"
+CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s"]
+
+
+# -- data order ----------------------------------------------------------------------------------------------
+def batch_indices(size: int, batch_size: int, step: int, seed: int) -> Tensor:
+    """Indices of the training examples of optimiser step ``step``: epoch after epoch, each a permutation of
+    the ``size`` examples drawn from ``(seed, epoch)`` alone, cut into consecutive batches (a batch may span
+    two epochs). A pure function of its arguments, so a resumed run sees the same batches."""
+    start, stop = step * batch_size, (step + 1) * batch_size
+    pieces = []
+    for epoch in range(start // size, (stop - 1) // size + 1):
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        lo, hi = max(start - epoch * size, 0), min(stop - epoch * size, size)
+        pieces.append(order[lo:hi])
+    return torch.cat(pieces)
+
+
+def _take(split: Split, index: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    mask = None if split.padding_mask is None else split.padding_mask[index]
+    return split.inputs[index], split.targets[index], mask
+
+
+# -- loss and metrics ----------------------------------------------------------------------------------------
+@dataclass
+class Tally:
+    """Sums over an evaluation: loss (nats) and counts, so that batches of any size average correctly."""
+
+    loss_sum: float = 0.0
+    scored: int = 0      # examples (classify) or scored positions (tag, lm)
+    correct: int = 0
+
+    def add(self, other: "Tally") -> None:
+        self.loss_sum += other.loss_sum
+        self.scored += other.scored
+        self.correct += other.correct
+
+    def metrics(self, task: Task) -> Dict[str, float]:
+        loss = self.loss_sum / max(self.scored, 1)
+        result = {"loss": loss, "scored": float(self.scored)}
+        if task.metric == "bits_per_byte":
+            result["bits_per_byte"] = loss / LN2
+        else:
+            result["accuracy"] = self.correct / max(self.scored, 1)
+        return result
+
+
+def loss_and_tally(kind: str, logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tally]:
+    """Mean cross-entropy over the scored targets and its :class:`Tally`.
+
+    kind "classify": logits (batch, classes), targets (batch,); "tag" and "lm": logits (batch, seq, classes),
+    targets (batch, seq) with :data:`IGNORE_INDEX` where nothing is scored."""
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    scored = targets != IGNORE_INDEX
+    count = int(scored.sum())
+    total = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    correct = int(((logits.argmax(dim=-1) == targets) & scored).sum())
+    tally = Tally(float(total.detach()), count, correct)
+    return total / max(count, 1), tally
+
+
+def _autocast(precision: str) -> contextlib.AbstractContextManager:
+    if precision == "bfloat16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, task: Task, split: str = "validation", *, batch_size: int = 64,
+    max_batches: Optional[int] = None, precision: str = "float32",
+) -> Dict[str, float]:
+    """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
+    first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards."""
+    data = task.split(split)
+    was_training = model.training
+    model.eval()
+    tally = Tally()
+    try:
+        for number, start in enumerate(range(0, len(data), batch_size)):
+            if max_batches is not None and number >= max_batches:
+                break
+            inputs, targets, mask = _take(data, torch.arange(start, min(start + batch_size, len(data))))
+            with _autocast(precision):
+                logits = model(inputs, padding_mask=mask)
+            tally.add(loss_and_tally(task.kind, logits, targets)[1])
+    finally:
+        model.train(was_training)
+    return tally.metrics(task)
+
+
+# -- interrupts ----------------------------------------------------------------------------------------------
+class _Interrupts:
+    """Ctrl-C or SIGTERM during a step is deferred to the end of that step, so the checkpoint written on the
+    way out holds a consistent optimiser and model. A second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        self.requested: Optional[str] = None
+        self._previous: Dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator["_Interrupts"]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield self
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        try:
+            yield self
+        finally:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+
+
+# -- results -------------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    """What a run reached: the metrics of its last validation and of the test split, beside the baseline."""
+
+    config: TrainConfig
+    steps: int
+    validation: Dict[str, float]
+    test: Dict[str, float]
+    baseline: Dict[str, float]
+    parameters: int
+    train_seconds: float
+    tokens_per_second: float
+    peak_memory_mib: Optional[float] = None
+    output: Optional[str] = None
+    history: List[Dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> Dict[str, Any]:
+        data = asdict(self)
+        data["config"] = self.config.as_dict()
+        return data
+
+
+class _MetricsLog:
+    """metrics.csv (and TensorBoard when it is installed). A resumed run drops the rows past its checkpoint."""
+
+    def __init__(self, output: Optional[Path], resumed_step: Optional[int]) -> None:
+        self.path = None if output is None else output / METRICS_CSV
+        self.rows: List[Dict[str, Any]] = []
+        self.board = None
+        if self.path is None:
+            return
+        kept: List[Dict[str, str]] = []
+        if resumed_step is not None and self.path.exists():
+            with open(self.path, newline="") as handle:
+                kept = [row for row in csv.DictReader(handle) if int(row["step"]) <= resumed_step]
+        with open(self.path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            writer.writerows(kept)
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
+        except Exception:  # noqa: BLE001 - any failure to import just means no TensorBoard log
+            SummaryWriter = None
+        if SummaryWriter is not None:
+            self.board = SummaryWriter(log_dir=str(output / "tensorboard"), purge_step=resumed_step)
+
+    def write(self, row: Dict[str, Any]) -> None:
+        row = {key: row.get(key, "") for key in CSV_FIELDS}
+        self.rows.append(row)
+        if self.path is not None:
+            with open(self.path, "a", newline="") as handle:
+                csv.DictWriter(handle, fieldnames=CSV_FIELDS).writerow(row)
+        if self.board is not None:
+            for key in ("loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s"):
+                if row[key] != "":
+                    self.board.add_scalar(f"{row['split']}/{key}", float(row[key]), int(row["step"]))
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+
+
+def _peak_memory_mib() -> Optional[float]:
+    """Peak resident memory of this process so far, in MiB (None where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)  # bytes on macOS, KiB elsewhere
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW that decays matrices only: biases, norm gains and embeddings keep their scale."""
+    untouched = {id(p) for module in model.modules() if isinstance(module, (nn.Embedding, nn.LayerNorm))
+                 for p in module.parameters(recurse=False)}
+    decay, keep = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (decay if parameter.dim() >= 2 and id(parameter) not in untouched else keep).append(parameter)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98), eps=1e-8)
+
+
+def _progress_bar(enabled: bool, total: int, initial: int, label: str) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=label, unit="step", dynamic_ncols=True, mininterval=0.5)
+
+
+def _saved_config(config: TrainConfig, task: Task) -> Dict[str, Any]:
+    return {"train": config.as_dict(), "task_built_with": task.options()}
+
+
+def _load_run(output: Path) -> Tuple[Path, TrainConfig]:
+    checkpoint = find_checkpoint(output)
+    saved = read_config(checkpoint)
+    try:
+        return checkpoint, TrainConfig.from_dict(saved["train"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{checkpoint}: config.json does not describe a training run ({error})") from None
+
+
+def train(
+    config: Optional[TrainConfig],
+    output: Optional[Union[str, Path]] = None,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    command: Optional[Sequence[str]] = None,
+    on_step: Optional[Callable[[int, Dict[str, float]], None]] = None,
+) -> TrainResult:
+    """Train a model on a task; returns its validation and test metrics beside the task's trivial baseline.
+
+    Args:
+        config: what to train. With ``resume=True`` it may be None (the checkpoint's config is used); if given,
+            it must equal the checkpoint's (a different run is refused, naming the fields that differ).
+        output: directory for checkpoints (``checkpoints/``), ``metrics.csv`` and ``results.json``; None keeps
+            nothing on disk.
+        resume: continue from the latest checkpoint in ``output`` (same data order, optimiser, schedule, RNG).
+        progress: a tqdm bar with loss, the metric and tokens per second.
+        command: the command line that started the run, recorded in ``results.json``.
+        on_step: called after each optimiser step with (steps done, the step's training metrics).
+
+    An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
+    written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there.
+    """
+    out = None if output is None else Path(output)
+    checkpoint: Optional[Path] = None
+    if resume:
+        if out is None:
+            raise ValueError("resume=True needs the output directory of the run to resume")
+        checkpoint, saved = _load_run(out)
+        if config is not None and config != saved:
+            differences = ", ".join(f"{key}: {theirs!r} in the checkpoint, {mine!r} given"
+                                    for key, (mine, theirs) in config.differences(saved).items())
+            raise CheckpointError(f"{checkpoint} was trained with another configuration ({differences})")
+        config = saved
+    if config is None:
+        raise ValueError("config is required unless resume=True")
+    task = task_registry.load(config.task, **config.task_options)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build_model(config, task)
+        optimizer = _optimizer(model, config)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, config.learning_rate_factor)
+        start = 0
+        history: List[Dict[str, Any]] = []
+        validation: Dict[str, float] = {}
+        if checkpoint is not None:
+            load_weights(checkpoint, model)
+            state = load_state(checkpoint)
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+                schedule.load_state_dict(state["schedule"])
+                torch.set_rng_state(state["rng"])
+                start = int(state["step"])
+                validation = dict(state.get("validation", {}))
+            except (KeyError, ValueError, RuntimeError, TypeError) as error:
+                raise CheckpointError(f"{checkpoint}: training state does not fit this run ({error})") from None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+        log = _MetricsLog(out, start if checkpoint is not None else None)
+        saved_config = _saved_config(config, task)
+
+        def save(step: int) -> None:
+            if out is not None:
+                save_checkpoint(out, step, model, saved_config, {
+                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                    "rng": torch.get_rng_state(), "validation": validation,
+                })
+
+        train_split = task.split("train")
+        bar = _progress_bar(progress, config.steps, start, f"{config.mechanism} on {task.name}")
+        began, tokens_seen, smoothed = time.perf_counter(), 0, None
+        evaluating = 0.0  # seconds spent evaluating, left out of the training throughput
+        model.train()
+        step = last_saved = start
+        interrupts = _Interrupts()
+        try:
+            with interrupts.deferred():
+                while step < config.steps:
+                    index = batch_indices(len(train_split), config.batch_size, step, config.seed)
+                    inputs, targets, mask = _take(train_split, index)
+                    with _autocast(config.precision):
+                        logits = model(inputs, padding_mask=mask)
+                    loss, tally = loss_and_tally(task.kind, logits, targets)
+                    loss.backward()
+                    if config.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+                    lr = optimizer.param_groups[0]["lr"]
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    schedule.step()
+                    step += 1
+                    tokens_seen += int(inputs.numel() if mask is None else (~mask).sum())
+                    elapsed = time.perf_counter() - began - evaluating
+                    metrics = tally.metrics(task)
+                    smoothed = metrics["loss"] if smoothed is None else 0.9 * smoothed + 0.1 * metrics["loss"]
+                    if bar is not None:
+                        shown = {"loss": f"{smoothed:.3f}", "tok/s": f"{tokens_seen / max(elapsed, 1e-9):.0f}"}
+                        if "accuracy" in metrics:
+                            shown["acc"] = f"{metrics['accuracy']:.3f}"
+                        else:
+                            shown["bpb"] = f"{metrics['bits_per_byte']:.3f}"
+                        bar.set_postfix(shown, refresh=False)
+                        bar.update(1)
+                    if step % config.eval_interval == 0 or step == config.steps:
+                        log.write({"step": step, "split": "train", "lr": lr, "elapsed_s": round(elapsed, 3),
+                                   "tokens_per_s": round(tokens_seen / max(elapsed, 1e-9), 1),
+                                   **{k: v for k, v in metrics.items() if k != "scored"}})
+                        evaluation_began = time.perf_counter()
+                        validation = evaluate(model, task, "validation", batch_size=config.batch_size,
+                                              max_batches=config.eval_batches, precision=config.precision)
+                        evaluating += time.perf_counter() - evaluation_began
+                        row = {"step": step, "split": "validation", **validation}
+                        history.append(row)
+                        log.write(row)
+                        if bar is not None:
+                            bar.write(f"step {step}: validation " + ", ".join(
+                                f"{k} {v:.4f}" for k, v in validation.items() if k != "scored"))
+                        save(step)
+                        last_saved = step
+                    if on_step is not None:
+                        on_step(step, metrics)
+                    if interrupts.requested is not None:
+                        raise KeyboardInterrupt(interrupts.requested)
+        except KeyboardInterrupt:
+            if step > last_saved and out is not None:
+                save(step)  # the step just finished is complete: the run resumes from it
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            log.close()
+
+        train_seconds = time.perf_counter() - began - evaluating
+        if not validation:  # resumed a finished run: nothing trained, evaluate once
+            validation = evaluate(model, task, "validation", batch_size=config.batch_size,
+                                  max_batches=config.eval_batches, precision=config.precision)
+        test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision)
+    result = TrainResult(
+        config=config, steps=step, validation=validation, test=test, baseline=task.baseline(),
+        parameters=sum(p.numel() for p in model.parameters()), train_seconds=round(train_seconds, 3),
+        tokens_per_second=round(tokens_seen / max(train_seconds, 1e-9), 1), peak_memory_mib=_peak_memory_mib(),
+        output=None if out is None else str(out),
+        history=history,
+    )
+    if out is not None:
+        data = {"command": list(command) if command is not None else None, **result.as_dict()}
+        (out / RESULTS_JSON).write_text(json.dumps(data, indent=2))
+    return result
+
+
+def load_trained(path: Union[str, Path]) -> Tuple[nn.Module, Task, TrainConfig]:
+    """The model of a checkpoint (a run's output directory or a checkpoint directory), its task and config."""
+    checkpoint, config = _load_run(Path(path))
+    task = task_registry.load(config.task, **config.task_options)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(config, task)
+    load_weights(checkpoint, model)
+    return model.eval(), task, config
+
+
+def evaluate_checkpoint(path: Union[str, Path], split: str = "test") -> Dict[str, Any]:
+    """Metrics of a saved model on a split, with the task's baseline and the run's config."""
+    model, task, config = load_trained(path)
+    metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision)
+    return {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
+            "baseline": task.baseline(), "config": config.as_dict()}

@@ -1,0 +1,66 @@
+"""The model a task is trained with: a classifier, a tagger or a language model around one mechanism."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
+from ..models import LanguageModel, SequenceClassifier, SequenceTagger
+from ..tasks import Task
+from .config import TrainConfig
+
+
+def model_length(config: TrainConfig, task: Task) -> int:
+    """Positions the model's attention sees: the task's length, plus the classification vector of cls pooling."""
+    return task.seq_len + int(task.kind == "classify" and config.pooling == "cls")
+
+
+def mechanism_options_for(config: TrainConfig, task: Task) -> Dict[str, Any]:
+    """The mechanism's options, with its length option (if it has one) set to the task's length unless given."""
+    options = dict(config.mechanism_options)
+    length_option = mechanism_class(config.mechanism).length_option
+    if length_option is not None and length_option not in options:
+        options[length_option] = model_length(config, task)
+    return options
+
+
+def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
+    """Why this mechanism (with these options) cannot train on this task: empty when it can.
+
+    Asks the mechanism itself (:meth:`~attnzoo.Mechanism.unsupported_reasons`) about the calls the model will
+    make: causal attention for a language-modelling task, key padding for a task that pads, its length.
+    Invalid options raise their own errors (a typo is not an unsupported task)."""
+    mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
+                                **mechanism_options_for(config, task))
+    length = model_length(config, task)
+    padding = None if task.pad_id is None else torch.zeros(1, length, dtype=torch.bool, device="meta")
+    q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads)
+    reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
+    if task.needs_causal and not mechanism.capabilities.causal:
+        reasons = [f"{task.name} is next-token prediction, which needs causal attention: " + "; ".join(reasons)]
+    return reasons
+
+
+def build_model(config: TrainConfig, task: Task) -> nn.Module:
+    """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
+    ("tag") or a :class:`LanguageModel` ("lm"), every self-attention slot using ``config.mechanism``.
+
+    Raises :class:`~attnzoo.UnsupportedOptionError` when the mechanism cannot serve the task."""
+    reasons = unsupported_reasons(config, task)
+    if reasons:
+        raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
+    common: Dict[str, Any] = dict(
+        dim=config.dim, heads=config.heads, depth=config.depth, ff_dim=config.ff_dim, dropout=config.dropout,
+        positional=config.positional, max_length=task.seq_len, self_attention=config.mechanism,
+        self_attention_options=mechanism_options_for(config, task),
+    )
+    if task.kind == "classify":
+        return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling, **common)
+    if task.kind == "tag":
+        return SequenceTagger(task.vocab_size, task.num_classes, **common)
+    if task.kind == "lm":
+        return LanguageModel(task.vocab_size, **common)
+    raise ValueError(f"task {task.name} has an unknown kind {task.kind!r}")
