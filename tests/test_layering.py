@@ -18,7 +18,8 @@ LAYERS = [
     {"feature_maps"},
     {"mechanisms"},
     {"positional", "attention"},
-    {"models", "tasks"},
+    {"tasks"},  # training data; imports only _validation (test_tasks_import_only_validation)
+    {"models"},
     {"decoding"},
     {"training"},
     {"bench"},
@@ -68,6 +69,16 @@ def test_imports_only_from_below(path):
     own = RANK[_part(path)]
     upward = sorted(part for part in _imported_parts(path, path.read_text()) if RANK.get(part, -1) > own)
     assert not upward, f"{path.relative_to(PACKAGE)} (layer {own}) reaches up to {upward}"
+
+
+def test_tasks_import_only_validation():
+    """Tasks are data: their layer would allow mechanisms and attention below it, but they need neither."""
+    paths = sorted((PACKAGE / "tasks").rglob("*.py"))
+    assert paths
+    for path in paths:
+        reached = _imported_parts(path, path.read_text()) - {"tasks", "_validation"}
+        assert not reached, f"{path.relative_to(PACKAGE)} imports {sorted(reached)}"
+    assert _imported_parts(PACKAGE / "tasks" / "base.py", "from ..mechanisms import base") == {"mechanisms"}
 
 
 def test_the_check_can_fail():

@@ -1,0 +1,142 @@
+"""Byte-level language modelling on real text: the Python standard library's own source files.
+
+The text is the ``.py`` files of the standard library that ships with the running interpreter (the directory
+``sysconfig.get_paths()["stdlib"]``), leaving out ``site-packages`` and, unless ``include_tests``, the test
+suites (directories named ``test``, ``tests`` or ``idle_test``: more than half of the files, many of them
+data and deliberately odd encodings rather than ordinary source).
+The data therefore depends on the Python version; :meth:`Bytes.describe` names the directory and version.
+
+The file list is sorted (by path relative to that directory), shuffled with the seed, and dealt out whole:
+validation takes files until it holds ``validation_bytes``, then test until ``test_bytes``, then train until
+``train_bytes``; the file that fills a split gives only its beginning and the rest of it is not used, so no
+file is in two splits. At most ``max_file_bytes`` are taken from any one file (its beginning), so that one
+large file cannot fill a small split on its own. Each split's bytes, its files concatenated in order, are cut
+into non-overlapping windows of ``seq_len + 1`` (the remainder dropped): inputs are ``window[:, :-1]``,
+targets ``window[:, 1:]``. No padding; the metric is bits per byte (cross-entropy in bits per target byte).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from .._validation import check_bool, check_number, check_positive_int
+from .base import Split, Task, register
+
+OUTSIDE_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
+"""Directories never read: installed packages are not the standard library."""
+TEST_DIRECTORIES = frozenset({"test", "tests", "idle_test"})
+"""The standard library's test suites, read only with ``include_tests=True``."""
+
+
+def stdlib_directory() -> Path:
+    """The directory of the running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def source_files(root: Path, include_tests: bool = False) -> List[str]:
+    """The ``.py`` files under ``root`` outside :data:`OUTSIDE_DIRECTORIES` (and :data:`TEST_DIRECTORIES`
+    unless ``include_tests``), as sorted posix paths relative to ``root``."""
+    skipped = OUTSIDE_DIRECTORIES if include_tests else OUTSIDE_DIRECTORIES | TEST_DIRECTORIES
+    found = []
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in skipped]
+        relative = Path(directory).relative_to(root)
+        found.extend((relative / name).as_posix() for name in files if name.endswith(".py"))
+    return sorted(found)
+
+
+def deal_files(
+    root: Path, files: List[str], budgets: Dict[str, int], max_file_bytes: int
+) -> Dict[str, Tuple[bytes, List[str]]]:
+    """Deal ``files`` (in this order) to the splits of ``budgets`` (in its order): each split takes whole
+    files, at most ``max_file_bytes`` of each, until it holds its budget. Returns split -> (its bytes, its
+    files). Raises ValueError naming the budget when the files run out."""
+    dealt: Dict[str, Tuple[bytes, List[str]]] = {}
+    queue = iter(files)
+    for split_name, budget in budgets.items():
+        chunks, taken, size = [], [], 0
+        while size < budget:
+            name = next(queue, None)
+            if name is None:
+                raise ValueError(
+                    f"the {len(files)} source files under {root} ran out before the {split_name} split "
+                    f"held {split_name}_bytes={budget} bytes: ask for fewer bytes"
+                )
+            data = (root / name).read_bytes()[: min(max_file_bytes, budget - size)]
+            if data:
+                chunks.append(data)
+                taken.append(name)
+                size += len(data)
+        dealt[split_name] = (b"".join(chunks), taken)
+    return dealt
+
+
+def windows(stream: bytes, seq_len: int) -> Split:
+    """Non-overlapping windows of ``seq_len + 1`` bytes: inputs ``window[:, :-1]``, targets ``window[:, 1:]``."""
+    count = len(stream) // (seq_len + 1)
+    array = np.frombuffer(stream, dtype=np.uint8)[: count * (seq_len + 1)].reshape(count, seq_len + 1)
+    cut = torch.from_numpy(array.astype(np.int64))
+    return Split(cut[:, :-1].contiguous(), cut[:, 1:].contiguous(), None)
+
+
+@register
+class Bytes(Task):
+    """Next-byte prediction on the Python standard library's source files, split by file."""
+
+    name = "bytes"
+    kind = "lm"
+    metric = "bits_per_byte"
+    needs_causal = True
+    summary = "next-byte prediction on the Python standard library's .py files, split by file"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        train_bytes: int = 1 << 20,
+        validation_bytes: int = 1 << 17,
+        test_bytes: int = 1 << 17,
+        seq_len: int = 256,
+        max_file_bytes: int = 1 << 16,
+        include_tests: bool = False,
+    ) -> None:
+        self.seed = self._check_seed(seed)
+        self.seq_len = check_positive_int("seq_len", seq_len)
+        # Every split must hold at least one window of seq_len + 1 bytes.
+        self.train_bytes = check_number("train_bytes", train_bytes, integer=True, minimum=self.seq_len + 1)
+        self.validation_bytes = check_number("validation_bytes", validation_bytes, integer=True,
+                                             minimum=self.seq_len + 1)
+        self.test_bytes = check_number("test_bytes", test_bytes, integer=True, minimum=self.seq_len + 1)
+        self.max_file_bytes = check_positive_int("max_file_bytes", max_file_bytes)
+        self.include_tests = check_bool("include_tests", include_tests)
+
+        self.vocab_size = 256
+        self.num_classes = 256
+        self.pad_id = None
+
+        self.root = stdlib_directory()
+        every_file = source_files(self.root, self.include_tests)
+        order = np.random.default_rng(self.seed).permutation(len(every_file))
+        dealt = deal_files(
+            self.root, [every_file[i] for i in order],
+            {"validation": self.validation_bytes, "test": self.test_bytes, "train": self.train_bytes},
+            self.max_file_bytes,
+        )
+        self.files: Dict[str, List[str]] = {name: files for name, (_, files) in dealt.items()}
+        """The files each split's bytes come from, in order, as paths relative to :attr:`root`."""
+        self._set_splits({name: windows(stream, self.seq_len) for name, (stream, _) in dealt.items()})
+
+    def _describe_extra(self) -> List[str]:
+        counts = ", ".join(f"{name} {len(self.files[name])}" for name in ("train", "validation", "test"))
+        return [
+            f"the .py files of {self.root} (Python {sys.version.split()[0]}; other versions give other data), "
+            f"{'tests included' if self.include_tests else 'tests left out'}; files per split: {counts}; at most {self.max_file_bytes} "
+            f"bytes from a file; seed {self.seed}",
+        ]

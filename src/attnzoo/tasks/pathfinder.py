@@ -1,0 +1,299 @@
+"""Pathfinder (Linsley et al. 2018), the image-as-sequence task of the Long Range Arena (Tay et al. 2021).
+
+A ``size`` x ``size`` greyscale image holds two target curves, short distractor curves and two markers; the
+label is 1 iff both markers lie on the same curve. The image is read as a sequence of ``size * size`` pixel
+values (row-major, tokens 0..255), so a model must trace a curve across distant positions of the sequence.
+
+How an image is made (all in numpy, vectorised over a batch of candidate images):
+
+* A curve is ``contour_length`` straight segments of ``segment_length`` pixel steps each, every step one of
+  the 8 compass directions (:data:`DIRECTIONS`); consecutive segments turn by -45, 0 or +45 degrees, each
+  equally likely. The first pixel and the first direction are uniform. Distractors are curves of
+  ``distractor_length`` segments drawn the same way.
+* Geometry that the label can be read from: two pixels of one curve that are not consecutive never touch
+  (8-neighbourhood), so a curve neither crosses nor touches itself; and the pixels of different strokes never
+  touch either, so that at least one background pixel lies between any two strokes. The 3 x 3 marker blob
+  around each end of both target curves is reserved whether or not it is drawn, and stays apart from the
+  curve's own pixels more than three steps from that end. Strokes are drawn one after another: the two target
+  curves, then the distractors; one that breaks a rule is drawn again (up to :data:`TRIES` times, then the
+  whole image is dropped and another made).
+* Pixels: background 0; every stroke of an image one grey level drawn uniformly from
+  :data:`STROKE_LEVELS`; the two markers, 3 x 3 blobs centred on curve ends, :data:`MARKER_VALUE` (255, no
+  stroke has it). Label 1 (half of each split, exactly, in random order): both ends of one target curve,
+  chosen at random, are marked; label 0: one end (at random) of each target curve.
+
+So the connected components (8-connectivity) of the non-zero pixels are exactly the strokes, and the label
+is whether the two markers lie in one component: ``tests/test_tasks_pathfinder.py`` recomputes every label
+that way from the pixels alone.
+
+Difficulty: ``contour_length`` (LRA's Pathfinder uses 6, 9 and 14 "paddles"); the default is 9.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .._validation import check_number, check_positive_int
+from .base import Split, Task, register
+
+DIRECTIONS = np.array([(0, 1), (-1, 1), (-1, 0), (-1, -1), (0, -1), (1, -1), (1, 0), (1, 1)], dtype=np.int64)
+"""(row, column) step of each direction, 45 degrees apart counter-clockwise: E, NE, N, NW, W, SW, S, SE.
+A turn of one index is 45 degrees."""
+NEIGHBOURHOOD = np.array([(dr, dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1)], dtype=np.int64)
+"""The 3 x 3 block of offsets around a pixel: its 8-neighbourhood and itself."""
+MARKER_VALUE = 255
+STROKE_LEVELS = (64, 224)
+"""Each image's strokes share one grey level drawn uniformly from [64, 224): never 0 and never MARKER_VALUE."""
+TRIES = 20
+"""Draws allowed per stroke before its image is dropped."""
+END_CLEARANCE = 4
+"""A curve pixel this many steps or more from an end keeps a Chebyshev distance of at least 3 from it, so it
+does not touch that end's marker blob."""
+
+
+@dataclass(frozen=True)
+class PathfinderImages:
+    """Images and the geometry they were drawn from (the geometry is for checks; the task keeps the images).
+
+    Attributes:
+        images: (n, size, size) uint8 pixels.
+        labels: (n,) int64, 1 iff both markers lie on the same curve.
+        curves: (n, 2, contour_length * segment_length + 1, 2) int64 (row, column) of each target curve's
+            pixels, in drawing order.
+        directions: (n, 2, contour_length) int64 direction index (into :data:`DIRECTIONS`) of each segment.
+        markers: (n, 2, 2) int64 (row, column) of the two marked curve ends.
+        distractors: (n, num_distractors, distractor_length * segment_length + 1, 2) int64 pixels.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    curves: np.ndarray
+    directions: np.ndarray
+    markers: np.ndarray
+    distractors: np.ndarray
+
+
+def _grow_curves(
+    rng: np.random.Generator, rows: np.ndarray, blocked: np.ndarray, size: int, segments: int,
+    segment_length: int, blobs: bool,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Grow one curve in each of the images ``rows``, segment by segment.
+
+    ``blocked`` (images, size + 2, size + 2), padded by one cell on every side, marks the cells that touch
+    strokes already drawn. Each segment turns by -45, 0 or +45 degrees from the one before (the first takes a
+    uniform direction), each turn equally likely; a segment that would leave the image, touch a blocked cell
+    or touch the curve's own pixels two or more steps back is tried again with the other turns, in random
+    order, and the curve fails when none fits. With ``blobs``, the curve also fails unless the 3 x 3 blob
+    around each end is inside the image, off the blocked cells, and apart from the curve's pixels
+    END_CLEARANCE or more steps from that end.
+
+    Returns (ok (count,) bool, pixels (count, segments * segment_length + 1, 2), directions (count, segments));
+    the rows of failed curves are meaningless.
+    """
+    count = rows.size
+    points = segments * segment_length + 1
+    pixels = np.zeros((count, points, 2), dtype=np.int64)
+    directions = np.zeros((count, segments), dtype=np.int64)
+    # own[i, r + 1, c + 1]: the lowest index of curve i's pixels whose 3 x 3 block covers (r, c), so that pixel
+    # j touches an earlier pixel two or more steps back iff own[pixel j] <= j - 2.
+    never = np.iinfo(np.int16).max
+    own = np.full((count, size + 2, size + 2), never, dtype=np.int16)
+    everyone = np.arange(count)
+
+    def free(where: np.ndarray, cells: np.ndarray) -> np.ndarray:
+        """Which rows ``where`` have all of their (k, n, 2) ``cells`` inside the image and off blocked cells."""
+        inside = ((cells >= 0) & (cells < size)).all(axis=(1, 2))
+        padded = np.clip(cells, -1, size) + 1
+        return inside & ~blocked[rows[where][:, None], padded[..., 0], padded[..., 1]].any(axis=1)
+
+    def stamp(where: np.ndarray, pixel: np.ndarray, index: int) -> None:
+        around = pixel[:, None, :] + NEIGHBOURHOOD + 1  # (k, 9, 2) padded coordinates
+        view = own[where[:, None], around[..., 0], around[..., 1]]
+        own[where[:, None], around[..., 0], around[..., 1]] = np.minimum(view, index)
+
+    start = rng.integers(0, size, (count, 2))
+    ok = free(everyone, (start[:, None, :] + NEIGHBOURHOOD) if blobs else start[:, None, :])
+    pixels[:, 0] = start
+    stamp(everyone, start, 0)
+    heading = rng.integers(0, 8, count)  # the first segment's direction is this, turned like any other
+    for segment in range(segments):
+        # Each curve's three turns in random order: the first one tried is uniform (and the first segment's
+        # direction, a uniform heading turned so, uniform over all eight).
+        order = rng.permuted(np.tile(np.array([-1, 0, 1]), (count, 1)), axis=1)
+        waiting = np.flatnonzero(ok)
+        ok[:] = False
+        last = segment * segment_length  # index of the last pixel drawn
+        for attempt in range(3):
+            if waiting.size == 0:
+                break
+            direction = (heading[waiting] + order[waiting, attempt]) % 8
+            steps = np.arange(1, segment_length + 1)
+            cells = pixels[waiting, last][:, None, :] + DIRECTIONS[direction][:, None, :] * steps[:, None]
+            fits = free(waiting, cells)
+            indices = last + steps  # (segment_length,) pixel indices
+            padded = np.clip(cells, -1, size) + 1
+            fits &= (own[waiting[:, None], padded[..., 0], padded[..., 1]] >= indices - 1).all(axis=1)
+            done = waiting[fits]
+            for step in range(segment_length):
+                stamp(done, cells[fits, step], last + step + 1)
+            pixels[done, last + 1 : last + 1 + segment_length] = cells[fits]
+            directions[done, segment] = direction[fits]
+            heading[done] = direction[fits]
+            ok[done] = True
+            waiting = waiting[~fits]
+    if blobs:
+        end = pixels[:, -1]
+        ok &= free(everyone, end[:, None, :] + NEIGHBOURHOOD)
+        for tip, others in ((pixels[:, :1], pixels[:, END_CLEARANCE:]), (pixels[:, -1:], pixels[:, : points - END_CLEARANCE])):
+            ok &= (np.abs(others - tip).max(axis=-1) >= 3).all(axis=1)
+    return ok, pixels, directions
+
+
+def _footprint(pixels: np.ndarray) -> np.ndarray:
+    """A target curve's pixels and the 3 x 3 blobs around both its ends: (count, P + 18, 2)."""
+    ends = np.concatenate([pixels[:, :1] + NEIGHBOURHOOD, pixels[:, -1:] + NEIGHBOURHOOD], axis=1)
+    return np.concatenate([pixels, ends], axis=1)
+
+
+def _block(blocked: np.ndarray, rows: np.ndarray, cells: np.ndarray) -> None:
+    """Mark every cell touching ``cells`` (count, k, 2) of images ``rows`` as blocked (padded coordinates)."""
+    around = cells[:, :, None, :] + NEIGHBOURHOOD + 1  # (count, k, 9, 2)
+    blocked[rows[:, None, None], around[..., 0], around[..., 1]] = True
+
+
+def _place_strokes(
+    rng: np.random.Generator, count: int, size: int, contour_length: int, segment_length: int,
+    num_distractors: int, distractor_length: int,
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Try to draw the strokes of ``count`` images: the two target curves, then the distractors, each drawn
+    again (up to TRIES times) where it fails. Returns (kept: (count,) bool, curves, directions, distractors)
+    with the arrays of :class:`PathfinderImages` (rows of images not kept are meaningless)."""
+    blocked = np.zeros((count, size + 2, size + 2), dtype=bool)
+    kept = np.ones(count, dtype=bool)
+    curves = np.zeros((count, 2, contour_length * segment_length + 1, 2), dtype=np.int64)
+    directions = np.zeros((count, 2, contour_length), dtype=np.int64)
+    distractors = np.zeros((count, num_distractors, distractor_length * segment_length + 1, 2), dtype=np.int64)
+    strokes = [(True, i) for i in range(2)] + [(False, i) for i in range(num_distractors)]
+    for is_curve, index in strokes:
+        segments = contour_length if is_curve else distractor_length
+        waiting = np.flatnonzero(kept)
+        for _ in range(TRIES):
+            if waiting.size == 0:
+                break
+            ok, pixels, turns = _grow_curves(rng, waiting, blocked, size, segments, segment_length, is_curve)
+            done = waiting[ok]
+            _block(blocked, done, _footprint(pixels[ok]) if is_curve else pixels[ok])
+            if is_curve:
+                curves[done, index] = pixels[ok]
+                directions[done, index] = turns[ok]
+            else:
+                distractors[done, index] = pixels[ok]
+            waiting = waiting[~ok]
+        kept[waiting] = False
+    return kept, curves, directions, distractors
+
+
+def generate_pathfinder(
+    count: int, *, size: int, contour_length: int, segment_length: int, num_distractors: int,
+    distractor_length: int, rng: np.random.Generator,
+) -> PathfinderImages:
+    """``count`` Pathfinder images with balanced labels (``count // 2`` ones), drawn from ``rng``."""
+    parts: List[Tuple[np.ndarray, ...]] = []
+    made = 0
+    batch = count + 16
+    while made < count:
+        kept, curves, directions, distractors = _place_strokes(
+            rng, batch, size, contour_length, segment_length, num_distractors, distractor_length)
+        if not kept.any() and batch >= 1024:
+            raise ValueError(
+                f"pathfinder could not fit two curves of contour_length={contour_length} segments of "
+                f"segment_length={segment_length} and num_distractors={num_distractors} distractors of "
+                f"distractor_length={distractor_length} into size={size} images: make them shorter or fewer"
+            )
+        taken = np.flatnonzero(kept)[: count - made]
+        parts.append((curves[taken], directions[taken], distractors[taken]))
+        made += taken.size
+        # Size the next batch by the share kept so far, generously, so that it rarely takes a third.
+        batch = int(min(1 << 16, max(1024, 2 * (count - made) * batch / max(kept.sum(), 1)))) if made < count else 0
+    curves, directions, distractors = (np.concatenate(arrays) for arrays in zip(*parts))
+
+    labels = rng.permutation(np.arange(count) % 2).astype(np.int64)
+    # Label 1: both ends of a target curve picked at random; label 0: one end, at random, of each curve.
+    chosen = rng.integers(0, 2, count)
+    ends = rng.integers(0, 2, (count, 2))
+    rows = np.arange(count)
+    first_curve = np.where(labels == 1, chosen, 0)
+    second_curve = np.where(labels == 1, chosen, 1)
+    first_end = np.where(labels == 1, 0, ends[:, 0]) * -1  # index 0 (start) or -1 (end)
+    second_end = np.where(labels == 1, -1, ends[:, 1] * -1)
+    markers = np.stack([curves[rows, first_curve, first_end], curves[rows, second_curve, second_end]], axis=1)
+
+    images = np.zeros((count, size, size), dtype=np.uint8)
+    level = rng.integers(*STROKE_LEVELS, count).astype(np.uint8)
+    strokes = np.concatenate([curves.reshape(count, -1, 2), distractors.reshape(count, -1, 2)], axis=1)
+    images[rows[:, None], strokes[..., 0], strokes[..., 1]] = level[:, None]
+    blobs = (markers[:, :, None, :] + NEIGHBOURHOOD).reshape(count, -1, 2)
+    images[rows[:, None], blobs[..., 0], blobs[..., 1]] = MARKER_VALUE
+    return PathfinderImages(images, labels, curves, directions, markers, distractors)
+
+
+@register
+class Pathfinder(Task):
+    """Pathfinder: are the two markers on the same curve? Pixels as a sequence (Long Range Arena)."""
+
+    name = "pathfinder"
+    kind = "classify"
+    metric = "accuracy"
+    needs_causal = False
+    summary = "are two markers on one curve? size x size greyscale pixels read row by row, as in the Long Range Arena"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        train_size: int = 8000,
+        validation_size: int = 1000,
+        test_size: int = 1000,
+        size: int = 32,
+        contour_length: int = 9,
+        segment_length: int = 3,
+        num_distractors: int = 6,
+        distractor_length: int = 2,
+    ) -> None:
+        self.seed = self._check_seed(seed)
+        self.train_size = check_positive_int("train_size", train_size)
+        self.validation_size = check_positive_int("validation_size", validation_size)
+        self.test_size = check_positive_int("test_size", test_size)
+        self.size = check_number("size", size, integer=True, minimum=8)
+        self.contour_length = check_positive_int("contour_length", contour_length)
+        self.segment_length = check_positive_int("segment_length", segment_length)
+        self.num_distractors = check_number("num_distractors", num_distractors, integer=True, minimum=0)
+        self.distractor_length = check_positive_int("distractor_length", distractor_length)
+
+        self.vocab_size = 256
+        self.seq_len = self.size * self.size
+        self.num_classes = 2
+        self.pad_id: Optional[int] = None
+
+        rng = np.random.default_rng(self.seed)
+        splits: Dict[str, Split] = {}
+        for split_name, count in (("train", self.train_size), ("validation", self.validation_size),
+                                  ("test", self.test_size)):
+            made = generate_pathfinder(
+                count, size=self.size, contour_length=self.contour_length, segment_length=self.segment_length,
+                num_distractors=self.num_distractors, distractor_length=self.distractor_length, rng=rng,
+            )
+            inputs = torch.from_numpy(made.images.reshape(count, -1).astype(np.int64))
+            splits[split_name] = Split(inputs, torch.from_numpy(made.labels), None)
+        self._set_splits(splits)
+
+    def _describe_extra(self) -> List[str]:
+        return [
+            f"{self.size} x {self.size} images, rows read in order; two curves of {self.contour_length} segments "
+            f"x {self.segment_length} pixels, {self.num_distractors} distractors of {self.distractor_length} "
+            f"segments; markers {MARKER_VALUE}, strokes {STROKE_LEVELS[0]}..{STROKE_LEVELS[1] - 1}; seed {self.seed}",
+        ]

@@ -1,0 +1,93 @@
+"""Multi-query associative recall: look up the values of keys stored earlier in the sequence.
+
+Each sequence is ``num_pairs`` key-value pairs ``k1 v1 k2 v2 ...`` (keys distinct within a sequence, drawn
+uniformly without replacement from ``num_keys`` keys; values drawn uniformly, with replacement, from
+``num_values`` values) followed by ``num_queries`` query keys: distinct keys of the pairs, in random order.
+The inputs hold no answers, so a bidirectional encoder can be trained on them; the target at each query
+position is the index (0..num_values-1) of the value paired with that key, and :data:`IGNORE_INDEX` at every
+other position. Every sequence has the same length, ``2 * num_pairs + num_queries``; nothing is padded.
+
+Token ids: keys ``0..num_keys-1``, values ``num_keys..num_keys+num_values-1`` (value index i is token
+``num_keys + i``); ``vocab_size = num_keys + num_values``, ``num_classes = num_values``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .._validation import check_number, check_positive_int
+from .base import IGNORE_INDEX, Split, Task, register
+
+
+def generate_recall(
+    count: int, *, num_pairs: int, num_queries: int, num_keys: int, num_values: int, rng: np.random.Generator
+) -> Split:
+    """``count`` recall sequences drawn from ``rng`` (see the module docstring)."""
+    # The first num_pairs of a random permutation of the keys: distinct keys, uniformly.
+    keys = rng.random((count, num_keys)).argsort(axis=1)[:, :num_pairs]
+    values = rng.integers(0, num_values, (count, num_pairs))
+    # Which pairs are asked about, and in what order: the first num_queries of a permutation of the pairs.
+    asked = rng.random((count, num_pairs)).argsort(axis=1)[:, :num_queries]
+    rows = np.arange(count)[:, None]
+    pairs = np.stack([keys, num_keys + values], axis=2).reshape(count, 2 * num_pairs)
+    inputs = np.concatenate([pairs, keys[rows, asked]], axis=1)
+    targets = np.full(inputs.shape, IGNORE_INDEX, dtype=np.int64)
+    targets[:, 2 * num_pairs :] = values[rows, asked]
+    return Split(torch.from_numpy(inputs.astype(np.int64)), torch.from_numpy(targets), None)
+
+
+@register
+class Recall(Task):
+    """Associative recall: the value stored with each query key (a label per query position)."""
+
+    name = "recall"
+    kind = "tag"
+    metric = "accuracy"
+    needs_causal = False
+    summary = "multi-query associative recall: the value stored with each queried key"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        train_size: int = 10000,
+        validation_size: int = 1000,
+        test_size: int = 1000,
+        num_pairs: int = 16,
+        num_queries: Optional[int] = None,
+        num_keys: int = 64,
+        num_values: int = 64,
+    ) -> None:
+        self.seed = self._check_seed(seed)
+        self.train_size = check_positive_int("train_size", train_size)
+        self.validation_size = check_positive_int("validation_size", validation_size)
+        self.test_size = check_positive_int("test_size", test_size)
+        self.num_pairs = check_positive_int("num_pairs", num_pairs)
+        # None asks about every pair; the resolved count is kept, so options() rebuilds the same data.
+        queries = check_number("num_queries", num_queries, integer=True, minimum=1, maximum=self.num_pairs,
+                               optional=True)
+        self.num_queries = self.num_pairs if queries is None else queries
+        self.num_keys = check_number("num_keys", num_keys, integer=True, minimum=self.num_pairs)
+        self.num_values = check_number("num_values", num_values, integer=True, minimum=2)
+
+        self.vocab_size = self.num_keys + self.num_values
+        self.seq_len = 2 * self.num_pairs + self.num_queries
+        self.num_classes = self.num_values
+        self.pad_id = None
+
+        rng = np.random.default_rng(self.seed)
+        splits: Dict[str, Split] = {}
+        for split_name, count in (("train", self.train_size), ("validation", self.validation_size),
+                                  ("test", self.test_size)):
+            splits[split_name] = generate_recall(count, num_pairs=self.num_pairs, num_queries=self.num_queries,
+                                                 num_keys=self.num_keys, num_values=self.num_values, rng=rng)
+        self._set_splits(splits)
+
+    def _describe_extra(self) -> List[str]:
+        return [
+            f"{self.num_pairs} key-value pairs then {self.num_queries} queries; keys are tokens "
+            f"0..{self.num_keys - 1}, values {self.num_keys}..{self.vocab_size - 1}; seed {self.seed}",
+        ]

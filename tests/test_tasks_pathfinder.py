@@ -1,0 +1,130 @@
+"""Pathfinder: every label recomputed from the pixels alone by a connected-components labelling written here
+(plain Python breadth-first search, 8-connectivity), the strokes kept apart, the markers two 3 x 3 blobs,
+balanced labels, and curves that turn by at most 45 degrees per segment and never touch themselves."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from attnzoo import tasks
+from attnzoo.tasks.pathfinder import DIRECTIONS, generate_pathfinder
+
+MARKER = 255  # the documented marker value; strokes are never 255
+
+
+def components(image):
+    """Component id of every non-zero pixel (8-connectivity) as a dict (row, col) -> id, and the count."""
+    size = len(image)
+    component = {}
+    count = 0
+    for r0 in range(size):
+        for c0 in range(size):
+            if image[r0][c0] == 0 or (r0, c0) in component:
+                continue
+            component[(r0, c0)] = count
+            queue = deque([(r0, c0)])
+            while queue:
+                r, c = queue.popleft()
+                for dr in (-1, 0, 1):
+                    for dc in (-1, 0, 1):
+                        rr, cc = r + dr, c + dc
+                        if 0 <= rr < size and 0 <= cc < size and image[rr][cc] and (rr, cc) not in component:
+                            component[(rr, cc)] = count
+                            queue.append((rr, cc))
+            count += 1
+    return component, count
+
+
+def label_from_pixels(image):
+    """1 iff every marker pixel lies in one connected component of the non-zero pixels."""
+    component, _ = components(image)
+    marked = {component[(r, c)] for r, row in enumerate(image) for c, v in enumerate(row) if v == MARKER}
+    assert marked, "no marker pixels"
+    return int(len(marked) == 1)
+
+
+def test_the_labelling_on_hand_made_images():
+    image = [[0] * 6 for _ in range(6)]
+    image[0][0] = image[5][5] = MARKER
+    assert label_from_pixels(image) == 0
+    for i in range(1, 5):
+        image[i][i] = 100  # a diagonal joins them (8-connectivity)
+    assert label_from_pixels(image) == 1
+    image[3][3] = 0
+    assert label_from_pixels(image) == 0
+    assert components(image)[1] == 2
+
+
+@pytest.fixture(scope="module")
+def task():
+    return tasks.load("pathfinder", train_size=30, validation_size=10, test_size=11, size=20, contour_length=5,
+                      segment_length=2, num_distractors=3, distractor_length=2, seed=2)
+
+
+def test_every_label_from_the_pixels_alone(task):
+    for split_name in tasks.SPLITS:
+        split = task.split(split_name)
+        for pixels, label in zip(split.inputs.tolist(), split.targets.tolist()):
+            image = [pixels[row * task.size : (row + 1) * task.size] for row in range(task.size)]
+            assert label_from_pixels(image) == label
+
+
+def test_strokes_never_touch_and_markers_are_two_blobs(task):
+    for split_name in tasks.SPLITS:
+        split = task.split(split_name)
+        for pixels in split.inputs.tolist():
+            image = [pixels[row * task.size : (row + 1) * task.size] for row in range(task.size)]
+            # Two target curves and the distractors, each its own component: no two strokes touch.
+            assert components(image)[1] == 2 + task.num_distractors
+            markers = [[v if v == MARKER else 0 for v in row] for row in image]
+            blobs, count = components(markers)
+            assert count == 2 and sorted(list(blobs.values()).count(i) for i in range(2)) == [9, 9]
+            levels = {v for row in image for v in row} - {0, MARKER}
+            assert len(levels) == 1 and 64 <= levels.pop() < 224
+
+
+def test_labels_are_balanced(task):
+    for split_name in tasks.SPLITS:
+        targets = task.split(split_name).targets
+        assert int(targets.sum()) == len(targets) // 2
+    assert task.baseline()["accuracy"] == pytest.approx(6 / 11)
+    assert task.seq_len == 400 and task.pad_id is None and task.vocab_size == 256
+
+
+@pytest.mark.parametrize("contour_length, segment_length", [(7, 2), (16, 1)])
+def test_curves_turn_at_most_45_degrees_and_never_touch_themselves(contour_length, segment_length):
+    """Checked on the geometry the generator returns; one-pixel segments make tight curves, which would touch
+    themselves and their markers often if nothing prevented it."""
+    made = generate_pathfinder(40, size=24, contour_length=contour_length, segment_length=segment_length,
+                               num_distractors=4, distractor_length=2, rng=np.random.default_rng(5))
+    turns = (np.diff(made.directions, axis=-1) + 1) % 8  # 0, 1, 2 for -45, 0, +45 degrees
+    assert (turns <= 2).all()
+    assert set(turns.ravel().tolist()) == {0, 1, 2}
+    steps = np.diff(made.curves, axis=2)  # (n, 2, P - 1, 2)
+    assert np.array_equal(steps, DIRECTIONS[np.repeat(made.directions, segment_length, axis=-1)])
+    for n in range(40):
+        for curve in made.curves[n]:
+            for i in range(len(curve)):
+                for j in range(i + 2, len(curve)):
+                    assert np.abs(curve[i] - curve[j]).max() >= 2, (n, i, j)  # no touching, so no crossing
+            # Pixels four or more steps from an end stay off that end's marker blob.
+            for tip, others in ((curve[0], curve[4:]), (curve[-1], curve[:-4])):
+                assert (np.abs(others - tip).max(axis=1) >= 3).all(), n
+            assert (made.images[n][curve[:, 0], curve[:, 1]] > 0).all()
+        # The markers are curve ends: of one curve (label 1) or of the two (label 0).
+        ends = [{tuple(curve[0]), tuple(curve[-1])} for curve in made.curves[n]]
+        marked = {tuple(m) for m in made.markers[n]}
+        assert (marked in ends) == bool(made.labels[n])
+        assert made.images[n][made.markers[n][:, 0], made.markers[n][:, 1]].tolist() == [MARKER, MARKER]
+
+
+def test_impossible_geometry_is_refused_naming_the_options():
+    with pytest.raises(ValueError, match="contour_length=30.*size=8"):
+        tasks.load("pathfinder", size=8, contour_length=30, train_size=4, validation_size=2, test_size=2)
+    with pytest.raises(ValueError, match="^size must be an integer >= 8"):
+        tasks.load("pathfinder", size=7)
+    with pytest.raises(ValueError, match="^num_distractors must be an integer >= 0"):
+        tasks.load("pathfinder", num_distractors=-1)
