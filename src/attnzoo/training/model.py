@@ -33,8 +33,11 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     Asks the mechanism itself (:meth:`~attnzoo.Mechanism.unsupported_reasons`) about the calls the model will
     make: causal attention for a language-modelling task, key padding for a task that pads, its length.
     Invalid options raise their own errors (a typo is not an unsupported task)."""
-    mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
-                                **mechanism_options_for(config, task))
+    try:
+        mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
+                                    **mechanism_options_for(config, task))
+    except UnsupportedOptionError as error:  # valid options that cannot serve this length (rank > length)
+        return [str(error)]
     length = model_length(config, task)
     padding = None if task.pad_id is None else torch.zeros(1, length, dtype=torch.bool, device="meta")
     q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads)
