@@ -283,7 +283,7 @@ def test_train_then_eval_then_resume_from_the_command_line(capsys, tmp_path):
 
 
 def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, tmp_path):
-    argv = ["lra", "--tasks", "listops", "--mechanisms", "softmax,linformer", "--steps", "2", "--output",
+    argv = ["lra", "--tasks", "listops", "--mechanisms", "softmax,linformer,linear", "--steps", "2", "--jobs", "2", "--output",
             str(tmp_path), "--quiet"]
     # Small task settings come through the budget; the test shrinks it for speed.
     from attnzoo.bench import lra

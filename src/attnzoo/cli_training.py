@@ -233,7 +233,7 @@ def lra_command(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides["steps"] = args.steps
     config = LraConfig(budget=args.budget, mechanisms=args.mechanisms, tasks=args.tasks, threads=args.threads,
-                       cell_timeout_s=args.cell_timeout, overrides=overrides)
+                       jobs=args.jobs, cell_timeout_s=args.cell_timeout, overrides=overrides)
     output = Path(args.output)
     try:
         config.validate()
@@ -324,7 +324,9 @@ def add_training_commands(commands: Any) -> None:
     lra.add_argument("--mechanisms", type=_names, metavar="A,B,...", help="mechanisms (default: every one)")
     lra.add_argument("--tasks", type=_names, metavar="A,B,...", help="tasks (default: every one)")
     lra.add_argument("--steps", type=int, help="override the budget's steps for every cell (for a quick check)")
-    lra.add_argument("--threads", type=int, help="torch threads per cell")
+    lra.add_argument("--jobs", type=int, default=1, help="cells trained at once, each in its own process "
+                                                          "(default 1; e.g. the number of cores)")
+    lra.add_argument("--threads", type=int, help="torch threads per cell (default: torch's choice; 1 with --jobs > 1)")
     lra.add_argument("--cell-timeout", type=float, metavar="SECONDS",
                      help="wall-clock limit per cell (quick: 600, full: 7200); a slower cell is reported as too slow")
     lra.add_argument("--output", default="lra-results", metavar="DIR", help="default lra-results/")

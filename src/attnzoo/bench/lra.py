@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -57,6 +58,7 @@ class LraConfig:
     mechanisms: Optional[List[str]] = None
     tasks: Optional[List[str]] = None
     threads: Optional[int] = None
+    jobs: int = 1
     cell_timeout_s: Optional[float] = None
     overrides: Dict[str, Any] = field(default_factory=dict)   # settings applied to every cell (e.g. steps)
 
@@ -68,6 +70,11 @@ class LraConfig:
             unknown = [name for name in chosen or [] if name not in valid]
             if unknown:
                 raise ValueError(f"{label}: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
+            raise ValueError(f"--jobs must be an integer >= 1, got {self.jobs!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
         if self.cell_timeout_s is not None and not (self.cell_timeout_s > 0 and math.isfinite(self.cell_timeout_s)):
             raise ValueError(f"--cell-timeout must be a positive number of seconds, got {self.cell_timeout_s!r}")
         for task in self.task_names:
@@ -159,18 +166,17 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
     tasks, mechanisms = config.task_names, config.mechanism_names
     if set_total is not None:
         set_total(len(tasks) * len(mechanisms))
-    cells: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    cells: Dict[str, Dict[str, Dict[str, Any]]] = {task: {} for task in tasks}
     baselines: Dict[str, Dict[str, float]] = {}
     metrics: Dict[str, str] = {}
+    pending = []
     for task_name in tasks:
-        softmax_config = config.train_config(task_name, "softmax")
-        task = load_task(task_name, **softmax_config.task_options)
+        task = load_task(task_name, **config.train_config(task_name, "softmax").task_options)
         baselines[task_name], metrics[task_name] = task.baseline(), task.metric
         for mechanism in mechanisms:
-            cell_dir = output / "cells" / task_name / mechanism
-            saved = cell_dir / CELL_JSON
-            if saved.exists():
-                row = json.loads(saved.read_text())
+            saved = output / "cells" / task_name / mechanism / CELL_JSON
+            if saved.exists():  # finished before: kept as it is
+                cells[task_name][mechanism] = json.loads(saved.read_text())
             else:
                 train_config = config.train_config(task_name, mechanism)
                 try:
@@ -178,18 +184,36 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
                 except Exception as error:  # noqa: BLE001 - a mechanism that cannot even be built is a row
                     reasons = [f"cannot be built: {type(error).__name__}: {error}"]
                 if reasons:
-                    row = {"status": "unsupported", "reason": "; ".join(reasons)}
+                    _finish(cells, saved, task_name, mechanism, {"status": "unsupported", "reason": "; ".join(reasons)})
                 else:
-                    row = run_cell(train_config, cell_dir, timeout, config.threads)
-                if row["status"] in ("ok", "unsupported"):  # failures and timeouts are tried again next time
-                    cell_dir.mkdir(parents=True, exist_ok=True)
-                    saved.write_text(json.dumps(row, indent=2))
-            cells.setdefault(task_name, {})[mechanism] = row
+                    pending.append((task_name, mechanism, train_config, saved.parent))
+                    continue
             if progress is not None:
-                progress(f"{task_name} / {mechanism}: {row['status']}")
+                progress(f"{task_name} / {mechanism}: {cells[task_name][mechanism]['status']}")
+    # Cells run `jobs` at a time, each in its own process with `threads` torch threads (1 by default when
+    # several run together: small models gain more from a core each than from two threads sharing both).
+    threads = config.threads or (1 if config.jobs > 1 else None)
+    with ThreadPoolExecutor(max_workers=config.jobs) as pool:
+        futures = {pool.submit(run_cell, train_config, cell_dir, timeout, threads): (task_name, mechanism, cell_dir)
+                   for task_name, mechanism, train_config, cell_dir in pending}
+        for future in as_completed(futures):
+            task_name, mechanism, cell_dir = futures[future]
+            _finish(cells, cell_dir / CELL_JSON, task_name, mechanism, future.result())
+            if progress is not None:
+                progress(f"{task_name} / {mechanism}: {cells[task_name][mechanism]['status']}")
+    cells = {task: {m: cells[task][m] for m in mechanisms} for task in tasks}  # in the order asked for
     data = collect(config, tasks, mechanisms, cells, baselines, metrics, argv)
     write_lra(data, output)
     return data
+
+
+def _finish(cells: Dict[str, Dict[str, Dict[str, Any]]], saved: Path, task: str, mechanism: str,
+            row: Dict[str, Any]) -> None:
+    """Record a cell's row; finished and unsupported rows are kept on disk (failures are tried again next run)."""
+    cells[task][mechanism] = row
+    if row["status"] in ("ok", "unsupported"):
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(row, indent=2))
 
 
 def _score(row: Dict[str, Any], metric: str) -> Optional[float]:
