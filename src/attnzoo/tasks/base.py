@@ -27,7 +27,7 @@ from torch import Tensor
 from .._validation import check_number
 
 IGNORE_INDEX = -100
-"""Target value that no loss or metric counts (the default ``ignore_index`` of ``torch.nn.functional.cross_entropy``)."""
+"""Target value that no loss or metric counts (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
 
 SPLITS = ("train", "validation", "test")
 KINDS = {"classify": "accuracy", "tag": "accuracy", "lm": "bits_per_byte"}

@@ -135,8 +135,8 @@ class Bytes(Task):
 
     def _describe_extra(self) -> List[str]:
         counts = ", ".join(f"{name} {len(self.files[name])}" for name in ("train", "validation", "test"))
+        tests = "tests included" if self.include_tests else "tests left out"
         return [
             f"the .py files of {self.root} (Python {sys.version.split()[0]}; other versions give other data), "
-            f"{'tests included' if self.include_tests else 'tests left out'}; files per split: {counts}; at most {self.max_file_bytes} "
-            f"bytes from a file; seed {self.seed}",
+            f"{tests}; files per split: {counts}; at most {self.max_file_bytes} bytes from a file; seed {self.seed}",
         ]

@@ -14,9 +14,12 @@ How an image is made (all in numpy, vectorised over a batch of candidate images)
   (8-neighbourhood), so a curve neither crosses nor touches itself; and the pixels of different strokes never
   touch either, so that at least one background pixel lies between any two strokes. The 3 x 3 marker blob
   around each end of both target curves is reserved whether or not it is drawn, and stays apart from the
-  curve's own pixels more than three steps from that end. Strokes are drawn one after another: the two target
-  curves, then the distractors; one that breaks a rule is drawn again (up to :data:`TRIES` times, then the
-  whole image is dropped and another made).
+  curve's own pixels END_CLEARANCE or more steps from that end.
+* Strokes are drawn one after another, the two target curves first, then the distractors, each segment by
+  segment: a segment that would leave the image or break a rule above is tried with the other two turns, in
+  random order (so curves bend away from obstacles); a stroke with no way on
+  is drawn again from a new start (up to :data:`TRIES` times, then the whole image is dropped and another
+  made).
 * Pixels: background 0; every stroke of an image one grey level drawn uniformly from
   :data:`STROKE_LEVELS`; the two markers, 3 x 3 blobs centred on curve ends, :data:`MARKER_VALUE` (255, no
   stroke has it). Label 1 (half of each split, exactly, in random order): both ends of one target curve,
@@ -148,7 +151,8 @@ def _grow_curves(
     if blobs:
         end = pixels[:, -1]
         ok &= free(everyone, end[:, None, :] + NEIGHBOURHOOD)
-        for tip, others in ((pixels[:, :1], pixels[:, END_CLEARANCE:]), (pixels[:, -1:], pixels[:, : points - END_CLEARANCE])):
+        clearance = ((pixels[:, :1], pixels[:, END_CLEARANCE:]), (pixels[:, -1:], pixels[:, : points - END_CLEARANCE]))
+        for tip, others in clearance:
             ok &= (np.abs(others - tip).max(axis=-1) >= 3).all(axis=1)
     return ok, pixels, directions
 
