@@ -182,11 +182,17 @@ def longformer_attention_unchecked(
     width = plan.index.shape[1]
     count = 0 if globals_ is None else globals_.count
 
+    k_global = v_global = None
+    if count:
+        index = globals_.positions.view(-1, 1, count, 1)
+        k_global = k0.gather(2, index.expand(batch, heads, count, k0.shape[3]))  # (batch, heads, count, dim)
+        v_global = v0.gather(2, index.expand(batch, heads, count, dim_v))
     q_blocks = _gather_queries(q, plan)  # (batch * nqb, heads, bs, dim)
-    k_blocks = _gather_keys(k0, plan.layout, plan.index)  # (batch * nqb, heads, width, dim)
-    v_blocks = _gather_keys(v0, plan.layout, plan.index)
+    # Each block's window keys, then the global keys: (batch * nqb, heads, width + count, dim).
+    k_blocks = _gather_keys(k0, plan.layout, plan.index, k_global)
+    v_blocks = _gather_keys(v0, plan.layout, plan.index, v_global)
 
-    # The window's keys, less padding and less the global keys (which join below, once per query).
+    # The window's keys, less padding and less the global keys (which come once, after the window's).
     excluded = key_padding_mask
     if count:
         excluded = globals_.mask if excluded is None else excluded | globals_.mask
@@ -197,14 +203,6 @@ def longformer_attention_unchecked(
 
     if count:
         positions = globals_.positions  # (batch or 1, count)
-        index = positions.view(-1, 1, count, 1)
-        k_global = k0.gather(2, index.expand(batch, heads, count, k0.shape[3]))  # (batch, heads, count, dim)
-        v_global = v0.gather(2, index.expand(batch, heads, count, dim_v))
-        expand = lambda x, w: x.unsqueeze(1).expand(batch, n_query_blocks, heads, count, w)  # noqa: E731
-        k_blocks = torch.cat([k_blocks.view(batch, n_query_blocks, heads, width, -1), expand(k_global, k0.shape[3])],
-                             dim=3).view(batch * n_query_blocks, heads, width + count, -1)
-        v_blocks = torch.cat([v_blocks.view(batch, n_query_blocks, heads, width, -1), expand(v_global, dim_v)],
-                             dim=3).view(batch * n_query_blocks, heads, width + count, -1)
         seen = globals_.valid  # a global key is seen by every query (unless padding; causally, by later ones)
         if key_padding_mask is not None:
             seen = seen & ~key_padding_mask.gather(1, positions.expand(batch, count))
@@ -217,7 +215,12 @@ def longformer_attention_unchecked(
                              seen.expand(rows, n_query_blocks, 1, bs, count)], dim=-1)
     # One (batch * nqb, 1, bs, keys) mask, so that SDPA sees 4-D inputs and may pick a fused kernel.
     allowed = allowed.expand(batch, *allowed.shape[1:]).reshape(batch * n_query_blocks, 1, bs, -1)
-    out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)
+    if key_padding_mask is None:
+        # Every row sees a key (its own, from the window or as a global key; which rows do is fixed by the
+        # shapes and by which masks are given, not by values): plain SDPA, no empty-row handling.
+        out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
+    else:
+        out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)
     out = _to_positions(out, plan, batch, heads, length)  # (batch, heads, seq, dim_v)
     if not count:
         return out
