@@ -293,7 +293,9 @@ class LongformerPattern(BlockPattern):
     leading positions that see every key and that every query sees.
 
     Blocks: the window band plus the blocks holding the global keys; the global queries' rows are a dense
-    (global_tokens x N) pass (:attr:`BlockLayout.global_queries`)."""
+    (global_tokens x N) pass (:attr:`BlockLayout.global_queries`). The fixed form with leading global tokens
+    only: the ``longformer`` mechanism runs :func:`attnzoo.functional.longformer.longformer_attention`, whose
+    global positions may be anywhere and differ between batch elements (the two agree on leading ones)."""
 
     window: int
     global_tokens: int
