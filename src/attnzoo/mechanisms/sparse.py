@@ -32,9 +32,11 @@ from ..functional.blocksparse import (
     blocksparse_plan,
 )
 from ..functional.longformer import (
+    DEFAULT_BLOCK,
     GlobalPositions,
     gather_global_positions,
     longformer_attention_reference,
+    longformer_block_mask,
     longformer_attention_unchecked,
     out_of_range,
     static_global_mask,
@@ -288,7 +290,7 @@ class LongformerAttention(Mechanism):
             V the given per-head tensors and ``x @ W[h]`` per head; every other row uses the plain q, k, v, for
             its window and for the global keys alike. The values' head_dim must then equal head_dim.
         block_size: positions per block of the window part (a speed knob; the output does not depend on it).
-            None: ``min(window, 64)``.
+            None: ``min(window, 128)`` (:data:`attnzoo.functional.longformer.DEFAULT_BLOCK`).
 
     Time and memory O(N (window + G)) for G global positions (the most of any batch element), nothing N x N.
     The count G of a ``global_mask`` is read from its values (one host synchronisation per call), so a call
@@ -346,15 +348,18 @@ class LongformerAttention(Mechanism):
             return None
         return self.query_global, self.key_global, self.value_global
 
-    def plan(self, length: int, causal: bool, device: torch.device) -> Tuple[BlockPlan, GlobalPositions]:
-        """The window's block plan and the fixed global positions (``global_tokens``, ``global_indices``) for
-        this call, reused while the length, causality and device stay the same (the last pair is kept)."""
+    def plan(self, length: int, causal: bool, device: torch.device) -> Tuple[BlockPlan, GlobalPositions, Tensor]:
+        """The window's block plan, the fixed global positions (``global_tokens``, ``global_indices``) and the
+        block mask of a call without ``key_padding_mask`` or ``global_mask``, reused while the length, causality
+        and device stay the same (the last ones are kept: O(N (window + G)) bools)."""
         key = (length, causal, device)
         cached = getattr(self, "_last_plan", None)
         if cached is None or cached[0] != key:
-            plan = window_plan(self.window, self.block_size or min(self.window, 64), length, causal, device)
+            block = self.block_size or min(self.window, DEFAULT_BLOCK)
+            plan = window_plan(self.window, block, length, causal, device)
             fixed = static_global_mask(length, self.global_tokens, self.global_indices, device)
-            cached = (key, (plan, gather_global_positions(fixed.view(1, length))))
+            fixed = gather_global_positions(fixed.view(1, length))
+            cached = (key, (plan, fixed, longformer_block_mask(plan, fixed, causal, None)))
             self._last_plan = cached
         return cached[1]
 
@@ -388,11 +393,13 @@ class LongformerAttention(Mechanism):
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor],
         global_mask: Optional[Tensor],
     ) -> Tensor:
-        plan, fixed = self.plan(q.shape[2], causal, q.device)
+        plan, fixed, block_mask = self.plan(q.shape[2], causal, q.device)
+        if global_mask is not None or key_padding_mask is not None:
+            block_mask = None  # made for this call's masks
         if global_mask is not None:
             fixed = gather_global_positions(fixed.mask | global_mask)
         return longformer_attention_unchecked(q, k, v, plan, fixed, causal, key_padding_mask, None,
-                                              self.projections())
+                                              self.projections(), block_mask)
 
     def global_positions(self, batch: int, length: int, global_mask: Optional[Tensor] = None,
                          device: Optional[torch.device] = None) -> Tensor:
