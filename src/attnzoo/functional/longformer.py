@@ -10,9 +10,10 @@ key.
 Fast path, O(N (window + G)) for G global positions per element (the most over the batch):
 
 * every query block reads its window keys (a band of blocks, as :class:`~.blocksparse.LocalPattern`) followed
-  by the G global keys, under one mask (the window minus the global keys, which come once, from the second
-  part), in one softmax: (block_size x (window span + G)) logits per block, never N x N;
-* the G global queries' rows are a dense (G x N) pass that replaces their rows.
+  by the G global keys, in one softmax under one mask (:func:`longformer_block_mask`: a global key the window
+  already holds is taken from the window alone, so each key counts once): (block_size x (window span + G))
+  logits per block, never N x N;
+* the G global queries' rows are a dense (G x N) pass written over their rows.
 
 With ``projections`` (the paper's separate global projections Q_g, K_g, V_g, here per-head
 (head_dim x head_dim) maps applied to the given q, k, v), only the global queries' rows change: they are
@@ -160,26 +161,25 @@ def longformer_attention(
     _check_projections(global_projections, q.shape[1], q.shape[3], v.shape[3])
     globals_ = None if global_mask is None else gather_global_positions(global_mask)
     plan = window_plan(window, block_size or min(window, DEFAULT_BLOCK), q.shape[2], causal, q.device)
-    return longformer_attention_unchecked(q, k, v, plan, globals_, causal, key_padding_mask, scale,
+    return longformer_attention_unchecked(q, k, v, window, plan, globals_, causal, key_padding_mask, scale,
                                           global_projections)
 
 
 def longformer_block_mask(
-    plan: BlockPlan, globals_: Optional[GlobalPositions], causal: bool, key_padding_mask: Optional[Tensor]
+    plan: BlockPlan, window: int, globals_: Optional[GlobalPositions], causal: bool,
+    key_padding_mask: Optional[Tensor],
 ) -> Tensor:
     """(batch or 1, n_query_blocks, 1, block_size, width + count) bool: which of a query block's keys (its
-    window span, then the ``count`` global keys) each of its queries may see. The window's keys less padding
-    and less the global keys (which come once, after the window's); a global key unless padding (causally, only
-    from its own position on). The leading dim is 1 when nothing in it differs between batch elements."""
+    window span, then the ``count`` global keys) each of its queries may see: the window's keys but padding,
+    and the global keys but padding, those the window already holds (each key counts once) and, causally,
+    later ones. So the window's part depends on the padding alone. The leading dim is 1 when nothing in it
+    differs between batch elements."""
     n_query_blocks, bs = plan.query_positions.shape
     width = plan.index.shape[1]
     count = 0 if globals_ is None else globals_.count
-    excluded = key_padding_mask
-    if count:
-        excluded = globals_.mask if excluded is None else excluded | globals_.mask
     allowed = plan.allowed.unsqueeze(0)  # (1, nqb, 1, bs, width): the band, causality
-    if excluded is not None:
-        keep = ~F.pad(excluded, (0, 1), value=True)[:, plan.index]  # (batch or 1, nqb, width)
+    if key_padding_mask is not None:
+        keep = ~F.pad(key_padding_mask, (0, 1), value=True)[:, plan.index]  # (batch, nqb, width)
         allowed = allowed & keep.view(-1, n_query_blocks, 1, 1, width)
     if not count:
         return allowed
@@ -187,10 +187,11 @@ def longformer_block_mask(
     seen = globals_.valid
     if key_padding_mask is not None:
         seen = seen & ~key_padding_mask.gather(1, positions.expand(key_padding_mask.shape[0], count))
-    seen = seen.view(-1, 1, 1, 1, count)
+    query = plan.query_positions.view(1, n_query_blocks, 1, bs, 1)
+    key = positions.view(-1, 1, 1, 1, count)
+    seen = seen.view(-1, 1, 1, 1, count) & ((query - key).abs() >= window)
     if causal:
-        query_positions = plan.query_positions.view(1, n_query_blocks, 1, bs, 1)
-        seen = seen & (positions.view(-1, 1, 1, 1, count) <= query_positions)
+        seen = seen & (key <= query)
     rows = max(allowed.shape[0], seen.shape[0])
     return torch.cat([allowed.expand(rows, n_query_blocks, 1, bs, width),
                       seen.expand(rows, n_query_blocks, 1, bs, count)], dim=-1)
@@ -200,6 +201,7 @@ def longformer_attention_unchecked(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    window: int,
     plan: BlockPlan,
     globals_: Optional[GlobalPositions],
     causal: bool,
@@ -209,7 +211,7 @@ def longformer_attention_unchecked(
     block_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`longformer_attention` for callers that validated the arguments (the mechanism): ``plan`` is the
-    window's :func:`window_plan` for this length and causality, ``globals_`` the call's
+    window's :func:`window_plan` for this window, length and causality, ``globals_`` the call's
     :func:`gather_global_positions` (None or a count of 0: no global position), ``block_mask`` this call's
     :func:`longformer_block_mask` if the caller kept one (made here when None)."""
     batch, heads, length, _ = q.shape
@@ -228,7 +230,7 @@ def longformer_attention_unchecked(
     k_blocks = _gather_keys(k0, plan.layout, plan.index, k_global)
     v_blocks = _gather_keys(v0, plan.layout, plan.index, v_global)
     if block_mask is None:
-        block_mask = longformer_block_mask(plan, globals_, causal, key_padding_mask)
+        block_mask = longformer_block_mask(plan, window, globals_, causal, key_padding_mask)
     # One (batch * nqb, 1, bs, keys) mask, so that SDPA sees 4-D inputs and may pick a fused kernel.
     allowed = block_mask.expand(batch, *block_mask.shape[1:]).reshape(batch * n_query_blocks, 1, bs, -1)
     if key_padding_mask is None:

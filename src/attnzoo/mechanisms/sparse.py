@@ -359,7 +359,7 @@ class LongformerAttention(Mechanism):
             plan = window_plan(self.window, block, length, causal, device)
             fixed = static_global_mask(length, self.global_tokens, self.global_indices, device)
             fixed = gather_global_positions(fixed.view(1, length))
-            cached = (key, (plan, fixed, longformer_block_mask(plan, fixed, causal, None)))
+            cached = (key, (plan, fixed, longformer_block_mask(plan, self.window, fixed, causal, None)))
             self._last_plan = cached
         return cached[1]
 
@@ -398,7 +398,7 @@ class LongformerAttention(Mechanism):
             block_mask = None  # made for this call's masks
         if global_mask is not None:
             fixed = gather_global_positions(fixed.mask | global_mask)
-        return longformer_attention_unchecked(q, k, v, plan, fixed, causal, key_padding_mask, None,
+        return longformer_attention_unchecked(q, k, v, self.window, plan, fixed, causal, key_padding_mask, None,
                                               self.projections(), block_mask)
 
     def global_positions(self, batch: int, length: int, global_mask: Optional[Tensor] = None,
