@@ -1,7 +1,7 @@
 """Fixed sparse attention patterns as mechanisms: local (sliding window), strided (dilated and the Sparse
 Transformer's strided and fixed patterns), longformer and bigbird. One blockwise core runs them all
-(:mod:`attnzoo.functional.blocksparse`); each mechanism only declares its pattern, but longformer, whose global
-positions may differ between the elements of a batch, which runs its window on the core and its global
+(:mod:`attnzoo.functional.blocksparse`); each mechanism only declares its pattern, except longformer, whose
+global positions may differ between the elements of a batch: it runs its window on the core and its global
 positions beside it (:mod:`attnzoo.functional.longformer`)."""
 
 from __future__ import annotations
@@ -286,9 +286,10 @@ class LongformerAttention(Mechanism):
         global_projections: separate projections for the global attention, as in the paper: learned per-head
             (head_dim x head_dim) maps ``query_global``, ``key_global``, ``value_global`` (parameters of shape
             (heads, head_dim, head_dim), initialised to the identity, so the option starts equal to the plain
-            form). A global query's row is ``softmax((q_i Wq)(K Wk)^T) (V Wv)`` over every key, with q_i, K,
-            V the given per-head tensors and ``x @ W[h]`` per head; every other row uses the plain q, k, v, for
-            its window and for the global keys alike. The values' head_dim must then equal head_dim.
+            form). A global query's row is ``softmax((q_i Wq)(K Wk)^T / sqrt(head_dim)) (V Wv)`` over every
+            key, with q_i, K, V the given per-head tensors and ``x @ W[h]`` per head; every other row uses the
+            plain q, k, v, for its window and for the global keys alike. The values' head_dim must then equal
+            head_dim.
         block_size: positions per block of the window part (a speed knob; the output does not depend on it).
             None: ``min(window, 128)`` (:data:`attnzoo.functional.longformer.DEFAULT_BLOCK`).
 
