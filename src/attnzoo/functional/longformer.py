@@ -45,8 +45,9 @@ from .softmax import masked_sdpa, masked_softmax_reference
 DEFAULT_BLOCK = 128
 """The default block size of the window part (or the window, if smaller). Each block of queries reads its
 window span of keys, copied per block, plus the global keys: larger blocks copy each key fewer times and read a
-little more beyond the window. At N=8192, 4 heads of 64, forward+backward on CPU: window 256 took 0.81x the
-time with blocks of 128 than of 64 (0.88x with 256), window 128 0.86x with blocks of 128 than of 64."""
+little more beyond the window. At N=8192, 4 heads of 64, forward+backward on 2 shared CPU cores, blocks of 128
+took about 0.8x the time of blocks of 64 at window 256 (0.88x causal), 0.86x at window 128; blocks of 256 were
+no faster than 128 over two runs."""
 
 Projections = Tuple[Tensor, Tensor, Tensor]
 """The global projections (Wq, Wk, Wv), each (heads, dim, dim): a row x of head h maps to ``x @ W[h]``."""
