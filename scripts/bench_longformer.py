@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -94,6 +95,7 @@ def main() -> None:
         print(f"{peak_mib(args.memory_of, args):.1f}")
         return
 
+    load_at_start = os.getloadavg()[0]
     torch.manual_seed(0)
     inputs = make_inputs(args.batch, args.heads, args.length, args.head_dim, torch.float32, "cpu")
     fns: Dict[str, Callable] = {name: attention(name, args) for name in CONFIGS}
@@ -112,7 +114,8 @@ def main() -> None:
         rows[name] = {"forward_ms": forward, "forward_backward_ms": train, "peak_mib": memory}
     sdpa = rows["sdpa"]["forward_backward_ms"]
     print(f"N={args.length} window={args.window} globals={args.globals} batch={args.batch} heads={args.heads} "
-          f"head_dim={args.head_dim} float32 causal={args.causal}, medians of {args.repeats} repeats")
+          f"head_dim={args.head_dim} float32 causal={args.causal}, medians of {args.repeats} repeats; load average "
+          f"{load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} cores)")
     print(f"{'configuration':<24} {'fwd ms':>8} {'fwd+bwd ms':>11} {'/ SDPA':>7} {'peak MiB':>9}")
     for name, row in rows.items():
         print(f"{name:<24} {row['forward_ms']:8.1f} {row['forward_backward_ms']:11.1f} "
@@ -121,7 +124,8 @@ def main() -> None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         setting = {key: value for key, value in vars(args).items() if key not in ("output", "memory_of")}
         machine = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-                   "platform": platform.platform()}
+                   "platform": platform.platform(), "cores": os.cpu_count(),
+                   "load_average": [round(load_at_start, 2), round(os.getloadavg()[0], 2)]}
         args.output.write_text(json.dumps({"setting": setting, "machine": machine, "results": rows}, indent=2) + "\n")
 
 

@@ -190,9 +190,10 @@ def longformer_block_mask(
         seen = seen & ~key_padding_mask.gather(1, positions.expand(key_padding_mask.shape[0], count))
     query = plan.query_positions.view(1, n_query_blocks, 1, bs, 1)
     key = positions.view(-1, 1, 1, 1, count)
-    seen = seen.view(-1, 1, 1, 1, count) & ((query - key).abs() >= window)
-    if causal:
-        seen = seen & (key <= query)
+    # Farther than the window (causally: behind it). Bounds on the (small) query side, so that only
+    # comparisons run at (nqb, bs, count).
+    behind = key <= query - window
+    seen = seen.view(-1, 1, 1, 1, count) & (behind if causal else behind | (key >= query + window))
     rows = max(allowed.shape[0], seen.shape[0])
     return torch.cat([allowed.expand(rows, n_query_blocks, 1, bs, width),
                       seen.expand(rows, n_query_blocks, 1, bs, count)], dim=-1)
