@@ -8,7 +8,7 @@ Configurations: exact softmax by ``torch.nn.functional.scaled_dot_product_attent
 fixed block pattern with one leading global token on the generic blockwise core (``LongformerPattern``).
 
 Usage: python scripts/bench_longformer.py [--length 8192] [--window 256] [--globals 16] [--repeats 5]
-    [--causal] [--output docs/results/longformer-global/results.json]
+    [--causal] [--output docs/results/longformer-global/results.json]  (results-causal.json with --causal)
 """
 
 from __future__ import annotations
