@@ -147,3 +147,31 @@ def check_numbers(
     if len(items) != length:
         raise ValueError(f"{name} must have {length} values, got {len(items)}: {items!r}")
     return [check_number(f"{name}[{i}]", item, **bounds) for i, item in enumerate(items)]
+
+
+def check_indices(name: str, values: object) -> tuple:
+    """A sequence of distinct int positions, returned as a tuple; negative ones count from the end (-1 is the
+    last position), so their range is checked only against a sequence length, by the caller. bools, floats,
+    strings and tensors are refused (TypeError), a repeated index too (ValueError), naming ``name``."""
+    if isinstance(values, (str, bytes, Tensor)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a tuple of ints (positions), got {values!r} ({type(values).__name__})")
+    items = tuple(check_number(f"{name}[{i}]", item, integer=True) for i, item in enumerate(values))
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise ValueError(f"{name} must not repeat a position, got {list(items)} (repeated: {repeated})")
+    return items
+
+
+def check_position_mask(name: str, mask: Optional[Tensor], batch: int, length: int, device: torch.device) -> None:
+    """A per-position bool mask of shape (batch, length) on ``device``, or None (e.g. which positions are
+    global); errors name ``name``."""
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {mask.dtype}")
+    if mask.shape != (batch, length):
+        raise ValueError(f"{name} must have shape (batch, seq) = ({batch}, {length}), got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name} must be on {device}, got {mask.device}")

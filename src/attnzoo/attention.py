@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from torch import Tensor, nn
 
 from ._validation import check_bool, check_floating, check_positive_int, check_probability
-from .mechanisms.base import UnsupportedOptionError, build_mechanism, shapes_only
+from .mechanisms.base import UnsupportedOptionError, available, build_mechanism, mechanism_class, shapes_only
 from .state import DecodingState
 from .positional import RotaryEmbedding
 
@@ -113,9 +113,15 @@ class MultiHeadAttention(nn.Module):
         *,
         causal: bool = False,
         key_padding_mask: Optional[Tensor] = None,
+        global_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """Self-attention over x, or cross-attention from x to ``context`` (batch, seq_c, context_dim)."""
+        """Self-attention over x, or cross-attention from x to ``context`` (batch, seq_c, context_dim).
+
+        ``global_mask``: (batch, seq) bool, True marking global positions for this call, passed on to a
+        mechanism that takes it (``"global_mask"`` in its ``call_options``: ``longformer``); refused with an
+        :class:`~attnzoo.UnsupportedOptionError` naming it for any other mechanism."""
         self._check_input("x", x, self.dim)
+        options = self._call_options(global_mask=global_mask)
         source = x
         if context is not None:
             self._check_input("context", context, self.context_dim)
@@ -128,8 +134,22 @@ class MultiHeadAttention(nn.Module):
         v = self._split_heads(self.v_proj(source))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
-        out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None)
+        out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None,
+                             **options)
         return self.out_proj(self.dropout(self._merge_heads(out)))
+
+    def _call_options(self, **given: Optional[Tensor]) -> Dict[str, Tensor]:
+        """The per-call arguments that were given (not None), each checked to be one the mechanism declares in
+        its ``call_options``, before anything is projected."""
+        options = {name: value for name, value in given.items() if value is not None}
+        for name in options:
+            if name not in self.mechanism.call_options:
+                takes = [n for n in available() if name in mechanism_class(n).call_options]
+                raise UnsupportedOptionError(
+                    f"{name}=...: mechanism {self.mechanism.name!r} does not take {name} (mechanisms that do: "
+                    f"{', '.join(takes) or 'none'})"
+                )
+        return options
 
     def _require_cross(self, q_len: int, context_len: int) -> None:
         """Refuse cross-attention (``context=``) before projecting anything, with every reason the mechanism

@@ -322,6 +322,36 @@ def check_declaration(cls: Type[Mechanism]) -> None:
     check_bool_options_exercised(cls, options)
     check_option_types(cls)
     check_declared_option_roles(cls, options)
+    check_call_options(cls)
+
+
+# The keyword-only arguments of the contract's forward(q, k, v, causal, key_padding_mask, *, cross).
+_CONTRACT_KEYWORDS = ("cross",)
+
+
+def check_call_options(cls: Type[Mechanism]) -> None:
+    """``call_options`` lists exactly the keyword-only arguments ``forward`` takes beyond the contract's, each
+    defaulting to None, and ``reference`` takes them too (so each has a float64 counterpart):
+    ``MultiHeadAttention`` passes on what is listed there and refuses anything else."""
+    where = cls.__qualname__
+    listed = cls.call_options
+    if not isinstance(listed, tuple) or not all(isinstance(name, str) for name in listed):
+        raise AssertionError(f"{where}.call_options must be a tuple of argument names, got {listed!r}")
+    for method in ("forward", "reference"):
+        parameters = inspect.signature(getattr(cls, method)).parameters
+        extra = [name for name, p in parameters.items()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _CONTRACT_KEYWORDS]
+        for name in listed:
+            p = parameters.get(name)
+            if p is None or p.kind is not inspect.Parameter.KEYWORD_ONLY or p.default is not None:
+                raise AssertionError(
+                    f"{where}.call_options lists {name!r}, but {method} takes no keyword-only {name}=None"
+                )
+        unlisted = sorted(set(extra) - set(listed))
+        if method == "forward" and unlisted:
+            raise AssertionError(
+                f"{where}.forward takes keyword-only {unlisted} beyond the contract's; declare them in call_options"
+            )
 
 
 def check_declared_option_roles(cls: Type[Mechanism], options: Dict[str, inspect.Parameter]) -> None:

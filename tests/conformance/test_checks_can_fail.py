@@ -362,6 +362,34 @@ def test_declaration_check_rejects_unknown_test_options():
         checks.check_declaration(MisspelledTestOption)
 
 
+def test_declaration_check_rejects_undeclared_call_option():
+    class TakesAnUndeclaredArgument(GoodToy):
+        def forward(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False, extra=None):
+            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+
+    with pytest.raises(AssertionError, match=r"takes keyword-only \['extra'\] .* declare them in call_options"):
+        checks.check_declaration(TakesAnUndeclaredArgument)
+
+
+def test_declaration_check_rejects_call_option_forward_does_not_take():
+    class ListsAnArgumentItLacks(GoodToy):
+        call_options = ("global_mask",)
+
+    with pytest.raises(AssertionError, match=r"lists 'global_mask', but forward takes no keyword-only"):
+        checks.check_declaration(ListsAnArgumentItLacks)
+
+
+def test_declaration_check_rejects_call_option_without_reference():
+    class NoReferenceCounterpart(GoodToy):
+        call_options = ("extra",)
+
+        def forward(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False, extra=None):
+            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+
+    with pytest.raises(AssertionError, match=r"lists 'extra', but reference takes no keyword-only"):
+        checks.check_declaration(NoReferenceCounterpart)
+
+
 # -- property checks -----------------------------------------------------------------------------------------
 FULLY_PADDED = Case(batch=2, heads=2, q_len=5, k_len=5, causal=False,
                     padding=((False,) * 5, (True,) * 5), cut=2, seed=3)

@@ -293,7 +293,9 @@ class LongformerPattern(BlockPattern):
     leading positions that see every key and that every query sees.
 
     Blocks: the window band plus the blocks holding the global keys; the global queries' rows are a dense
-    (global_tokens x N) pass (:attr:`BlockLayout.global_queries`)."""
+    (global_tokens x N) pass (:attr:`BlockLayout.global_queries`). The fixed form with leading global tokens
+    only: the ``longformer`` mechanism runs :func:`attnzoo.functional.longformer.longformer_attention`, whose
+    global positions may be anywhere and differ between batch elements (the two agree on leading ones)."""
 
     window: int
     global_tokens: int
@@ -401,9 +403,12 @@ def blocksparse_attention(
     return blocksparse_attention_unchecked(q, k, v, pattern, causal, key_padding_mask, scale)
 
 
-def _gather_keys(x: Tensor, layout: BlockLayout, index: Tensor) -> Tensor:
+def _gather_keys(x: Tensor, layout: BlockLayout, index: Tensor, shared: Optional[Tensor] = None) -> Tensor:
     """(batch * n_query_blocks, heads, S, dim): the key-sequence slots ``index`` (n_query_blocks, S) of ``x``
     (batch, heads, seq, dim), already zero-padded, where index ``seq`` stands for a zero row.
+
+    ``shared``: (batch, heads, G, dim) rows appended to every query block's (S + G slots; e.g. longformer's
+    global keys), in the same copy.
 
     Query blocks lead and heads follow so that the (per-block) mask broadcasts over the heads of a 4-D
     call, which lets ``scaled_dot_product_attention`` pick its fused kernels."""
@@ -416,11 +421,15 @@ def _gather_keys(x: Tensor, layout: BlockLayout, index: Tensor) -> Tensor:
         before = -layout.band * bs
         total = (n_query_blocks - 1) * bs + width
         padded = F.pad(rows, (0, 0, 0, 0, before, total - before - length))
-        blocks = padded.unfold(1, width, bs)  # (batch, nqb, heads, dim, width)
-        return blocks.permute(0, 1, 2, 4, 3).reshape(batch * n_query_blocks, heads, width, dim)
-    extended = F.pad(rows, (0, 0, 0, 0, 0, 1))
-    blocks = extended.index_select(1, index.reshape(-1)).view(batch, n_query_blocks, width, heads, dim)
-    return blocks.transpose(2, 3).reshape(batch * n_query_blocks, heads, width, dim)
+        blocks = padded.unfold(1, width, bs).permute(0, 1, 2, 4, 3)  # (batch, nqb, heads, width, dim), a view
+    else:
+        extended = F.pad(rows, (0, 0, 0, 0, 0, 1))
+        blocks = extended.index_select(1, index.reshape(-1)).view(batch, n_query_blocks, width, heads, dim)
+        blocks = blocks.transpose(2, 3)
+    if shared is not None:
+        extra = shared.unsqueeze(1).expand(batch, n_query_blocks, heads, shared.shape[2], dim)
+        blocks = torch.cat([blocks, extra], dim=3)
+    return blocks.reshape(batch * n_query_blocks, heads, -1, dim)
 
 
 class BlockPlan(NamedTuple):

@@ -132,6 +132,10 @@ class Mechanism(nn.Module):
     length_option: ClassVar[Optional[str]] = None
     """The integer option that must equal the sequence length (a learned projection over positions), if any:
     ``attnzoo compare`` sets it to each length it measures."""
+    call_options: ClassVar[Tuple[str, ...]] = ()
+    """Keyword-only arguments this mechanism's :meth:`forward` takes beyond the contract's, each defaulting to
+    None (per-call inputs, e.g. longformer's ``global_mask``). ``MultiHeadAttention.forward`` passes such an
+    argument on to a mechanism that lists it and refuses it, naming it, for any other."""
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
