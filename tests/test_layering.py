@@ -18,8 +18,10 @@ LAYERS = [
     {"feature_maps"},
     {"mechanisms"},
     {"positional", "attention"},
+    {"distributed"},
     {"models"},
     {"decoding"},
+    {"swap"},
     {"bench"},
     {"cli"},
 ]
