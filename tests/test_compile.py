@@ -2,7 +2,7 @@
 
 Inductor (the real backend, generating and compiling C++) on a representative set: exact softmax on SDPA, the
 hand-written causal kernel of linear attention (with graph breaks): some 30 s each on two busy cores, cold. Every registered mechanism through dynamo and AOTAutograd (backend ``aot_eager``: the same graphs
-without code generation, seconds instead of tens of seconds each), which also holds docs/scaling.md's list of
+without code generation, seconds instead of tens of seconds each), which also holds docs/dropin.md's list of
 mechanisms that compile with graph breaks to the truth."""
 
 import pytest
@@ -14,7 +14,7 @@ from attnzoo.mechanisms import mechanism_class
 
 DIM, HEADS = 16, 2
 
-# docs/scaling.md, "torch.compile": these compile with graph breaks (fullgraph=False, the default), each for the
+# docs/dropin.md, "torch.compile": these compile with graph breaks (fullgraph=False, the default), each for the
 # reason given there; every other mechanism compiles to one graph.
 GRAPH_BREAKS = {"linear", "performer", "rfa", "bigbird"}
 
@@ -94,7 +94,7 @@ def test_every_mechanism_compiles(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GRAPH_BREAKS))
 def test_listed_graph_breaks_are_real(name):
-    """If one of these ever compiles to one graph, the list (and docs/scaling.md) must lose it."""
+    """If one of these ever compiles to one graph, the list (and docs/dropin.md) must lose it."""
     module = build(name)
     n = length_for(name)
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
