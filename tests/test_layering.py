@@ -21,7 +21,7 @@ LAYERS = [
     {"distributed"},
     {"models"},
     {"decoding"},
-    {"swap"},
+    {"swap", "hf"},
     {"bench"},
     {"cli"},
 ]
