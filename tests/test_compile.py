@@ -1,9 +1,10 @@
 """torch.compile on MultiHeadAttention: compiled forward and backward equal eager, on CPU.
 
-Inductor (the real backend, generating and compiling C++) on a representative set: exact softmax on SDPA, the
-hand-written causal kernel of linear attention (with graph breaks): some 30 s each on two busy cores, cold. Every registered mechanism through dynamo and AOTAutograd (backend ``aot_eager``: the same graphs
-without code generation, seconds instead of tens of seconds each), which also holds docs/dropin.md's list of
-mechanisms that compile with graph breaks to the truth."""
+Inductor (the real backend, generating and compiling C++) on a representative set: exact softmax on SDPA and the
+hand-written causal kernel of linear attention (with graph breaks), some 30 s each on two busy cores, cold.
+Every registered mechanism through dynamo and AOTAutograd (backend ``aot_eager``: the same graphs without code
+generation, seconds instead of tens of seconds each), which also holds docs/dropin.md's list of mechanisms that
+compile with graph breaks to the truth."""
 
 import pytest
 import torch

@@ -149,8 +149,12 @@ def _module_pair(**kwargs):
 
 
 @pytest.mark.parametrize("average", [True, False])
-def test_softmax_returns_the_attention_weights(average):
-    theirs, ours = _module_pair()
+@pytest.mark.parametrize("attention_weights", ["error", "none"])
+def test_softmax_returns_the_attention_weights(average, attention_weights):
+    theirs = randomize(nn.MultiheadAttention(DIM, HEADS, batch_first=True).double())
+    holder = nn.ModuleDict({"attn": copy.deepcopy(theirs)})
+    swap_attention(holder, "softmax", attention_weights=attention_weights)  # softmax forms weights either way
+    ours = holder["attn"]
     x = randn(2, 5, DIM)
     mask = arbitrary_bool(5, 5)
     expected = theirs(x, x, x, attn_mask=mask, key_padding_mask=padding(2, 5), average_attn_weights=average)

@@ -285,7 +285,8 @@ class SwappedAttention(nn.Module):
             dtype=query.dtype,
         )
         softmax = self._exact_softmax()
-        weights_wanted = need_weights and self.attention_weights == "error"
+        # Exact softmax forms the weights whenever asked; the others refuse, or give None if swapped to.
+        weights_wanted = need_weights and softmax is not None
         if softmax is None:
             if masks.additive is not None:
                 raise UnsupportedOptionError(
@@ -293,7 +294,7 @@ class SwappedAttention(nn.Module):
                     f"the causal mask (or is_causal=True) and a padding key_padding_mask (bool, or float 0 / -inf); "
                     f"mechanism='softmax' takes any mask"
                 )
-            if weights_wanted:
+            if need_weights and self.attention_weights == "error":
                 raise UnsupportedOptionError(
                     f"need_weights=True: {self.mechanism_name} forms no attention weight matrix; call with "
                     f"need_weights=False, or swap with attention_weights='none' to return None in its place"
@@ -309,7 +310,7 @@ class SwappedAttention(nn.Module):
                 out = self._cross_attention(query, key, value, masks)
             weights = None
         else:
-            out, weights = self._softmax_with_bias(query, key, value, masks, softmax, need_weights)
+            out, weights = self._softmax_with_bias(query, key, value, masks, softmax, weights_wanted)
             if weights is not None and average_attn_weights:
                 weights = weights.mean(dim=1)
         if batched and not self.batch_first:
@@ -496,7 +497,9 @@ def _refusals(module: nn.Module, path: str) -> List[str]:
     return reasons
 
 
-def _build(slot: _Slot, mechanism: str, options: Dict[str, Any], attention_weights: str) -> Tuple[SwappedAttention, SwappedModule]:
+def _build(
+    slot: _Slot, mechanism: str, options: Dict[str, Any], attention_weights: str
+) -> Tuple[SwappedAttention, SwappedModule]:
     """The replacement of one module, with its weights copied; raises (the model untouched) if it cannot be
     made."""
     old = slot.module

@@ -101,7 +101,11 @@ def part_terms(
     return PartTerms(num_den, state, cumulative[..., -1], cumulative)
 
 
-def combine(earlier: Tuple[Optional[Tensor], Tensor], later: Tuple[Optional[Tensor], Tensor]) -> Tuple[Optional[Tensor], Tensor]:
+Summary = Tuple[Optional[Tensor], Tensor]
+"""A part's (log A (batch, heads) or None, U (batch, heads, m, d + 1))."""
+
+
+def combine(earlier: Summary, later: Summary) -> Summary:
     """The scan's operator: part ``earlier`` = (log A1 (batch, heads) or None, U1 (batch, heads, m, d + 1)) followed
     by ``later`` = (log A2, U2) acts as (log A1 + log A2, A2 U1 + U2). Associative."""
     log_a1, u1 = earlier
@@ -133,7 +137,7 @@ def exclusive_state_scan(states: Tensor, log_decay_totals: Optional[Tensor] = No
                 f"{tuple(log_decay_totals.shape)}"
             )
     prefixes: List[Tensor] = [torch.zeros_like(states[0])]
-    carried: Tuple[Optional[Tensor], Tensor] = (None, prefixes[0])
+    carried: Summary = (None, prefixes[0])
     for r in range(states.shape[0] - 1):
         log_a = None if log_decay_totals is None else log_decay_totals[r]
         carried = combine(carried, (log_a, states[r]))
