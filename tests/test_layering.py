@@ -18,9 +18,11 @@ LAYERS = [
     {"feature_maps"},
     {"mechanisms"},
     {"positional", "attention"},
+    {"distributed"},
     {"tasks"},  # training data; imports only _validation (test_tasks_import_only_validation)
     {"models"},
     {"decoding"},
+    {"swap", "hf"},
     {"training"},
     {"bench"},
     {"cli", "cli_training"},

@@ -13,12 +13,16 @@ def test_readme_has_examples():
     assert len(BLOCKS) >= 2
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index):
+def test_readme_examples_run_in_order(tmp_path, monkeypatch):
+    """Every block, in order, in one namespace (later blocks build on the names of earlier ones, as a reader
+    typing them in would), in an empty directory so that files they write land there."""
+    monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    # Later blocks build on the names of earlier ones, as a reader typing them in order would.
-    for block in BLOCKS[: index + 1]:
-        exec(compile(block, f"README.md block {index}", "exec"), namespace)
+    for index, block in enumerate(BLOCKS):
+        try:
+            exec(compile(block, f"README.md block {index}", "exec"), namespace)
+        except Exception as error:  # noqa: BLE001 - name the block that failed
+            raise AssertionError(f"README.md python block {index} fails: {type(error).__name__}: {error}\n{block}")
 
 
 def _table_rows() -> dict:

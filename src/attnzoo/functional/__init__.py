@@ -51,6 +51,13 @@ from .clustered import cluster_queries, clustered_attention, clustered_attention
 from .lsh import lsh_attention, lsh_attention_reference, lsh_attention_unchecked, lsh_buckets, lsh_rotations
 from .blocksparse import blocksparse_attention, blocksparse_attention_reference, blocksparse_attention_unchecked
 from .longformer import longformer_attention, longformer_attention_reference, longformer_attention_unchecked
+from .state_scan import (
+    exclusive_state_scan,
+    finish_part,
+    part_terms,
+    prefix_states_reference,
+    split_causal_attention,
+)
 
 __all__ = sorted(name for name in dir() if not name.startswith("_") and name not in ("annotations",)
                  and callable(globals()[name]))

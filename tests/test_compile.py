@@ -1,0 +1,104 @@
+"""torch.compile on MultiHeadAttention: compiled forward and backward equal eager, on CPU.
+
+Inductor (the real backend, generating and compiling C++) on a representative set: exact softmax on SDPA and the
+hand-written causal kernel of linear attention (with graph breaks), some 30 s each on two busy cores, cold.
+Every registered mechanism through dynamo and AOTAutograd (backend ``aot_eager``: the same graphs without code
+generation, seconds instead of tens of seconds each), which also holds docs/dropin.md's list of mechanisms that
+compile with graph breaks to the truth."""
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import attnzoo
+from attnzoo.mechanisms import mechanism_class
+
+DIM, HEADS = 16, 2
+
+# docs/dropin.md, "torch.compile": these compile with graph breaks (fullgraph=False, the default), each for the
+# reason given there; every other mechanism compiles to one graph.
+GRAPH_BREAKS = {"linear", "performer", "rfa", "bigbird"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Each test compiles new modules of shared classes: without a reset, dynamo's recompilation limit would
+    # quietly fall back to eager after a few of them.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def build(name, seed=0):
+    options = dict(mechanism_class(name).test_options)
+    torch.manual_seed(seed)
+    return attnzoo.MultiHeadAttention(DIM, HEADS, name, **options).eval()
+
+
+def length_for(name, wanted=12):
+    multiple = mechanism_class(name).capabilities.length_multiple
+    return wanted if multiple is None else max(multiple, wanted - wanted % multiple)
+
+
+def calls(name, n, every=False):
+    """How a mechanism is called: with padding, causal where it can be; ``every`` adds the non-causal and the
+    cross-attention forms (each a compilation of its own, so the inductor tests, tens of seconds each, take one)."""
+    caps = mechanism_class(name).capabilities
+    pad = torch.zeros(2, n, dtype=torch.bool)
+    pad[1, -3:] = True
+    context = torch.randn(2, n, DIM, generator=torch.Generator().manual_seed(7))
+    kinds = [{"causal": True, "key_padding_mask": pad}] if caps.causal else [{"key_padding_mask": pad}]
+    if every and caps.causal:
+        kinds.append({"key_padding_mask": pad})
+    if every and caps.cross:
+        kinds.append({"context": context, "key_padding_mask": pad})
+    return kinds
+
+
+def forward_backward(module, x, kwargs):
+    x = x.clone().requires_grad_()
+    out = module(x, **kwargs)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    grads = [p.grad.clone() for p in module.parameters() if p.grad is not None]
+    module.zero_grad(set_to_none=True)
+    return [out.detach(), x.grad] + grads
+
+
+def assert_compiled_matches_eager(name, backend, fullgraph, atol, every=False):
+    module = build(name)
+    n = length_for(name)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(module, backend=counter, fullgraph=fullgraph)
+    x = torch.randn(2, n, DIM, generator=torch.Generator().manual_seed(1))
+    for kwargs in calls(name, n, every):
+        expected = forward_backward(module, x, kwargs)
+        got = forward_backward(compiled, x, kwargs)
+        assert len(got) == len(expected)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=atol, rtol=atol)
+    assert counter.frame_count >= 1, "nothing was compiled"
+
+
+@pytest.mark.parametrize("name", ["softmax", pytest.param("linear", marks=pytest.mark.slow)])
+def test_inductor_matches_eager(name):
+    assert_compiled_matches_eager(name, "inductor", fullgraph=name not in GRAPH_BREAKS, atol=2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", attnzoo.available())
+def test_every_mechanism_compiles(name):
+    # Every form of the call for a few, one for the rest: each form is a compilation of its own.
+    every = name in {"softmax", "performer"}
+    assert_compiled_matches_eager(name, "aot_eager", fullgraph=name not in GRAPH_BREAKS, atol=1e-6, every=every)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GRAPH_BREAKS))
+def test_listed_graph_breaks_are_real(name):
+    """If one of these ever compiles to one graph, the list (and docs/dropin.md) must lose it."""
+    module = build(name)
+    n = length_for(name)
+    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    kwargs = calls(name, n)[-1]
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
+        compiled(torch.randn(2, n, DIM), **kwargs)
