@@ -24,6 +24,8 @@ from .gated import GatedLinearAttention, RetentionAttention
 from . import aft, efficient, fnet, linformer, nystrom, sinkhorn, synthesizer  # noqa: E402,F401
 # Sparse and hashed families.
 from . import clustered, reformer, sparse  # noqa: E402,F401
+# Gated and quantized linear-time designs.
+from . import flash  # noqa: E402,F401
 
 __all__ = [
     "APPROXIMATE",
