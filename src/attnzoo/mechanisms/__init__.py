@@ -25,7 +25,7 @@ from . import aft, efficient, fnet, linformer, nystrom, sinkhorn, synthesizer  #
 # Sparse and hashed families.
 from . import clustered, reformer, sparse  # noqa: E402,F401
 # Gated and quantized linear-time designs.
-from . import flash  # noqa: E402,F401
+from . import flash, vq  # noqa: E402,F401
 
 __all__ = [
     "APPROXIMATE",
