@@ -41,9 +41,14 @@ def quantize(k: Tensor, codebook: Tensor) -> Tensor:
     """Codes of the nearest codewords: k (batch, heads, seq, d), codebook (heads, S, d) -> (batch, heads, seq)
     long. Squared distances ``|c|^2 - 2 k . c`` (``|k|^2`` is the same for every codeword), ties to the lowest
     index."""
+    batch, heads, length, dim = k.shape
     codebook = codebook.to(k.dtype)
-    distances = codebook.square().sum(-1)[None, :, None, :] - 2.0 * torch.matmul(k, codebook.transpose(-1, -2)[None])
-    return distances.argmin(dim=-1)
+    size = codebook.shape[1]
+    # One fused product per head: |c|^2 + (-2) k . c (a view of the codebook when batch is 1).
+    squares = codebook.square().sum(-1)[None, :, None, :].expand(batch, heads, 1, size).reshape(-1, 1, size)
+    transposed = codebook.transpose(-1, -2)[None].expand(batch, heads, dim, size).reshape(-1, dim, size)
+    distances = torch.baddbmm(squares, k.reshape(-1, length, dim), transposed, alpha=-2.0)
+    return distances.argmin(dim=-1).view(batch, heads, length)
 
 
 def quantize_reference(k: Tensor, codebook: Tensor) -> Tensor:
@@ -168,6 +173,12 @@ def vq_attention_unchecked(
     keys = _blocks(quantized, blocks, block)
     codes = _blocks(codes, blocks, block)
 
+    # Values carry a column of ones (of valid flags for the cache), so that one product gives the softmax
+    # numerator and its denominator together.
+    width = v.shape[-1]
+    v = torch.cat([v, valid.to(compute).expand(batch, heads, blocks, block).unsqueeze(-1)], dim=-1)
+    q = q * scale
+
     # The exact window: blocks g - 1 and g, one key at a time. (batch, heads, blocks, block, 2 block)
     window_keys = torch.cat([_previous(keys, 1), keys], dim=3)
     window_values = torch.cat([_previous(v, 1), v], dim=3)
@@ -175,27 +186,41 @@ def vq_attention_unchecked(
     if causal:
         own = torch.ones(block, block, dtype=torch.bool, device=device).tril()
         window_valid = window_valid & torch.cat([own.new_ones(block, block), own], dim=1)
-    window_scores = torch.matmul(q, window_keys.transpose(-1, -2)) * scale
-    window_scores = window_scores.masked_fill(~window_valid, -math.inf)
+    window_bias = torch.zeros(window_valid.shape, dtype=compute, device=device).masked_fill(~window_valid, -math.inf)
+    window_scores = torch.matmul(q, window_keys.transpose(-1, -2)) + window_bias
 
-    # The cache: counts and value sums per codeword of every other block. (batch, heads, blocks, S[, e])
-    counts, sums = code_aggregates(codes, v, valid, size)
+    # The cache: per codeword of every block outside the window, the sum of its values and (last column) how
+    # many keys it stands for. (batch, heads, blocks, S, e + 1)
+    per_block = v.new_zeros(batch, heads, blocks, size, width + 1)
+    per_block = per_block.scatter_add(3, codes.unsqueeze(-1).expand(-1, -1, -1, -1, width + 1), v)
     if causal:
-        counts, sums = (_previous(torch.cumsum(x, dim=2), 2) for x in (counts, sums))
+        # Block g reads blocks 0 .. g - 2: running sums, one block at a time (cumsum along a middle dim is
+        # several times slower on CPU).
+        # unbind: one backward node for all the slices (indexing them one by one would make one full-size
+        # gradient per slice).
+        slices = per_block.unbind(dim=2)
+        running, cache = torch.zeros_like(slices[0]), []
+        for g in range(blocks):
+            if g >= 2:
+                running = running + slices[g - 2]
+            cache.append(running)
+        cache = torch.stack(cache, dim=2)
     else:
-        inclusive_counts, inclusive_sums = torch.cumsum(counts, dim=2), torch.cumsum(sums, dim=2)
-        # Blocks before g - 1, then blocks after g: prefix sums up to g - 2, and the total minus those up to g.
-        counts = _previous(inclusive_counts, 2) + (inclusive_counts[:, :, -1:] - inclusive_counts)
-        sums = _previous(inclusive_sums, 2) + (inclusive_sums[:, :, -1:] - inclusive_sums)
-    cache_scores = torch.matmul(q, codebook.transpose(-1, -2)[None, :, None]) * scale
-    cache_scores = cache_scores.masked_fill((counts <= 0)[:, :, :, None, :], -math.inf)
+        cache = per_block.sum(dim=2, keepdim=True) - per_block - _previous(per_block, 1)
+    present = cache[..., width] > 0.5  # counts are whole numbers; the sums of other blocks may round
+    cache_bias = torch.zeros(present.shape, dtype=compute, device=device).masked_fill(~present, -math.inf)
+    # One product per head over all positions (a per-block product would copy the codebook for every block).
+    cache_scores = torch.matmul(q.view(batch, heads, blocks * block, dim), codebook.transpose(-1, -2)[None])
+    cache_scores = cache_scores.view(batch, heads, blocks, block, size) + cache_bias.unsqueeze(3)
 
-    shift = torch.maximum(window_scores.amax(-1, keepdim=True), cache_scores.amax(-1, keepdim=True))
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift)).detach()
-    window_weights = torch.exp(window_scores - shift)
-    cache_weights = torch.exp(cache_scores - shift)
-    numerator = torch.matmul(window_weights, window_values) + torch.matmul(cache_weights, sums)
-    denominator = window_weights.sum(-1, keepdim=True) + torch.matmul(cache_weights, counts.unsqueeze(-1))
+    # Masks enter as additive biases and the shift (a constant for the gradient) is subtracted in place:
+    # every pass over the (N x S) scores counts, forward and backward.
+    with torch.no_grad():
+        shift = torch.maximum(window_scores.amax(-1, keepdim=True), cache_scores.amax(-1, keepdim=True))
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    both = torch.matmul(window_scores.sub_(shift).exp_(), window_values) \
+        + torch.matmul(cache_scores.sub_(shift).exp_(), cache)
+    numerator, denominator = both[..., :width], both[..., width:]
     out = numerator / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
     return out.reshape(batch, heads, blocks * block, -1)[:, :, :length].to(dtype)
 
