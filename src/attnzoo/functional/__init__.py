@@ -50,6 +50,15 @@ from .sinkhorn import (
 from .clustered import cluster_queries, clustered_attention, clustered_attention_reference, clustered_attention_unchecked
 from .lsh import lsh_attention, lsh_attention_reference, lsh_attention_unchecked, lsh_buckets, lsh_rotations
 from .blocksparse import blocksparse_attention, blocksparse_attention_reference, blocksparse_attention_unchecked
+from .flash import (
+    gau_attention,
+    gau_attention_reference,
+    gau_attention_unchecked,
+    mixed_chunk_attention,
+    mixed_chunk_attention_reference,
+    mixed_chunk_attention_unchecked,
+)
+from .vq import quantize, vq_attention, vq_attention_reference, vq_attention_step, vq_attention_unchecked
 
 __all__ = sorted(name for name in dir() if not name.startswith("_") and name not in ("annotations",)
                  and callable(globals()[name]))
