@@ -58,6 +58,15 @@ from .state_scan import (
     prefix_states_reference,
     split_causal_attention,
 )
+from .flash import (
+    gau_attention,
+    gau_attention_reference,
+    gau_attention_unchecked,
+    mixed_chunk_attention,
+    mixed_chunk_attention_reference,
+    mixed_chunk_attention_unchecked,
+)
+from .vq import quantize, vq_attention, vq_attention_reference, vq_attention_step, vq_attention_unchecked
 
 __all__ = sorted(name for name in dir() if not name.startswith("_") and name not in ("annotations",)
                  and callable(globals()[name]))

@@ -24,6 +24,9 @@ from .gated import GatedLinearAttention, RetentionAttention
 from . import aft, efficient, fnet, linformer, nystrom, sinkhorn, synthesizer  # noqa: E402,F401
 # Sparse and hashed families.
 from . import clustered, reformer, sparse  # noqa: E402,F401
+# Gated and quantized linear-time designs.
+from .flash import FlashAttention, GauAttention  # noqa: E402
+from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 
 __all__ = [
     "APPROXIMATE",
@@ -47,4 +50,9 @@ __all__ = [
     "RandomFeatureAttention",
     "GatedLinearAttention",
     "RetentionAttention",
+    "FlashAttention",
+    "GauAttention",
+    "VQAttention",
+    "auxiliary_loss",
+    "update_codebooks",
 ]

@@ -2,6 +2,7 @@
 
 from .config import AttentionSpec, BlockConfig
 from .fusion import AttentionFusion
+from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
 from .reversible import ReversibleDecoder, ReversibleEncoder
 from .transformer import (
@@ -22,6 +23,9 @@ __all__ = [
     "DecoderLayer",
     "EncoderLayer",
     "FeedForward",
+    "GatedAttentionUnit",
+    "GatedDecoderLayer",
+    "GatedEncoderLayer",
     "LayerState",
     "Decoder",
     "DecoderState",

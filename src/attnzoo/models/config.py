@@ -4,17 +4,73 @@
 norm placement, dropout, rotary positions) and one :class:`AttentionSpec` per attention slot. The layers take a
 config; the stacks and models keep their keyword arguments and turn them into one config, so each option is
 checked here, by the shared helpers of :mod:`attnzoo._validation`, whichever constructor it was given to.
+
+``block`` chooses what a layer is: attention + feed-forward (``"attention"``, the default), or one gated
+attention unit (Hua et al. 2022) in their place, with quadratic attention (``"gau"``) or FLASH's mixed chunk
+attention (``"flash"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit_options`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import available
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
+BLOCKS = ("attention", "gau", "flash")
+"""What a layer is: attention + feed-forward, or one gated attention unit with quadratic ("gau") or mixed chunk
+("flash") attention."""
+
+GATED_UNIT_OPTIONS = {"shared_dim": None, "expansion_dim": None, "scores": "relu2", "chunk_size": 256}
+"""The options of a gated attention unit (``block_options``) with their defaults; ``chunk_size`` is FLASH's."""
+
+
+def gated_unit_options(block: str, dim: int, rotary: bool, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The checked options of a gated attention unit of width ``dim``, defaults filled in.
+
+    Args:
+        block: "gau" or "flash".
+        options: any of
+
+            * ``shared_dim``: s, the width of the shared projection Z the query and key forms are made from;
+              ``min(128, dim)`` by default (the paper's 128), at most ``dim``.
+            * ``expansion_dim``: e, the width of the gate U and the values V; ``2 * dim`` by default.
+            * ``scores``: "relu2" (squared ReLU, the paper's) or "softmax".
+            * ``chunk_size``: FLASH's chunk length c (256 by default); ``block="flash"`` only.
+
+    Returns:
+        All four options, ``shared_dim`` and ``expansion_dim`` resolved (``chunk_size`` None for "gau").
+    """
+    check_choice("block", block, BLOCKS[1:])
+    given = dict(options or {})
+    unknown = sorted(set(given) - set(GATED_UNIT_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"block_options: unknown option(s) {', '.join(unknown)} for block={block!r}; valid options: "
+            f"{', '.join(GATED_UNIT_OPTIONS)}"
+        )
+    if block == "gau" and "chunk_size" in given:
+        raise ValueError("block_options: chunk_size is an option of block='flash' (mixed chunk attention); "
+                         "block='gau' attends over the whole sequence")
+    resolved = {**GATED_UNIT_OPTIONS, **given}
+    shared = check_number("shared_dim", resolved["shared_dim"], integer=True, minimum=1, optional=True)
+    shared = min(128, dim) if shared is None else shared
+    if shared > dim:
+        raise ValueError(f"shared_dim={shared} is larger than the model dimension dim={dim}: the shared "
+                         f"projection Z is meant to be small (s=128 in the paper)")
+    if rotary and shared % 2:
+        raise ValueError(f"shared_dim={shared} must be even with rotary positions (they rotate pairs of dimensions)")
+    expansion = check_number("expansion_dim", resolved["expansion_dim"], integer=True, minimum=1, optional=True)
+    resolved["shared_dim"] = shared
+    resolved["expansion_dim"] = 2 * dim if expansion is None else expansion
+    check_choice("scores", resolved["scores"], ("relu2", "softmax"))
+    if block == "flash":
+        check_positive_int("chunk_size", resolved["chunk_size"])
+    else:
+        resolved["chunk_size"] = None
+    return resolved
 
 
 @dataclass(frozen=True)
@@ -79,6 +135,13 @@ class BlockConfig:
             of (batch, seq, ff_dim); the outputs are those of one pass. 1: one pass over the whole sequence.
             In training, the slices of a plain stack keep their activations for the backward pass; reversible
             stacks (``reversible=True``) also recompute and differentiate slice by slice.
+        block: "attention" (attention + feed-forward), or one gated attention unit in their place: "gau"
+            (quadratic attention) or "flash" (mixed chunk attention). A gated unit is single-head and has its
+            own attention and gating, so ``self_attention`` (other than the default), ``self_attention_options``,
+            ``cross_attention``, ``ff_dim``, ``activation`` (other than the default) and ``ff_chunks`` are refused
+            with it, naming the option; ``heads`` only has to divide ``dim``. ``rotary`` rotates its query and
+            key forms.
+        block_options: the gated unit's options (see :func:`gated_unit_options`); only with a gated block.
 
     Every option is checked when the config is made: a yes/no option must be a bool (``norm_first="False"`` is
     a TypeError, not a truthy yes), numbers are checked for type, finiteness and range, and each error names
@@ -97,6 +160,8 @@ class BlockConfig:
     cross_attention: Optional[AttentionSpec] = None
     memory_dim: Optional[int] = None
     ff_chunks: int = 1
+    block: str = "attention"
+    block_options: Optional[Mapping[str, Any]] = None
 
     def __post_init__(self) -> None:
         check_positive_int("dim", self.dim)
@@ -116,6 +181,36 @@ class BlockConfig:
         if self.memory_dim is not None and self.cross_attention is None:
             raise ValueError("memory_dim given but cross_attention=None (no memory to attend to)")
         check_positive_int("ff_chunks", self.ff_chunks)
+        check_choice("block", self.block, BLOCKS)
+        options = self.block_options
+        if options is not None and not (isinstance(options, Mapping) and all(isinstance(key, str) for key in options)):
+            raise TypeError(f"block_options must be a dict of options (names to values) or None, got "
+                            f"{type(options).__name__}")
+        if self.block == "attention":
+            if options:
+                raise ValueError("block_options given but block='attention': they are options of a gated attention "
+                                 "unit (block='gau' or block='flash')")
+            return
+        self._check_gated_unit()
+
+    def _check_gated_unit(self) -> None:
+        """Refuse, naming them, the options a gated attention unit has no use for; check its own options."""
+        why = (f"block={self.block!r} replaces attention + feed-forward by one gated attention unit with its own "
+               f"single-head attention and gate")
+        if self.self_attention.mechanism != "softmax":
+            raise ValueError(f"self_attention={self.self_attention.mechanism!r} cannot be used: {why}; leave "
+                             f"self_attention at its default")
+        if self.self_attention.options:
+            raise ValueError(f"self_attention_options cannot be used: {why}; give its options as block_options")
+        if self.cross_attention is not None:
+            raise ValueError(f"cross_attention cannot be used: {why} and no cross-attention; pass "
+                             f"cross_attention=None")
+        for option, value, default in (("ff_dim", self.ff_dim, None), ("activation", self.activation, "gelu"),
+                                       ("ff_chunks", self.ff_chunks, 1)):
+            if value != default:
+                hint = " (its expansion width is block_options['expansion_dim'])" if option == "ff_dim" else ""
+                raise ValueError(f"{option}={value!r} cannot be used: {why}, no feed-forward network{hint}")
+        gated_unit_options(self.block, self.dim, self.rotary, self.block_options)
 
     @property
     def feed_forward_dim(self) -> int:

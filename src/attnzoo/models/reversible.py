@@ -194,6 +194,11 @@ def reversible_streams(
 
 
 def _check_pre_norm(config: BlockConfig) -> None:
+    if config.block != "attention":
+        raise ValueError(
+            f"reversible=True needs block='attention': its couplings pair each layer's attention and feed-forward "
+            f"branches, and a block={config.block!r} unit is one branch"
+        )
     if not config.norm_first:
         raise ValueError(
             "reversible=True needs norm_first=True: a post-norm residual norm(x + f(x)) cannot be undone from its "

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .._validation import check_bool, check_choice, check_positive_int, check_probability
 from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .config import AttentionSpec, BlockConfig, attention_slot
+from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
@@ -110,13 +111,16 @@ class _LayerStack(nn.Module):
     layer norm in a pre-norm stack (post-norm layers already end with one)."""
 
     layer_type: ClassVar[Type[_Block]]
+    gated_layer_type: ClassVar[Type[GatedAttentionUnit]]
+    """The layer of a stack whose config says ``block="gau"`` or ``block="flash"``."""
 
     def __init__(self, config: BlockConfig, depth: int) -> None:
         super().__init__()
         check_positive_int("depth", depth)
         self._check_config(config)
         self.config = config
-        self.layers = nn.ModuleList(self.layer_type(config) for _ in range(depth))
+        layer_type = self.layer_type if config.block == "attention" else self.gated_layer_type
+        self.layers = nn.ModuleList(layer_type(config) for _ in range(depth))
         self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
 
     @classmethod
@@ -143,6 +147,7 @@ class Encoder(_LayerStack):
     """
 
     layer_type = EncoderLayer
+    gated_layer_type = GatedEncoderLayer
 
     def __init__(
         self,
@@ -159,11 +164,14 @@ class Encoder(_LayerStack):
         rotary: bool = False,
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
+            block=block, block_options=block_options,
         )
         super().__init__(config, depth)
 
@@ -194,6 +202,7 @@ class Decoder(_LayerStack):
     """
 
     layer_type = DecoderLayer
+    gated_layer_type = GatedDecoderLayer
 
     def __init__(
         self,
@@ -213,13 +222,15 @@ class Decoder(_LayerStack):
         rotary: bool = False,
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
             cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
-            memory_dim=memory_dim,
+            memory_dim=memory_dim, block=block, block_options=block_options,
         )
         super().__init__(config, depth)
 
@@ -293,6 +304,10 @@ class LanguageModel(nn.Module):
         reversible: a :class:`~attnzoo.models.reversible.ReversibleDecoder` (Kitaev et al. 2020) instead of a
             :class:`Decoder`: the same layers coupled reversibly, so training keeps the activations of one
             branch instead of every layer's (pre-norm only). Decoding works the same way.
+        block, block_options: "attention" (attention + feed-forward layers, the default), or gated attention
+            units in their place (Hua et al. 2022): "gau" (quadratic) or "flash" (mixed chunk attention, linear
+            time, constant-size decoding state); see :class:`BlockConfig` and :mod:`attnzoo.models.gau`. A unit
+            has about half the parameters of an attention + feed-forward layer, so ``depth`` counts units.
 
     Decoding: ``logits, state = model.prefill(prompt)`` then ``logits_t, state = model.step(token_t, state)``;
     see :mod:`attnzoo.decoding` for greedy, sampling and beam search.
@@ -316,6 +331,8 @@ class LanguageModel(nn.Module):
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
         reversible: bool = False,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
@@ -325,6 +342,7 @@ class LanguageModel(nn.Module):
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
+            block=block, block_options=block_options,
         )
         self.decoder = _decoder_type(reversible).from_config(config, depth)
         self.head = nn.Linear(dim, vocab_size, bias=False)
@@ -460,7 +478,7 @@ class SequenceClassifier(nn.Module):
     ``pooling="mean"`` averages the final vectors of the non-padding positions; ``pooling="cls"`` prepends a
     learned classification vector (at position 0) and reads its final vector. With ``positional="learned"``,
     ``max_length`` counts the tokens only. Other arguments as for :class:`LanguageModel` (``reversible``: a
-    :class:`~attnzoo.models.reversible.ReversibleEncoder`).
+    :class:`~attnzoo.models.reversible.ReversibleEncoder`; ``block``: bidirectional gated units).
     """
 
     def __init__(
@@ -483,6 +501,8 @@ class SequenceClassifier(nn.Module):
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
         reversible: bool = False,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
@@ -497,6 +517,7 @@ class SequenceClassifier(nn.Module):
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
+            block=block, block_options=block_options,
         )
         self.encoder = _encoder_type(reversible).from_config(config, depth)
         self.head = nn.Linear(dim, num_classes)
@@ -548,6 +569,8 @@ class SequenceTagger(nn.Module):
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
         reversible: bool = False,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
@@ -558,6 +581,7 @@ class SequenceTagger(nn.Module):
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(self_attention, self_attention_options),
+            block=block, block_options=block_options,
         )
         self.encoder = _encoder_type(reversible).from_config(config, depth)
         self.head = nn.Linear(dim, num_classes)
