@@ -26,6 +26,11 @@ SMALL = {
     "pathfinder": dict(train_size=24, validation_size=8, test_size=8, size=16, contour_length=4,
                        segment_length=2, num_distractors=2),
     "recall": dict(train_size=30, validation_size=8, test_size=8, num_pairs=6, num_keys=12, num_values=8),
+    "copy": dict(train_size=30, validation_size=8, test_size=8, length=7, num_symbols=5),
+    "reverse": dict(train_size=30, validation_size=8, test_size=8, length=7, num_symbols=5),
+    "sort": dict(train_size=30, validation_size=8, test_size=8, length=7, num_symbols=5),
+    "copy-names": dict(train_size=30, validation_size=8, test_size=8, num_names=20, num_numbers=50),
+    "g2p": dict(train_size=40, validation_size=10, test_size=10),
 }
 """Options that build each task in well under a second."""
 
@@ -34,6 +39,11 @@ EXPECTED = {  # name: (kind, metric, needs_causal)
     "listops": ("classify", "accuracy", False),
     "pathfinder": ("classify", "accuracy", False),
     "recall": ("tag", "accuracy", False),
+    "copy": ("seq2seq", "accuracy", False),
+    "reverse": ("seq2seq", "accuracy", False),
+    "sort": ("seq2seq", "accuracy", False),
+    "copy-names": ("seq2seq", "accuracy", False),
+    "g2p": ("seq2seq", "accuracy", False),
 }
 
 _BUILT = {}
@@ -62,7 +72,8 @@ def same_data(a: Task, b: Task) -> bool:
 
 
 def test_available_lists_the_tasks_sorted():
-    assert tasks.available() == sorted(EXPECTED) == ["bytes", "listops", "pathfinder", "recall"]
+    assert tasks.available() == sorted(EXPECTED) == ["bytes", "copy", "copy-names", "g2p", "listops", "pathfinder",
+                                                     "recall", "reverse", "sort"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -101,6 +112,17 @@ def test_shapes_dtypes_and_vocabulary(name):
             assert int(split.targets[scored].min()) >= 0 and int(split.targets[scored].max()) < task.num_classes
             if split.padding_mask is not None:
                 assert not (scored & split.padding_mask).any()
+        elif task.kind == "seq2seq":
+            # Targets: tokens, one EOS, then nothing scored; the decoder reads BOS and the targets shifted right.
+            assert split.targets.shape == split.decoder_inputs.shape == (n, task.target_len)
+            scored = split.targets != IGNORE_INDEX
+            assert torch.equal((split.targets == task.eos_id).sum(dim=1), torch.ones(n, dtype=torch.int64))
+            assert torch.equal(scored.sum(dim=1) - 1, (split.targets == task.eos_id).int().argmax(dim=1))
+            assert (split.decoder_inputs[:, 0] == task.bos_id).all()
+            tokens = scored & (split.targets != task.eos_id)
+            shifted = torch.where(tokens[:, :-1], split.targets[:, :-1], task.pad_id)
+            assert torch.equal(split.decoder_inputs[:, 1:], shifted)
+            assert int(split.targets[scored].min()) >= 0 and int(split.targets[scored].max()) < task.num_classes
         else:
             assert task.num_classes == task.vocab_size
             assert split.targets.shape == (n, task.seq_len)
@@ -170,7 +192,8 @@ def test_describe_names_the_task_and_sizes(name):
 # -- errors ----------------------------------------------------------------------------------------------------
 def test_unknown_task_lists_the_valid_ones():
     for bad in ("listop", None, 3):
-        with pytest.raises(ValueError, match="unknown task.*bytes, listops, pathfinder, recall"):
+        with pytest.raises(ValueError, match="unknown task.*bytes, copy, copy-names, g2p, listops, pathfinder, "
+                                             "recall, reverse, sort"):
             tasks.load(bad)
         with pytest.raises(ValueError, match="valid tasks"):
             tasks.task_class(bad)
@@ -199,6 +222,11 @@ SIZE_OPTIONS = {
     "pathfinder": ["train_size", "validation_size", "test_size", "contour_length", "segment_length",
                    "distractor_length"],
     "recall": ["train_size", "validation_size", "test_size", "num_pairs"],
+    "copy": ["train_size", "validation_size", "test_size", "length", "min_length", "num_symbols"],
+    "reverse": ["train_size", "validation_size", "test_size", "length", "num_symbols"],
+    "sort": ["train_size", "validation_size", "test_size", "length", "num_symbols"],
+    "copy-names": ["train_size", "validation_size", "test_size", "num_names", "num_numbers"],
+    "g2p": ["validation_size", "test_size", "max_length"],
 }
 
 

@@ -23,6 +23,9 @@ TRAIN_OPTIONS = {
     "--lr": "lr", "--warmup-steps": "warmup_steps", "--min-lr-ratio": "min_lr_ratio",
     "--weight-decay": "weight_decay", "--grad-clip": "grad_clip", "--precision": "precision", "--seed": "seed",
     "--eval-interval": "eval_interval", "--eval-batches": "eval_batches",
+    "--label-smoothing": "label_smoothing", "--scheduled-sampling": "scheduled_sampling",
+    "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
+    "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
 }
 OPTION_OF_FIELD = {field: option for option, field in TRAIN_OPTIONS.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
@@ -201,6 +204,8 @@ def _check_buildable(config: Any) -> None:
             build_model(config, task)
         except TypeError as error:
             raise ValueError(f"--mechanism-options: {error}") from None
+        except ValueError as error:  # a setting that does not fit the task (scheduled sampling off seq2seq)
+            raise ValueError(_name_option(str(error))) from None
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -273,7 +278,7 @@ def add_training_commands(commands: Any) -> None:
 
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     train = commands.add_parser(
-        "train", help="train a model on a task (listops, pathfinder, bytes, recall)",
+        "train", help="train a model on a task (listops, pathfinder, bytes, recall, g2p, copy, ...)",
         description="Train a classifier, tagger or language model with one attention mechanism on a task; "
                     "evaluates on the validation split every --eval-interval steps (writing an atomic "
                     "checkpoint each time), then on the test split. Writes checkpoints/, metrics.csv and "
@@ -286,9 +291,11 @@ def add_training_commands(commands: Any) -> None:
     train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     numeric = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
-               "--grad-clip": float}
+               "--grad-clip": float, "--label-smoothing": float, "--sampling-k": float,
+               "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float}
     choices = {"--positional": ["sinusoidal", "learned", "rotary", "none"], "--pooling": ["mean", "cls"],
-               "--precision": ["float32", "bfloat16"]}
+               "--precision": ["float32", "bfloat16"], "--scheduled-sampling": ["none", "token", "two-pass"],
+               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"]}
     for option, field in TRAIN_OPTIONS.items():
         default = defaults[field]
         if option in choices:

@@ -12,6 +12,11 @@ Three kinds of task, which decide the shape of the targets and the metric:
   scored; metric ``"accuracy"`` over the scored positions.
 * ``"lm"``: next-token prediction, targets ``(n, seq_len)`` = the inputs shifted by one; metric
   ``"bits_per_byte"``; a model must be causal.
+* ``"seq2seq"``: a source sequence to a target sequence of another length (and vocabulary); the splits are
+  :class:`Seq2SeqSplit` objects: inputs ``(n, seq_len)`` are the source, targets ``(n, target_len)`` the target
+  tokens to predict (ending with the task's ``eos_id``, :data:`IGNORE_INDEX` after it) and ``decoder_inputs``
+  the same tokens shifted right behind ``bos_id`` (teacher forcing); metric ``"accuracy"`` over the
+  scored target tokens (decoded metrics such as exact match come from the training code).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ IGNORE_INDEX = -100
 """Target value that no loss or metric counts (``torch.nn.functional.cross_entropy``'s default ``ignore_index``)."""
 
 SPLITS = ("train", "validation", "test")
-KINDS = {"classify": "accuracy", "tag": "accuracy", "lm": "bits_per_byte"}
+KINDS = {"classify": "accuracy", "tag": "accuracy", "lm": "bits_per_byte", "seq2seq": "accuracy"}
 """Each kind of task and its metric."""
 
 
@@ -72,6 +77,38 @@ class Split:
         return int(self.inputs.shape[0])
 
 
+@dataclass(frozen=True)
+class Seq2SeqSplit(Split):
+    """One split of a ``"seq2seq"`` task: a :class:`Split` whose targets have their own length.
+
+    Attributes:
+        inputs: (n, seq_len) int64 source ids, padded with the task's ``pad_id``.
+        targets: (n, target_len) int64 target ids to predict, the last scored one the task's ``eos_id``,
+            :data:`IGNORE_INDEX` after it.
+        padding_mask: (n, seq_len) bool source padding, True = padding.
+        decoder_inputs: (n, target_len) int64: ``bos_id`` then the targets shifted right by one, ``pad_id``
+            where the target is :data:`IGNORE_INDEX` (what a teacher-forced decoder reads).
+    """
+
+    decoder_inputs: Optional[Tensor] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inputs, Tensor) or self.inputs.dtype != torch.int64 or self.inputs.dim() != 2:
+            raise TypeError(f"inputs must be a 2-D int64 tensor (n, seq_len), got {_describe_tensor(self.inputs)}")
+        n, seq_len = self.inputs.shape
+        for name in ("targets", "decoder_inputs"):
+            value = getattr(self, name)
+            if not isinstance(value, Tensor) or value.dtype != torch.int64 or value.dim() != 2 or len(value) != n:
+                raise TypeError(f"{name} must be a 2-D int64 tensor ({n}, target_len), got {_describe_tensor(value)}")
+        if self.targets.shape != self.decoder_inputs.shape:
+            raise ValueError(f"targets {tuple(self.targets.shape)} and decoder_inputs "
+                             f"{tuple(self.decoder_inputs.shape)} must have the same shape")
+        if not isinstance(self.padding_mask, Tensor) or self.padding_mask.dtype != torch.bool \
+                or self.padding_mask.shape != (n, seq_len):
+            raise TypeError(f"padding_mask must be a bool tensor of shape ({n}, {seq_len}), "
+                            f"got {_describe_tensor(self.padding_mask)}")
+
+
 def _describe_tensor(x: object) -> str:
     if isinstance(x, Tensor):
         return f"{x.dtype} of shape {tuple(x.shape)}"
@@ -87,7 +124,7 @@ class Task:
 
     Class attributes:
         name: the word ``load`` and ``attnzoo train`` take.
-        kind: ``"classify"``, ``"tag"`` or ``"lm"`` (see the module docstring).
+        kind: ``"classify"``, ``"tag"``, ``"lm"`` or ``"seq2seq"`` (see the module docstring).
         metric: ``"accuracy"`` (classify, tag) or ``"bits_per_byte"`` (lm).
         needs_causal: True for ``"lm"`` only: the model must not see the token it predicts.
         summary: one line for listings.
@@ -97,6 +134,9 @@ class Task:
         seq_len: every split's inputs are ``(n, seq_len)``.
         num_classes: classify/tag: the number of classes; lm: ``vocab_size``.
         pad_id: the padding token id, None if the task never pads.
+
+    A ``"seq2seq"`` task also sets ``target_len`` (the length of its targets) and ``bos_id``, ``eos_id``;
+    ``vocab_size`` is then the source vocabulary and ``num_classes`` the target vocabulary.
     """
 
     name: ClassVar[str] = ""
@@ -129,6 +169,10 @@ class Task:
                 raise ValueError(f"{self.name} {split_name} inputs have length {split.inputs.shape[1]}, "
                                  f"not seq_len={self.seq_len}")
             expected = (len(split),) if self.kind == "classify" else (len(split), self.seq_len)
+            if self.kind == "seq2seq":  # targets have their own length
+                if not isinstance(split, Seq2SeqSplit):
+                    raise TypeError(f"{self.name} {split_name}: a seq2seq task's splits are Seq2SeqSplits")
+                expected = (len(split), getattr(self, "target_len", -1))
             if split.targets.shape != expected:
                 raise ValueError(f"{self.name} {split_name} targets have shape {tuple(split.targets.shape)}, "
                                  f"expected {expected} for kind {self.kind!r}")

@@ -11,10 +11,19 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .._validation import check_choice, check_number, check_positive_int, check_probability
+from .seq2seq import (
+    DEFAULT_GUIDE_WIDTH,
+    SAMPLING_DECAYS,
+    SCHEDULED_SAMPLING,
+    check_sampling_k,
+    default_sampling_k,
+    teacher_probability,
+)
 
 PRECISIONS = ("float32", "bfloat16")
 POOLINGS = ("mean", "cls")
 POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
+
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,16 @@ class TrainConfig:
         seed: weights, dropout and the order of the training examples.
         eval_interval: steps between evaluations on the validation split (and checkpoints).
         eval_batches: batches per evaluation (None: the whole split).
+        label_smoothing: the share of each target's probability spread evenly over all classes in the
+            training loss (0: plain cross-entropy; evaluation always reports the plain loss).
+        scheduled_sampling: seq2seq tasks only: "none" (teacher forcing), "token" (per-token, Bengio et al.
+            2015) or "two-pass" (Mihaylova & Martins 2019); see :mod:`attnzoo.training.seq2seq`.
+        sampling_decay, sampling_k, sampling_min_teacher: how the probability of feeding the gold token decays
+            over the steps: "linear" ``1 - step/k``, "exponential" ``k**step`` or "inverse-sigmoid"
+            ``k / (k + exp(step/k))``, never below ``sampling_min_teacher``; ``sampling_k=None`` fits the
+            schedule to ``steps`` (linear reaches 0, exponential 0.01 at the end; inverse sigmoid 1/2 halfway).
+        guide_loss, guide_width: seq2seq tasks only: the weight (>= 0; 0 switches it off) of the diagonal guide
+            loss on the cross-attention (Tachibana et al. 2018) and its width g (> 0).
     """
 
     task: str
@@ -60,6 +79,13 @@ class TrainConfig:
     seed: int = 0
     eval_interval: int = 100
     eval_batches: Optional[int] = None
+    label_smoothing: float = 0.0
+    scheduled_sampling: str = "none"
+    sampling_decay: str = "linear"
+    sampling_k: Optional[float] = None
+    sampling_min_teacher: float = 0.0
+    guide_loss: float = 0.0
+    guide_width: float = DEFAULT_GUIDE_WIDTH
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -84,6 +110,14 @@ class TrainConfig:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("positional", self.positional, POSITIONALS)
+        check_probability("label_smoothing", self.label_smoothing)
+        check_choice("scheduled_sampling", self.scheduled_sampling, SCHEDULED_SAMPLING)
+        check_choice("sampling_decay", self.sampling_decay, SAMPLING_DECAYS)
+        check_number("sampling_k", self.sampling_k, optional=True)
+        check_sampling_k(self.sampling_decay, self.sampling_k)
+        check_number("sampling_min_teacher", self.sampling_min_teacher, minimum=0.0, maximum=1.0)
+        check_number("guide_loss", self.guide_loss, minimum=0.0)
+        check_number("guide_width", self.guide_width, minimum=0.0, exclusive_minimum=True)
         if self.dim % self.heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
 
@@ -101,6 +135,13 @@ class TrainConfig:
         decay_steps = max(self.steps - warmup - 1, 1)
         progress = min((step - warmup) / decay_steps, 1.0)
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def teacher_probability(self, step: int) -> float:
+        """The probability of feeding the gold token at optimiser step ``step`` (1 without scheduled sampling)."""
+        if self.scheduled_sampling == "none":
+            return 1.0
+        k = default_sampling_k(self.sampling_decay, self.steps) if self.sampling_k is None else self.sampling_k
+        return teacher_probability(self.sampling_decay, step, k, self.sampling_min_teacher)
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)

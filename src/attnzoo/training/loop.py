@@ -37,11 +37,21 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .model import build_model
+from .seq2seq import (
+    DEFAULT_GUIDE_WIDTH,
+    decoded_metrics,
+    decoder_inputs,
+    greedy_outputs,
+    seq2seq_logits,
+    smoothed_cross_entropy,
+    strip_output,
+)
 
 LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
-CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s"]
+CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
+              "exact_match", "token_error_rate", "guide_loss"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -87,19 +97,47 @@ class Tally:
         return result
 
 
-def loss_and_tally(kind: str, logits: Tensor, targets: Tensor) -> Tuple[Tensor, Tally]:
+def loss_and_tally(
+    kind: str, logits: Tensor, targets: Tensor, *, label_smoothing: float = 0.0
+) -> Tuple[Tensor, Tally]:
     """Mean cross-entropy over the scored targets and its :class:`Tally`.
 
-    kind "classify": logits (batch, classes), targets (batch,); "tag" and "lm": logits (batch, seq, classes),
-    targets (batch, seq) with :data:`IGNORE_INDEX` where nothing is scored."""
+    kind "classify": logits (batch, classes), targets (batch,); "tag", "lm" and "seq2seq": logits
+    (batch, seq, classes), targets (batch, seq) with :data:`IGNORE_INDEX` where nothing is scored.
+    ``label_smoothing`` > 0: the label-smoothed loss (:func:`~attnzoo.training.seq2seq.smoothed_cross_entropy`)."""
     logits = logits.float().reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
     scored = targets != IGNORE_INDEX
     count = int(scored.sum())
-    total = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    if label_smoothing > 0:
+        total = smoothed_cross_entropy(logits, targets, label_smoothing)
+    else:
+        total = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     correct = int(((logits.argmax(dim=-1) == targets) & scored).sum())
     tally = Tally(float(total.detach()), count, correct)
     return total / max(count, 1), tally
+
+
+def model_logits(
+    model: nn.Module, task: Task, data: Split, index: Tensor, inputs: Tensor, mask: Optional[Tensor], *,
+    config: Optional[TrainConfig] = None, step: int = 0,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """The model's logits for the examples ``index`` of ``data`` (inputs and mask already taken), and an
+    auxiliary loss or None: the one call that differs per kind. A seq2seq model reads the decoder inputs
+    too, mixed with its own predictions under scheduled sampling when ``config`` (training only) asks for it;
+    its auxiliary loss is the (unweighted) guide loss of its cross-attention, in evaluation always (a measure
+    of how diagonal the attention is) and in training when ``config.guide_loss`` > 0."""
+    if task.kind != "seq2seq":
+        return model(inputs, padding_mask=mask), None
+    mode = "none" if config is None else config.scheduled_sampling
+    teacher = 1.0 if config is None else config.teacher_probability(step)
+    seed = 0 if config is None else config.seed
+    target_inputs = decoder_inputs(model, data, index, inputs, mask, mode=mode, teacher=teacher, seed=seed,
+                                   step=step)
+    guide_width = None
+    if config is None or config.guide_loss > 0:
+        guide_width = DEFAULT_GUIDE_WIDTH if config is None else config.guide_width
+    return seq2seq_logits(model, data, index, inputs, mask, target_inputs, guide_width)
 
 
 def _autocast(precision: str) -> contextlib.AbstractContextManager:
@@ -114,22 +152,36 @@ def evaluate(
     max_batches: Optional[int] = None, precision: str = "float32",
 ) -> Dict[str, float]:
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
-    first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards."""
+    first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
+    A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
+    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become)."""
     data = task.split(split)
     was_training = model.training
     model.eval()
     tally = Tally()
+    predictions: List[List[int]] = []
+    references: List[List[int]] = []
+    guide_sum = 0.0
     try:
         for number, start in enumerate(range(0, len(data), batch_size)):
             if max_batches is not None and number >= max_batches:
                 break
-            inputs, targets, mask = _take(data, torch.arange(start, min(start + batch_size, len(data))))
+            index = torch.arange(start, min(start + batch_size, len(data)))
+            inputs, targets, mask = _take(data, index)
             with _autocast(precision):
-                logits = model(inputs, padding_mask=mask)
+                logits, guide = model_logits(model, task, data, index, inputs, mask)
+                if task.kind == "seq2seq":
+                    guide_sum += float(guide) * len(index)
+                    predictions += greedy_outputs(model, task, inputs, mask)
+                    references += [strip_output(row.tolist(), task.eos_id) for row in targets]
             tally.add(loss_and_tally(task.kind, logits, targets)[1])
     finally:
         model.train(was_training)
-    return tally.metrics(task)
+    metrics = tally.metrics(task)
+    if task.kind == "seq2seq":
+        metrics.update(decoded_metrics(predictions, references))
+        metrics["guide_loss"] = guide_sum / max(len(references), 1)
+    return metrics
 
 
 # -- interrupts ----------------------------------------------------------------------------------------------
@@ -349,8 +401,11 @@ def train(
                     index = batch_indices(len(train_split), config.batch_size, step, config.seed)
                     inputs, targets, mask = _take(train_split, index)
                     with _autocast(config.precision):
-                        logits = model(inputs, padding_mask=mask)
-                    loss, tally = loss_and_tally(task.kind, logits, targets)
+                        logits, auxiliary = model_logits(model, task, train_split, index, inputs, mask,
+                                                         config=config, step=step)
+                    loss, tally = loss_and_tally(task.kind, logits, targets, label_smoothing=config.label_smoothing)
+                    if auxiliary is not None:
+                        loss = loss + config.guide_loss * auxiliary
                     loss.backward()
                     if config.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

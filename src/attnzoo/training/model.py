@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
-from ..models import LanguageModel, SequenceClassifier, SequenceTagger
+from ..models import LanguageModel, Seq2SeqTransformer, SequenceClassifier, SequenceTagger
 from ..tasks import Task
 from .config import TrainConfig
 
@@ -42,6 +42,10 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     padding = None if task.pad_id is None else torch.zeros(1, length, dtype=torch.bool, device="meta")
     q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads)
     reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
+    if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention, which is causal
+        target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads)
+        reasons += [f"as the decoder's self-attention: {reason}"
+                    for reason in mechanism.unsupported_reasons(*target, causal=True, key_padding_mask=None)]
     if task.needs_causal and not mechanism.capabilities.causal:
         reasons = [f"{task.name} is next-token prediction, which needs causal attention: " + "; ".join(reasons)]
     return reasons
@@ -49,9 +53,16 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
 
 def build_model(config: TrainConfig, task: Task) -> nn.Module:
     """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
-    ("tag") or a :class:`LanguageModel` ("lm"), every self-attention slot using ``config.mechanism``.
+    ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
+    on each side), every self-attention slot using ``config.mechanism``.
 
     Raises :class:`~attnzoo.UnsupportedOptionError` when the mechanism cannot serve the task."""
+    if task.kind != "seq2seq" and config.scheduled_sampling != "none":
+        raise ValueError(f"scheduled_sampling {config.scheduled_sampling!r} needs a seq2seq task; {task.name} is "
+                         f"{task.kind!r}")
+    if task.kind != "seq2seq" and config.guide_loss > 0:
+        raise ValueError(f"guide_loss {config.guide_loss!r} needs a seq2seq task (cross-attention); {task.name} "
+                         f"is {task.kind!r}")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
@@ -66,4 +77,14 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         return SequenceTagger(task.vocab_size, task.num_classes, **common)
     if task.kind == "lm":
         return LanguageModel(task.vocab_size, **common)
+    if task.kind == "seq2seq":
+        # The mechanism serves both self-attention slots; cross-attention stays exact softmax.
+        options = common.pop("self_attention_options")
+        mechanism = common.pop("self_attention")
+        depth = common.pop("depth")
+        common["max_length"] = max(task.seq_len, task.target_len)
+        return Seq2SeqTransformer(task.vocab_size, task.num_classes, encoder_depth=depth, decoder_depth=depth,
+                                  encoder_self_attention=mechanism, encoder_self_attention_options=options,
+                                  decoder_self_attention=mechanism, decoder_self_attention_options=options,
+                                  **common)
     raise ValueError(f"task {task.name} has an unknown kind {task.kind!r}")
