@@ -213,3 +213,19 @@ def test_compare_runs_with_nothing_but_the_core_dependencies(plain, tmp_path):
     assert "N = 64" in result.stdout and "N = 128" in result.stdout
     # The progress bar, not the plain "[1/6] ..." lines that stand in for it when tqdm cannot be imported.
     assert "100%" in result.stderr, result.stderr[-2000:]
+
+
+def test_train_and_eval_run_with_nothing_but_the_core_dependencies(plain, tmp_path):
+    """attnzoo train writes its safetensors checkpoints and progress bar, and attnzoo eval reads them back, with
+    only the core dependencies importable."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "attnzoo.cli", "train", "recall", "--task-options",
+               "train_size=32,validation_size=8,test_size=8,num_pairs=4", "--dim", "16", "--depth", "1", "--heads",
+               "2", "--batch-size", "8", "--steps", "3", "--eval-interval", "3", "--threads", "1", "--output", str(out)]
+    result = _run_on_a_terminal(command, plain.env, tmp_path)
+    assert result.returncode == 0, (f"exit {result.returncode}; refused imports: {plain.refused()}\n"
+                                    f"{result.stderr[-3000:]}\n{result.stdout[-3000:]}")
+    assert (out / "checkpoints" / "step-000003" / "model.safetensors").stat().st_size > 0
+    assert "100%" in result.stderr, result.stderr[-2000:]
+    evaluated = _run_on_a_terminal([sys.executable, "-m", "attnzoo.cli", "eval", str(out)], plain.env, tmp_path)
+    assert evaluated.returncode == 0 and "baseline" in evaluated.stdout, evaluated.stderr[-2000:]

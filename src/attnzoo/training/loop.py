@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tasks as task_registry
+from ..mechanisms.vq import auxiliary_loss as vq_auxiliary_loss, update_codebooks
 from ..tasks import IGNORE_INDEX, Split, Task
 from .checkpoint import (
     CheckpointError,
@@ -406,11 +407,13 @@ def train(
                     loss, tally = loss_and_tally(task.kind, logits, targets, label_smoothing=config.label_smoothing)
                     if auxiliary is not None:
                         loss = loss + config.guide_loss * auxiliary
+                    loss = loss + vq_auxiliary_loss(model)  # the commitment loss of vq attention (zero without it)
                     loss.backward()
                     if config.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                     lr = optimizer.param_groups[0]["lr"]
                     optimizer.step()
+                    update_codebooks(model)  # vq's codebooks follow their keys by EMA, after the optimiser step
                     optimizer.zero_grad(set_to_none=True)
                     schedule.step()
                     step += 1
