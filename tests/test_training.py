@@ -148,9 +148,9 @@ def _interrupt_at(stop: int):
     return on_step
 
 
-@pytest.mark.parametrize("stop", [2, 3])  # between evaluations, and at an evaluation
-def test_an_interrupted_run_resumes_to_bit_identical_parameters(tmp_path, stop):
-    config = small(dropout=0.1, steps=7)
+@pytest.mark.parametrize("stop, mechanism", [(2, "softmax"), (3, "softmax"), (2, "vq")])  # between / at evaluations;
+def test_an_interrupted_run_resumes_to_bit_identical_parameters(tmp_path, stop, mechanism):  # vq: EMA codebooks
+    config = small(dropout=0.1, steps=7, mechanism=mechanism)
     whole = train(config, tmp_path / "whole", progress=False)
     with pytest.raises(KeyboardInterrupt):
         train(config, tmp_path / "cut", progress=False, on_step=_interrupt_at(stop))
