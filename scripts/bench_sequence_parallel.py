@@ -8,6 +8,10 @@ head dim 64, float32) over ``--length`` positions:
   (:func:`attnzoo.distributed.sequence_parallel_attention`); a barrier before each repeat, and a repeat's time
   is its slowest rank's.
 
+``--work-ratio`` instead measures, in one process with 1 thread, one rank's work (half the positions, plus the
+prefix term) against the whole single-process pass, the two taking turns: what the parallel run costs per rank
+with the cores to itself, whatever else runs on the machine.
+
 Also times the communication alone (the gather of one state per rank, and the all-reduce of its gradient, as
 a layer's forward and backward make them) and measures each configuration's peak memory per process in a
 pass of its own (resident high-water mark above the resident size just before, glibc's mmap threshold fixed,
@@ -102,6 +106,38 @@ def worker(args) -> Dict[str, object]:
     return result
 
 
+def work_ratio(length: int, ranks: int, repeats: int) -> Dict[str, object]:
+    """One rank's forward+backward (its 1/ranks of the positions: the zero-state pass, its state, the prefix term)
+    against the whole sequence's, in this process, taking turns."""
+    from attnzoo.functional.state_scan import finish_part, part_terms
+
+    torch.set_num_threads(1)
+    mechanism = attnzoo.build_mechanism("linear", heads=HEADS, head_dim=HEAD_DIM)
+    prefix = torch.rand(1, HEADS, HEAD_DIM, HEAD_DIM + 1, generator=torch.Generator().manual_seed(1))
+
+    def whole() -> float:
+        return run_once(mechanism, *inputs(length), parallel=False)
+
+    def one_rank() -> float:
+        q, k, v = inputs(length, length - length // ranks)  # the last part: it has a prefix
+        start = time.perf_counter()
+        phi_q, phi_k, _ = mechanism.features(q, k, None)
+        terms = part_terms(phi_q, phi_k, v, chunk_size=mechanism.chunk_size)
+        out = finish_part(terms, phi_q, prefix.requires_grad_(), out_dtype=v.dtype)
+        (out.sum() + terms.state.sum()).backward()
+        return time.perf_counter() - start
+
+    whole(), one_rank()
+    samples: Dict[str, List[float]] = {"whole": [], "one_rank": []}
+    for _ in range(repeats):
+        samples["whole"].append(whole())
+        samples["one_rank"].append(one_rank())
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    return {"whole_median_s": round(medians["whole"], 3), "one_rank_median_s": round(medians["one_rank"], 3),
+            "ratio": round(medians["one_rank"] / medians["whole"], 3),
+            "samples_s": {name: [round(t, 3) for t in times] for name, times in samples.items()}}
+
+
 def launch(length: int, world: int, threads: int, repeats: int, memory: bool) -> List[Dict[str, object]]:
     with tempfile.TemporaryDirectory() as directory:
         outputs = [os.path.join(directory, f"rank{rank}.json") for rank in range(world)]
@@ -129,6 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--work-ratio", action="store_true", help="one rank's work against the whole, in one process")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -140,6 +177,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.worker:
         with open(args.result, "w") as handle:
             json.dump(worker(args), handle)
+        return 0
+
+    if args.work_ratio:
+        ratio = work_ratio(args.length, args.ranks, args.repeats)
+        print(f"causal linear, N={args.length}, 1 thread: one of {args.ranks} ranks' work {ratio['one_rank_median_s']} s, "
+              f"the whole {ratio['whole_median_s']} s: {ratio['ratio']}x ({ratio['samples_s']})")
+        if args.output:
+            with open(args.output, "w") as handle:
+                json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                       "torch": torch.__version__, "load_average_after": os.getloadavg()},
+                           "work_ratio": ratio}, handle, indent=2)
         return 0
 
     configurations = {

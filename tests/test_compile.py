@@ -102,3 +102,31 @@ def test_listed_graph_breaks_are_real(name):
     kwargs = calls(name, n)[-1]
     with pytest.raises(torch._dynamo.exc.TorchDynamoException):
         compiled(torch.randn(2, n, DIM), **kwargs)
+
+
+@pytest.mark.slow
+def test_a_swapped_torch_encoder_compiles():
+    """swap_attention's mask translation reads the masks' values (graph breaks), and still compiles."""
+    from torch import nn
+
+    from attnzoo.swap import swap_attention
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(DIM, HEADS, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    swap_attention(encoder, "linear")
+    x = torch.randn(2, 8, DIM, generator=torch.Generator().manual_seed(1))
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, -2:] = True
+    mask = nn.Transformer.generate_square_subsequent_mask(8)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(encoder, backend=counter)
+    results = []
+    for model in (encoder, compiled):
+        xi = x.clone().requires_grad_()
+        out = model(xi, mask=mask, src_key_padding_mask=pad)
+        out.square().sum().backward()
+        results.append((out.detach(), xi.grad))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert counter.frame_count >= 1
