@@ -23,6 +23,7 @@ from .mechanisms import (
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from . import decoding
 from .decoding import BeamSearchResult, beam_search, greedy_decode, sample_decode
+from .swap import SwapReport, SwappedAttention, swap_attention
 from .models import (
     AttentionFusion,
     Decoder,
@@ -61,6 +62,9 @@ __all__ = [
     "beam_search",
     "greedy_decode",
     "sample_decode",
+    "SwapReport",
+    "SwappedAttention",
+    "swap_attention",
     "Decoder",
     "DecoderLayer",
     "Encoder",
