@@ -15,6 +15,8 @@ The maths is in :mod:`attnzoo.functional.vq`. This module holds the codebook and
   to s``, codeword ``m_s / N_s`` (counts smoothed so that none is zero). Dead codes (``N_s`` below
   ``restart_threshold``) restart at keys drawn from the recorded sample by a generator seeded with
   ``seed + number of updates so far`` (``seed`` 0 when None): the same training run gives the same codebook.
+  EMA counts start at 1, so with the default threshold (1) every codeword that no key chose in the first
+  update restarts at a recorded key: the codebook is initialised from the data.
 * **Commitment loss.** A training-mode forward sets ``beta * mean |k - sg(codeword)|^2`` over its unpadded
   keys (``commitment`` = beta), the auxiliary loss that keeps keys near their codewords;
   :func:`auxiliary_loss` sums (and clears) it over a model, for the training loop to add to its loss.
