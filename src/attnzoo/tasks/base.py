@@ -160,6 +160,12 @@ class Task:
         """A seed is an int >= 0 (what numpy's and Python's generators both take)."""
         return check_number("seed", seed, integer=True, minimum=0)
 
+    def _set_split_sizes(self, train_size: object, validation_size: object, test_size: object) -> None:
+        """Keep the number of examples of each split (each an int >= 1), named in errors."""
+        self.train_size = check_number("train_size", train_size, integer=True, minimum=1)
+        self.validation_size = check_number("validation_size", validation_size, integer=True, minimum=1)
+        self.test_size = check_number("test_size", test_size, integer=True, minimum=1)
+
     def _set_splits(self, splits: Dict[str, Split]) -> None:
         """Keep the three splits, after checking them against the task's declared sizes and vocabulary."""
         if set(splits) != set(SPLITS):

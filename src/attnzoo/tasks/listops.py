@@ -172,9 +172,7 @@ class ListOps(Task):
         max_args: int = 10,
     ) -> None:
         self.seed = self._check_seed(seed)
-        self.train_size = check_positive_int("train_size", train_size)
-        self.validation_size = check_positive_int("validation_size", validation_size)
-        self.test_size = check_positive_int("test_size", test_size)
+        self._set_split_sizes(train_size, validation_size, test_size)
         self.min_length = check_number("min_length", min_length, integer=True, minimum=0)
         # min_length < L < max_length leaves a length to draw only if max_length >= min_length + 2.
         self.max_length = check_number("max_length", max_length, integer=True, minimum=self.min_length + 2)

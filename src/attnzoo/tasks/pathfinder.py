@@ -269,9 +269,7 @@ class Pathfinder(Task):
         distractor_length: int = 2,
     ) -> None:
         self.seed = self._check_seed(seed)
-        self.train_size = check_positive_int("train_size", train_size)
-        self.validation_size = check_positive_int("validation_size", validation_size)
-        self.test_size = check_positive_int("test_size", test_size)
+        self._set_split_sizes(train_size, validation_size, test_size)
         self.size = check_number("size", size, integer=True, minimum=8)
         self.contour_length = check_positive_int("contour_length", contour_length)
         self.segment_length = check_positive_int("segment_length", segment_length)

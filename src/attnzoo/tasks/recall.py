@@ -62,9 +62,7 @@ class Recall(Task):
         num_values: int = 64,
     ) -> None:
         self.seed = self._check_seed(seed)
-        self.train_size = check_positive_int("train_size", train_size)
-        self.validation_size = check_positive_int("validation_size", validation_size)
-        self.test_size = check_positive_int("test_size", test_size)
+        self._set_split_sizes(train_size, validation_size, test_size)
         self.num_pairs = check_positive_int("num_pairs", num_pairs)
         # None asks about every pair; the resolved count is kept, so options() rebuilds the same data.
         queries = check_number("num_queries", num_queries, integer=True, minimum=1, maximum=self.num_pairs,

@@ -87,9 +87,7 @@ class _SymbolTask(Seq2SeqTask):
         num_symbols: int = 16,
     ) -> None:
         self.seed = self._check_seed(seed)
-        self.train_size = check_positive_int("train_size", train_size)
-        self.validation_size = check_positive_int("validation_size", validation_size)
-        self.test_size = check_positive_int("test_size", test_size)
+        self._set_split_sizes(train_size, validation_size, test_size)
         self.length = check_positive_int("length", length)
         self.min_length = check_number("min_length", min_length, integer=True, minimum=1, maximum=self.length)
         self.num_symbols = check_number("num_symbols", num_symbols, integer=True, minimum=2)
@@ -202,9 +200,7 @@ class CopyNames(Seq2SeqTask):
         num_numbers: int = 1000,
     ) -> None:
         self.seed = self._check_seed(seed)
-        self.train_size = check_positive_int("train_size", train_size)
-        self.validation_size = check_positive_int("validation_size", validation_size)
-        self.test_size = check_positive_int("test_size", test_size)
+        self._set_split_sizes(train_size, validation_size, test_size)
         self.num_names = check_number("num_names", num_names, integer=True, minimum=2)
         self.held_out = check_number("held_out", held_out, minimum=0.0, maximum=1.0, exclusive_minimum=True,
                                      exclusive_maximum=True)
