@@ -1,0 +1,59 @@
+"""One rank of a data-parallel training test: ``python data_parallel_worker.py STORE RANK WORLD JOB OUT``.
+
+Joins a gloo group through a file store and runs ``attnzoo.training.train`` with the config of JOB (a JSON file
+written by tests/test_data_parallel.py: ``config``, ``output``, ``resume``, ``stop_at``), then saves what it
+returned and its model's parameters and buffers, or the error it raised, to OUT."""
+
+import json
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from attnzoo.distributed import assert_replicated
+from attnzoo.training import TrainConfig, train
+from attnzoo.training.distributed import DataParallel
+
+TRAINED = []  # the model this rank trained, as the run wrapped it
+
+
+class RecordingDataParallel(DataParallel):
+    def wrap(self, model):
+        TRAINED.append(model)
+        return super().wrap(model)
+
+
+def main():
+    store, rank, world, job_path, out_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    job = json.loads(open(job_path).read())
+    config = None if job.get("config") is None else TrainConfig.from_dict(job["config"])
+    stop_at = job.get("stop_at")
+
+    def on_step(step, metrics):
+        if step == stop_at:
+            raise KeyboardInterrupt
+
+    result = {}
+    try:
+        done = train(config, job["output"], resume=job.get("resume", False), progress=False, on_step=on_step,
+                     parallel=RecordingDataParallel(rank, world))
+        model = TRAINED[-1]
+        assert_replicated(model)  # parameters and buffers (random projections among them) equal on every rank
+        result = {"test": done.test, "validation": done.validation, "steps": done.steps,
+                  "tokens_per_second": done.tokens_per_second, "train_seconds": done.train_seconds,
+                  "state": {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}}
+    except KeyboardInterrupt:
+        result = {"interrupted": True}
+    except Exception as error:  # reported to the test, which decides whether it was expected
+        result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    torch.save(result, out_path)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
