@@ -48,12 +48,13 @@ def small(task: str, **changes) -> TrainConfig:
     return TrainConfig(task, **{**SMALL, "task_options": TASKS[task], **changes})
 
 
-def run_ranks(tmp_path: Path, name: str, job: dict, world: int = 2) -> list:
-    """Run the worker on ``world`` gloo ranks with ``job``; returns each rank's result (errors raised)."""
-    folder = tmp_path / name
+def run_ranks(tmp_path: Path, jobs: list, world: int = 2) -> list:
+    """Run the worker on ``world`` gloo ranks with ``jobs`` (in order, in one launch); returns per job the list
+    of each rank's result (a job's error fails the test)."""
+    folder = tmp_path / "ranks"
     folder.mkdir()
-    job_path = folder / "job.json"
-    job_path.write_text(json.dumps(job))
+    job_path = folder / "jobs.json"
+    job_path.write_text(json.dumps(jobs))
     store = folder / "store"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     outs = [folder / f"rank{rank}.pt" for rank in range(world)]
@@ -71,10 +72,12 @@ def run_ranks(tmp_path: Path, name: str, job: dict, world: int = 2) -> list:
             pytest.fail(f"data-parallel workers did not finish within {TIMEOUT_S} s")
     for process, log in zip(processes, logs):
         assert process.returncode == 0, log
-    results = [torch.load(out, weights_only=False) for out in outs]
-    for result in results:
-        assert "error" not in result, result.get("traceback")
-    return results
+    per_rank = [torch.load(out, weights_only=False) for out in outs]
+    for results in per_rank:
+        for result in results:
+            assert "error" not in result, result.get("traceback")
+        assert len(results) == len(jobs)
+    return [list(results) for results in zip(*per_rank)]
 
 
 def job(config: TrainConfig, output: Path, **extra) -> dict:
@@ -101,38 +104,53 @@ def assert_states_close(expected: dict, got: dict, config: TrainConfig) -> None:
 
 
 # -- two processes against one -------------------------------------------------------------------------------
-@pytest.mark.parametrize("task, changes", [
-    ("listops", {}),                                   # classification: equal shards
-    ("bytes", {"mechanism": "performer"}),             # byte-level language model
-    ("copy", {"guide_loss": 0.5, "label_smoothing": 0.1}),  # unequal scored targets per shard, guide loss
-])
-def test_two_ranks_reach_the_parameters_of_one_process_on_the_global_batch(tmp_path, task, changes):
-    config = small(task, **changes)
-    one = train(config, tmp_path / "one", progress=False)
-    ranks = run_ranks(tmp_path, "two", job(config, tmp_path / "two"))
-    assert_states_close(weights(tmp_path / "one"), weights(tmp_path / "two"), config)
+CASES = {
+    "listops": small("listops"),                                  # classification: equal shards
+    "bytes": small("bytes", mechanism="performer"),               # byte-level language model
+    "copy": small("copy", guide_loss=0.5, label_smoothing=0.1),  # unequal scored targets per shard, guide loss
+    # No mechanism seed: the initial projection comes from the run's seed, the redraws from (seed, step).
+    "redraw": small("listops", mechanism="performer", steps=5,
+                    mechanism_options={"nb_features": 16, "redraw_interval": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case of CASES trained by one process (here) and by two gloo ranks (all cases in one launch):
+    {case: (one-process result, output directory, two-rank output directory, each rank's result)}."""
+    tmp_path = tmp_path_factory.mktemp("data-parallel")
+    ones = {case: train(config, tmp_path / f"{case}-one", progress=False) for case, config in CASES.items()}
+    twos = run_ranks(tmp_path, [job(config, tmp_path / f"{case}-two") for case, config in CASES.items()])
+    return {case: (ones[case], tmp_path / f"{case}-one", tmp_path / f"{case}-two", ranks)
+            for case, ranks in zip(CASES, twos)}
+
+
+@pytest.mark.slow  # starting two processes takes seconds (importing torch in each)
+@pytest.mark.parametrize("case", ["listops", "bytes", "copy"])
+def test_two_ranks_reach_the_parameters_of_one_process_on_the_global_batch(runs, case):
+    config = CASES[case]
+    one, one_output, two_output, ranks = runs[case]
+    assert_states_close(weights(one_output), weights(two_output), config)
     for result in ranks:  # every rank returns rank 0's evaluation
         assert result["steps"] == config.steps and result["test"] == ranks[0]["test"]
         for key, value in one.test.items():
             assert result["test"][key] == pytest.approx(value, abs=1e-4), key
     # The logged training loss is the global batch's, not rank 0's share of it.
-    rows = lambda run: [row.split(",")[:5] for row in (tmp_path / run / "metrics.csv").read_text().splitlines()[1:]]
-    for a, b in zip(rows("one"), rows("two"), strict=True):
+    rows = lambda run: [row.split(",")[:5] for row in (run / "metrics.csv").read_text().splitlines()[1:]]
+    for a, b in zip(rows(one_output), rows(two_output), strict=True):
         assert a[:2] == b[:2] and float(a[2]) == pytest.approx(float(b[2]), abs=1e-4)
 
 
-def test_random_features_are_redrawn_alike_on_every_rank(tmp_path):
-    # No mechanism seed: the initial projection comes from the run's seed, the redraws from (seed, step).
-    config = small("listops", mechanism="performer", mechanism_options={"nb_features": 16, "redraw_interval": 2},
-                   steps=5)
-    train(config, tmp_path / "one", progress=False)
-    ranks = run_ranks(tmp_path, "two", job(config, tmp_path / "two"))  # the worker checks the ranks agree
+@pytest.mark.slow
+def test_random_features_are_redrawn_alike_on_every_rank(runs):
+    config = CASES["redraw"]
+    _, one_output, _, ranks = runs["redraw"]  # the worker has checked that the ranks' models agree
     projections = [name for name in ranks[0]["state"] if name.endswith("feature_map.projection")]
     assert projections
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)  # the model as the run built it, before any redraw
         initial = build_model(config, load(config.task, **config.task_options)).state_dict()
-    one = weights(tmp_path / "one")
+    one = weights(one_output)
     for name in projections:
         torch.testing.assert_close(ranks[0]["state"][name], ranks[1]["state"][name], atol=0, rtol=0)
         torch.testing.assert_close(ranks[0]["state"][name], one[name], atol=0, rtol=0)
@@ -191,16 +209,19 @@ def test_shard_weights_make_the_mean_of_shard_gradients_the_global_batch_gradien
 
 
 # -- checkpoints and resume ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_rank_zero_writes_one_checkpoint_and_an_interrupted_run_resumes_exactly(tmp_path):
     config = small("listops", dropout=0.1, steps=5)  # dropout: each rank's generator is saved and restored
-    whole = run_ranks(tmp_path, "whole", job(config, tmp_path / "whole-run"))
-    cut = run_ranks(tmp_path, "cut", job(config, tmp_path / "cut-run", stop_at=3))
+    whole, cut, resumed = run_ranks(tmp_path, [
+        job(config, tmp_path / "whole-run"),
+        job(config, tmp_path / "cut-run", stop_at=3),
+        {"config": None, "output": str(tmp_path / "cut-run"), "resume": True},
+    ])
     assert all(result.get("interrupted") for result in cut)
-    checkpoints = sorted(p.name for p in (tmp_path / "cut-run" / "checkpoints").iterdir())
-    assert checkpoints == ["LATEST", "step-000003"]  # one complete checkpoint, no stray temporary directory
-    state = torch.load(find_checkpoint(tmp_path / "cut-run") / "state.pt", weights_only=True)
-    assert len(state["rank_rng"]) == 2 and not torch.equal(state["rank_rng"][0], state["rank_rng"][1])
-    resumed = run_ranks(tmp_path, "resumed", {"config": None, "output": str(tmp_path / "cut-run"), "resume": True})
+    # One complete checkpoint, no stray temporary directory, seen alike by both ranks.
+    assert cut[0]["checkpoints"] == cut[1]["checkpoints"] == ["LATEST", "step-000003"]
+    state = cut[1]["saved_state"]
+    assert state["step"] == 3 and len(state["rank_rng"]) == 2 and not torch.equal(state["rank_rng"][0], state["rank_rng"][1])
     a, b = weights(tmp_path / "whole-run"), weights(tmp_path / "cut-run")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for rank in range(2):
