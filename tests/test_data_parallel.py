@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from attnzoo.cli import main
 from attnzoo.feature_maps import RandomFeatureMap, redraw_random_features
 from attnzoo.models import LanguageModel
 from attnzoo.tasks import IGNORE_INDEX, load
@@ -255,3 +256,32 @@ def test_a_torchrun_launch_is_recognised_by_its_environment():
     assert not launched_by_torchrun({})
     with pytest.raises(ValueError, match="WORLD_SIZE"):
         launched_by_torchrun({"WORLD_SIZE": "two", "RANK": "0", "LOCAL_RANK": "0"})
+
+
+def test_the_train_command_under_torchrun_names_a_batch_the_ranks_cannot_share(capsys, tmp_path, monkeypatch):
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)  # as torchrun sets them; the check comes before joining any group
+    options = ",".join(f"{key}={value}" for key, value in TASKS["listops"].items())
+    code = main(["train", "listops", "--task-options", options, "--batch-size", "7", "--steps", "2",
+                 "--output", str(tmp_path / "run")])
+    assert code == 2
+    assert "--batch-size 7 is the global batch and must be divisible by the 2 ranks" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_attnzoo_train_runs_under_torchrun(tmp_path, runs):
+    options = ",".join(f"{key}={value}" for key, value in TASKS["listops"].items())
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "attnzoo.cli", "train", "listops", "--task-options", options, "--dim", "16", "--depth", "1",
+               "--heads", "2", "--batch-size", "8", "--steps", "4", "--eval-interval", "2", "--threads", "1",
+               "--quiet", "--json", "--output", str(tmp_path / "run")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)  # rank 0 alone prints the results
+    assert printed["steps"] == 4 and printed["config"]["batch_size"] == 8
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["LATEST", "step-000004"]
+    one, one_output, _, _ = runs["listops"]  # the same settings, trained by one process
+    assert_states_close(weights(one_output), weights(tmp_path / "run"), CASES["listops"])
+    assert printed["test"]["loss"] == pytest.approx(one.test["loss"], abs=1e-4)

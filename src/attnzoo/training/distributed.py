@@ -21,6 +21,7 @@ global batch); a ``batch_size`` that the number of ranks does not divide.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +37,11 @@ from .config import TrainConfig
 TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 """Environment variables torchrun sets for every worker; their presence is what marks a torchrun launch."""
 _RANK_SEED_STRIDE = 7_919  # a prime: each rank's dropout generator seed differs from every other's
+# DDP's switch for broadcasting rank 0's buffers before every forward: renamed in newer torch, which warns on the
+# old name (both still sync the buffers once, when the model is wrapped).
+_BUFFER_SYNC_OPTION = ("forward_sync_buffers"
+                       if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+                       else "broadcast_buffers")
 
 
 class _Replica(DistributedDataParallel):
@@ -109,13 +115,14 @@ class DataParallel:
     def wrap(self, model: nn.Module) -> nn.Module:
         """``model`` (already on :attr:`device`) wrapped in DistributedDataParallel.
 
-        ``broadcast_buffers=False``: the buffers (random projections among them) are equal on every rank by
-        construction and seeded redraws, so they need no broadcast before each forward. ``static_graph=True``:
+        No buffer broadcast before each forward (``forward_sync_buffers=False``, formerly
+        ``broadcast_buffers``): the buffers (random projections among them) are equal on every rank by
+        construction and seeded redraws, so they need none. ``static_graph=True``:
         the same parameters take part in every step, which lets DDP skip the ones a mechanism never uses
         (``fnet``'s query and key projections) without searching the graph for them each step."""
         device_ids = None if self.device.type == "cpu" else [self.device]
-        return _Replica(model, device_ids=device_ids, process_group=self.group, broadcast_buffers=False,
-                        static_graph=True)
+        return _Replica(model, device_ids=device_ids, process_group=self.group, static_graph=True,
+                        **{_BUFFER_SYNC_OPTION: False})
 
     def seed_dropout(self, seed: int, step: int) -> None:
         """Give this rank its own global generator (dropout), derived from the run's seed, its rank and the step
