@@ -52,6 +52,8 @@ class _Replica(DistributedDataParallel):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "module":  # not wrapped yet: nothing to fall back on
+                raise
             return getattr(self.module, name)
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tasks as task_registry
-from ..feature_maps import redraw_random_features
+from ..feature_maps import RandomFeatureMap, redraw_random_features
 from ..mechanisms.vq import auxiliary_loss as vq_auxiliary_loss, update_codebooks
 from ..tasks import IGNORE_INDEX, Split, Task
 from .checkpoint import (
@@ -443,6 +443,7 @@ def train(
                 parallel.barrier()  # no rank runs ahead of a checkpoint still being written
 
         train_split = task.split("train")
+        redraws = any(isinstance(m, RandomFeatureMap) and m.redraw_interval is not None for m in model.modules())
         bar = _progress_bar(progress and main, config.steps, start, f"{config.mechanism} on {task.name}")
         began, tokens_seen, smoothed = time.perf_counter(), 0, None
         evaluating = 0.0  # seconds spent evaluating, left out of the training throughput
@@ -474,7 +475,8 @@ def train(
                     lr = optimizer.param_groups[0]["lr"]
                     optimizer.step()
                     update_codebooks(model)  # vq's codebooks follow their keys by EMA, after the optimiser step
-                    redraw_random_features(model, config.seed, step)  # seeded: alike on every rank and on resume
+                    if redraws:  # seeded by (seed, step): alike on every rank and on resume
+                        redraw_random_features(model, config.seed, step)
                     optimizer.zero_grad(set_to_none=True)
                     schedule.step()
                     step += 1
