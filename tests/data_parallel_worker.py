@@ -6,6 +6,8 @@ order, then saves, per job, what it returned and its model's parameters and buff
 to OUT. Several jobs in one launch spare the tests the start-up of new processes."""
 
 import json
+import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -43,10 +45,13 @@ def main():
 def run_job(job, rank, world):
     config = None if job.get("config") is None else TrainConfig.from_dict(job["config"])
     stop_at = job.get("stop_at")
+    signal_at = job.get("signal_at")  # {"rank": r, "step": s}: rank r alone receives SIGTERM after step s
 
     def on_step(step, metrics):
         if step == stop_at:
             raise KeyboardInterrupt
+        if signal_at is not None and (rank, step) == (signal_at["rank"], signal_at["step"]):
+            os.kill(os.getpid(), signal.SIGTERM)
 
     try:
         done = train(config, job["output"], resume=job.get("resume", False), progress=False, on_step=on_step,
@@ -59,7 +64,8 @@ def run_job(job, rank, world):
     except KeyboardInterrupt:
         # What the interrupted run left (rank 0 wrote it before the barrier that every rank passed).
         checkpoint = find_checkpoint(job["output"])
-        result = {"interrupted": True, "checkpoints": sorted(p.name for p in checkpoint.parent.iterdir()),
+        result = {"interrupted": True, "step": int(find_checkpoint(job["output"]).name.split("-")[1]),
+                  "checkpoints": sorted(p.name for p in checkpoint.parent.iterdir()),
                   "saved_state": torch.load(checkpoint / "state.pt", weights_only=True)}
     except Exception as error:  # reported to the test, which decides whether it was expected
         result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}

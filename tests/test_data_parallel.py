@@ -181,6 +181,20 @@ def test_redraws_are_seeded_by_step_and_happen_every_interval():
     assert redraw_random_features(model, seed=3, step=2) == 0  # evaluation counts no steps
 
 
+def test_a_run_that_redraws_resumes_to_bit_identical_parameters(tmp_path):
+    config = CASES["redraw"]  # redraws after steps 2 and 4; interrupted after 3, between them
+    train(config, tmp_path / "whole", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "cut", progress=False, on_step=lambda step, metrics: step == 3 and stop())
+    train(None, tmp_path / "cut", resume=True, progress=False)
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def stop():
+    raise KeyboardInterrupt
+
+
 # -- loss normalisation ------------------------------------------------------------------------------------------
 def test_shard_weights_make_the_mean_of_shard_gradients_the_global_batch_gradient():
     """The DDP gradient (the mean over ranks) of the weighted shard losses equals the global batch's, with shards
@@ -213,11 +227,14 @@ def test_shard_weights_make_the_mean_of_shard_gradients_the_global_batch_gradien
 @pytest.mark.slow
 def test_rank_zero_writes_one_checkpoint_and_an_interrupted_run_resumes_exactly(tmp_path):
     config = small("listops", dropout=0.1, steps=5)  # dropout: each rank's generator is saved and restored
-    whole, cut, resumed = run_ranks(tmp_path, [
+    whole, cut, resumed, signalled = run_ranks(tmp_path, [
         job(config, tmp_path / "whole-run"),
         job(config, tmp_path / "cut-run", stop_at=3),
         {"config": None, "output": str(tmp_path / "cut-run"), "resume": True},
+        job(config, tmp_path / "signalled-run", signal_at={"rank": 1, "step": 2}),
     ])
+    # SIGTERM on one rank after step 2's all_reduce: both ranks stop after step 3 and save it together.
+    assert [result.get("step") for result in signalled] == [3, 3]
     assert all(result.get("interrupted") for result in cut)
     # One complete checkpoint, no stray temporary directory, seen alike by both ranks.
     assert cut[0]["checkpoints"] == cut[1]["checkpoints"] == ["LATEST", "step-000003"]

@@ -482,10 +482,8 @@ def train(
                     step += 1
                     if parallel is None:
                         tokens_seen += int(inputs.numel() if mask is None else (~mask).sum())
-                    else:  # the global batch's metrics, and a stop that every rank takes at the same step
+                    else:  # the global batch's metrics, and whether any rank has been interrupted by now
                         tally, stopping = _reduced(parallel, tally, interrupts.requested is not None)
-                        if stopping and interrupts.requested is None:
-                            interrupts.requested = "interrupted on another rank"
                         tokens_seen += _tokens(train_split, whole)
                     elapsed = time.perf_counter() - began - evaluating
                     metrics = tally.metrics(task)
@@ -519,8 +517,10 @@ def train(
                         last_saved = step
                     if on_step is not None:
                         on_step(step, metrics)
-                    if interrupts.requested is not None:
-                        raise KeyboardInterrupt(interrupts.requested)
+                    # Data parallel: every rank stops at the step whose all_reduce first carried an interrupt (one
+                    # arriving later on one rank waits for the next step's), so all reach the checkpoint together.
+                    if stopping if parallel is not None else interrupts.requested is not None:
+                        raise KeyboardInterrupt(interrupts.requested or "interrupted on another rank")
         except KeyboardInterrupt:
             if step > last_saved and out is not None:
                 save(step)  # the step just finished is complete: the run resumes from it
