@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -119,6 +120,7 @@ def train_command(args: argparse.Namespace) -> int:
     from .tasks import available as tasks_available
     from .training import CheckpointError, TrainConfig, train
     from .training.checkpoint import find_checkpoint, read_config
+    from .training.distributed import data_parallel_reasons, launched_by_torchrun, start_from_environment, stop
 
     given = _given_settings(args)
     output = args.output
@@ -150,6 +152,11 @@ def train_command(args: argparse.Namespace) -> int:
             if Path(output, "checkpoints").exists():
                 raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
                                  "or choose another --output")
+        if launched_by_torchrun():  # data parallel: settings it cannot honour fail here, on every rank
+            world = int(os.environ["WORLD_SIZE"])
+            reasons = data_parallel_reasons(config or TrainConfig.from_dict(saved), world)
+            if reasons:
+                raise ValueError(f"torchrun with {world} processes: " + "; ".join(map(_name_option, reasons)))
     except (ValueError, TypeError, CheckpointError, UnsupportedOptionError) as error:
         return _usage_error("train", str(error))
 
@@ -158,14 +165,23 @@ def train_command(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     command = ["attnzoo", "train", *args.raw_argv]
+    parallel = start_from_environment()
+    main = parallel is None or parallel.is_main
     try:
-        result = train(config, output, resume=args.resume is not None, progress=not args.quiet, command=command)
+        result = train(config, output, resume=args.resume is not None, progress=not args.quiet and main,
+                       command=command, parallel=parallel)
     except KeyboardInterrupt:
+        if not main:
+            return EXIT_INTERRUPTED
         print(f"attnzoo train: interrupted; the last finished step is saved: resume with "
               f"attnzoo train --resume {output}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except CheckpointError as error:
         return _usage_error("train", str(error))
+    finally:
+        stop(parallel)
+    if not main:  # rank 0 reports for the whole data-parallel run
+        return EXIT_OK
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
         return EXIT_OK

@@ -171,6 +171,24 @@ class RandomFeatureMap(FeatureMap):
         )
 
 
+def redraw_random_features(model: nn.Module, seed: int, step: int) -> int:
+    """Count one training step on every :class:`RandomFeatureMap` in ``model`` that has a ``redraw_interval``
+    (:meth:`RandomFeatureMap.maybe_redraw`); the ones due draw their new projection, in module order, from one
+    generator seeded by ``(seed, step)``. Returns how many redrew.
+
+    Seeded rather than drawn from the global generator so that a resumed run redraws exactly as an
+    uninterrupted one, and so that the replicas of a data-parallel run, whose global generators differ
+    (dropout), all draw the same projection without communicating."""
+    generator: Optional[torch.Generator] = None
+    redrawn = 0
+    for module in model.modules():
+        if isinstance(module, RandomFeatureMap) and module.redraw_interval is not None:
+            if generator is None:
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + step + 15_485_863)
+            redrawn += int(module.maybe_redraw(generator))
+    return redrawn
+
+
 def _key_scale(log_features: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
     """Max of log-features over keys and features, per (batch, head), ignoring padded keys: (batch, heads, 1, 1).
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tasks as task_registry
+from ..feature_maps import RandomFeatureMap, redraw_random_features
 from ..mechanisms.vq import auxiliary_loss as vq_auxiliary_loss, update_codebooks
 from ..tasks import IGNORE_INDEX, Split, Task
 from .checkpoint import (
@@ -37,6 +38,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
+from .distributed import DataParallel
 from .model import build_model
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
@@ -72,6 +74,18 @@ def batch_indices(size: int, batch_size: int, step: int, seed: int) -> Tensor:
 def _take(split: Split, index: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     mask = None if split.padding_mask is None else split.padding_mask[index]
     return split.inputs[index], split.targets[index], mask
+
+
+def _scored(split: Split, index: Tensor) -> int:
+    """Scored targets of the examples ``index``: what the mean loss of their batch divides by."""
+    return int((split.targets[index] != IGNORE_INDEX).sum())
+
+
+def _tokens(split: Split, index: Tensor) -> int:
+    """Input tokens (padding left out) of the examples ``index``."""
+    if split.padding_mask is None:
+        return split.inputs[index].numel()
+    return int((~split.padding_mask[index]).sum())
 
 
 # -- loss and metrics ----------------------------------------------------------------------------------------
@@ -141,10 +155,15 @@ def model_logits(
     return seq2seq_logits(model, data, index, inputs, mask, target_inputs, guide_width)
 
 
-def _autocast(precision: str) -> contextlib.AbstractContextManager:
+def _autocast(precision: str, device: torch.device = torch.device("cpu")) -> contextlib.AbstractContextManager:
     if precision == "bfloat16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def _on(device: torch.device, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """The tensors on ``device`` (a no-op on the CPU, where the splits live)."""
+    return tuple(None if t is None else t.to(device) for t in tensors)
 
 
 @torch.no_grad()
@@ -157,6 +176,7 @@ def evaluate(
     A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
     ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become)."""
     data = task.split(split)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     tally = Tally()
@@ -168,8 +188,8 @@ def evaluate(
             if max_batches is not None and number >= max_batches:
                 break
             index = torch.arange(start, min(start + batch_size, len(data)))
-            inputs, targets, mask = _take(data, index)
-            with _autocast(precision):
+            inputs, targets, mask = _on(device, *_take(data, index))
+            with _autocast(precision, device):
                 logits, guide = model_logits(model, task, data, index, inputs, mask)
                 if task.kind == "seq2seq":
                     guide_sum += float(guide) * len(index)
@@ -183,6 +203,12 @@ def evaluate(
         metrics.update(decoded_metrics(predictions, references))
         metrics["guide_loss"] = guide_sum / max(len(references), 1)
     return metrics
+
+
+def _reduced(parallel: DataParallel, tally: Tally, stopping: bool) -> Tuple[Tally, bool]:
+    """The tally of the whole global batch (summed over the ranks), and whether any rank is stopping."""
+    loss_sum, scored, correct, stops = parallel.sum([tally.loss_sum, tally.scored, tally.correct, float(stopping)])
+    return Tally(loss_sum, int(round(scored)), int(round(correct))), stops > 0
 
 
 # -- interrupts ----------------------------------------------------------------------------------------------
@@ -327,6 +353,7 @@ def train(
     progress: bool = True,
     command: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[int, Dict[str, float]], None]] = None,
+    parallel: Optional[DataParallel] = None,
 ) -> TrainResult:
     """Train a model on a task; returns its validation and test metrics beside the task's trivial baseline.
 
@@ -339,6 +366,10 @@ def train(
         progress: a tqdm bar with loss, the metric and tokens per second.
         command: the command line that started the run, recorded in ``results.json``.
         on_step: called after each optimiser step with (steps done, the step's training metrics).
+        parallel: train data-parallel across the ranks of a process group (:mod:`attnzoo.training.distributed`;
+            every rank calls ``train`` with the same arguments): each trains on its share of the configured
+            (global) batch, and the parameters are those one process reaches on the global batch. Rank 0 alone
+            evaluates and writes the output directory; every rank returns the same result.
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
     written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there.
@@ -357,13 +388,22 @@ def train(
     if config is None:
         raise ValueError("config is required unless resume=True")
     task = task_registry.load(config.task, **config.task_options)
+    device = torch.device("cpu") if parallel is None else parallel.device
+    if parallel is not None:
+        parallel.check(config)
+        if device.type != "cpu" and task.kind == "seq2seq":
+            raise ValueError(f"{task.name}: seq2seq tasks train on the CPU only (data parallel on {device})")
+    main = parallel is None or parallel.is_main  # the process that evaluates and writes files
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = build_model(config, task)
+        if parallel is not None:
+            model.to(device)  # before the optimiser and its loaded state, which follow the parameters' device
         optimizer = _optimizer(model, config)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, config.learning_rate_factor)
         start = 0
+        rank_rng = None  # every rank's generator state, in a checkpoint of a data-parallel run
         history: List[Dict[str, Any]] = []
         validation: Dict[str, float] = {}
         if checkpoint is not None:
@@ -374,23 +414,37 @@ def train(
                 schedule.load_state_dict(state["schedule"])
                 torch.set_rng_state(state["rng"])
                 start = int(state["step"])
+                rank_rng = state.get("rank_rng")
                 validation = dict(state.get("validation", {}))
             except (KeyError, ValueError, RuntimeError, TypeError) as error:
                 raise CheckpointError(f"{checkpoint}: training state does not fit this run ({error})") from None
-        if out is not None:
+        trained: nn.Module = model  # what the training step calls: the model, or its data-parallel replica
+        if parallel is not None:
+            trained = parallel.wrap(model)
+            if checkpoint is not None and isinstance(rank_rng, list) and len(rank_rng) == parallel.world_size:
+                torch.set_rng_state(rank_rng[parallel.rank])  # resumed on as many ranks as it was saved from
+            else:
+                parallel.seed_dropout(config.seed, start)
+        if out is not None and main:
             out.mkdir(parents=True, exist_ok=True)
-        log = _MetricsLog(out, start if checkpoint is not None else None)
+        log = _MetricsLog(out if main else None, start if checkpoint is not None else None)
         saved_config = _saved_config(config, task)
 
         def save(step: int) -> None:
-            if out is not None:
-                save_checkpoint(out, step, model, saved_config, {
-                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "rng": torch.get_rng_state(), "validation": validation,
-                })
+            if out is None:
+                return
+            state = {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                     "rng": torch.get_rng_state(), "validation": validation}
+            if parallel is not None:  # every rank's dropout generator, for a resume on as many ranks
+                state["rank_rng"] = parallel.gather(torch.get_rng_state())
+            if main:
+                save_checkpoint(out, step, model, saved_config, state)
+            if parallel is not None:
+                parallel.barrier()  # no rank runs ahead of a checkpoint still being written
 
         train_split = task.split("train")
-        bar = _progress_bar(progress, config.steps, start, f"{config.mechanism} on {task.name}")
+        redraws = any(isinstance(m, RandomFeatureMap) and m.redraw_interval is not None for m in model.modules())
+        bar = _progress_bar(progress and main, config.steps, start, f"{config.mechanism} on {task.name}")
         began, tokens_seen, smoothed = time.perf_counter(), 0, None
         evaluating = 0.0  # seconds spent evaluating, left out of the training throughput
         model.train()
@@ -400,24 +454,37 @@ def train(
             with interrupts.deferred():
                 while step < config.steps:
                     index = batch_indices(len(train_split), config.batch_size, step, config.seed)
-                    inputs, targets, mask = _take(train_split, index)
-                    with _autocast(config.precision):
-                        logits, auxiliary = model_logits(model, task, train_split, index, inputs, mask,
+                    whole = index  # the global batch; a data-parallel rank trains on its share of it
+                    if parallel is not None:
+                        index = parallel.shard(index)
+                    inputs, targets, mask = _on(device, *_take(train_split, index))
+                    with _autocast(config.precision, device):
+                        logits, auxiliary = model_logits(trained, task, train_split, index, inputs, mask,
                                                          config=config, step=step)
                     loss, tally = loss_and_tally(task.kind, logits, targets, label_smoothing=config.label_smoothing)
                     if auxiliary is not None:
                         loss = loss + config.guide_loss * auxiliary
                     loss = loss + vq_auxiliary_loss(model)  # the commitment loss of vq attention (zero without it)
+                    if parallel is not None:
+                        # Both terms are means over this shard's scored targets; weighted by the shard's share
+                        # of the global batch's, DDP's mean gradient is the one of the global batch's mean.
+                        loss = loss * parallel.loss_weight(tally.scored, _scored(train_split, whole))
                     loss.backward()
                     if config.grad_clip > 0:
                         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
                     lr = optimizer.param_groups[0]["lr"]
                     optimizer.step()
                     update_codebooks(model)  # vq's codebooks follow their keys by EMA, after the optimiser step
+                    if redraws:  # seeded by (seed, step): alike on every rank and on resume
+                        redraw_random_features(model, config.seed, step)
                     optimizer.zero_grad(set_to_none=True)
                     schedule.step()
                     step += 1
-                    tokens_seen += int(inputs.numel() if mask is None else (~mask).sum())
+                    if parallel is None:
+                        tokens_seen += int(inputs.numel() if mask is None else (~mask).sum())
+                    else:  # the global batch's metrics, and whether any rank has been interrupted by now
+                        tally, stopping = _reduced(parallel, tally, interrupts.requested is not None)
+                        tokens_seen += _tokens(train_split, whole)
                     elapsed = time.perf_counter() - began - evaluating
                     metrics = tally.metrics(task)
                     smoothed = metrics["loss"] if smoothed is None else 0.9 * smoothed + 0.1 * metrics["loss"]
@@ -434,8 +501,11 @@ def train(
                                    "tokens_per_s": round(tokens_seen / max(elapsed, 1e-9), 1),
                                    **{k: v for k, v in metrics.items() if k != "scored"}})
                         evaluation_began = time.perf_counter()
-                        validation = evaluate(model, task, "validation", batch_size=config.batch_size,
-                                              max_batches=config.eval_batches, precision=config.precision)
+                        if main:
+                            validation = evaluate(model, task, "validation", batch_size=config.batch_size,
+                                                  max_batches=config.eval_batches, precision=config.precision)
+                        if parallel is not None:
+                            validation = parallel.broadcast(validation)
                         evaluating += time.perf_counter() - evaluation_began
                         row = {"step": step, "split": "validation", **validation}
                         history.append(row)
@@ -447,8 +517,10 @@ def train(
                         last_saved = step
                     if on_step is not None:
                         on_step(step, metrics)
-                    if interrupts.requested is not None:
-                        raise KeyboardInterrupt(interrupts.requested)
+                    # Data parallel: every rank stops at the step whose all_reduce first carried an interrupt (one
+                    # arriving later on one rank waits for the next step's), so all reach the checkpoint together.
+                    if stopping if parallel is not None else interrupts.requested is not None:
+                        raise KeyboardInterrupt(interrupts.requested or "interrupted on another rank")
         except KeyboardInterrupt:
             if step > last_saved and out is not None:
                 save(step)  # the step just finished is complete: the run resumes from it
@@ -459,10 +531,14 @@ def train(
             log.close()
 
         train_seconds = time.perf_counter() - began - evaluating
-        if not validation:  # resumed a finished run: nothing trained, evaluate once
-            validation = evaluate(model, task, "validation", batch_size=config.batch_size,
-                                  max_batches=config.eval_batches, precision=config.precision)
-        test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision)
+        test: Dict[str, float] = {}
+        if main:
+            if not validation:  # resumed a finished run: nothing trained, evaluate once
+                validation = evaluate(model, task, "validation", batch_size=config.batch_size,
+                                      max_batches=config.eval_batches, precision=config.precision)
+            test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision)
+        if parallel is not None:
+            validation, test = parallel.broadcast((validation, test))
     result = TrainResult(
         config=config, steps=step, validation=validation, test=test, baseline=task.baseline(),
         parameters=sum(p.numel() for p in model.parameters()), train_seconds=round(train_seconds, 3),
@@ -470,7 +546,7 @@ def train(
         output=None if out is None else str(out),
         history=history,
     )
-    if out is not None:
+    if out is not None and main:
         data = {"command": list(command) if command is not None else None, **result.as_dict()}
         (out / RESULTS_JSON).write_text(json.dumps(data, indent=2))
     return result
