@@ -37,12 +37,12 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import TrainConfig
+from .decoders import GREEDY, DecoderSettings, corpus_bleu, timed_outputs
 from .model import build_model
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     decoded_metrics,
     decoder_inputs,
-    greedy_outputs,
     seq2seq_logits,
     smoothed_cross_entropy,
     strip_output,
@@ -52,7 +52,7 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss"]
+              "exact_match", "token_error_rate", "guide_loss", "bleu", "ms_per_sentence"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -150,19 +150,22 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager:
 @torch.no_grad()
 def evaluate(
     model: nn.Module, task: Task, split: str = "validation", *, batch_size: int = 64,
-    max_batches: Optional[int] = None, precision: str = "float32",
+    max_batches: Optional[int] = None, precision: str = "float32", decoding: DecoderSettings = GREEDY,
 ) -> Dict[str, float]:
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
-    A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
-    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become)."""
+    A seq2seq task adds the decoded metrics of the decoder ``decoding`` (greedy by default): ``exact_match``,
+    ``token_error_rate``, corpus ``bleu`` (0-100) and the decoding time ``ms_per_sentence``
+    (:mod:`attnzoo.training.decoders`), and the cross-attention's ``guide_loss`` at width 0.2 (0 when the
+    attention is on the diagonal: how monotonic it has become)."""
     data = task.split(split)
     was_training = model.training
     model.eval()
     tally = Tally()
     predictions: List[List[int]] = []
     references: List[List[int]] = []
-    guide_sum = 0.0
+    guide_sum, decode_seconds = 0.0, 0.0
+    generator = decoding.generator()
     try:
         for number, start in enumerate(range(0, len(data), batch_size)):
             if max_batches is not None and number >= max_batches:
@@ -173,7 +176,11 @@ def evaluate(
                 logits, guide = model_logits(model, task, data, index, inputs, mask)
                 if task.kind == "seq2seq":
                     guide_sum += float(guide) * len(index)
-                    predictions += greedy_outputs(model, task, inputs, mask)
+                    outputs, seconds = timed_outputs(model, inputs, mask, bos_id=task.bos_id, eos_id=task.eos_id,
+                                                     max_new_tokens=task.target_len, settings=decoding,
+                                                     generator=generator)
+                    predictions += outputs
+                    decode_seconds += seconds
                     references += [strip_output(row.tolist(), task.eos_id) for row in targets]
             tally.add(loss_and_tally(task.kind, logits, targets)[1])
     finally:
@@ -182,6 +189,8 @@ def evaluate(
     if task.kind == "seq2seq":
         metrics.update(decoded_metrics(predictions, references))
         metrics["guide_loss"] = guide_sum / max(len(references), 1)
+        metrics["bleu"] = corpus_bleu(predictions, references, task.target_tokens)
+        metrics["ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
     return metrics
 
 
@@ -327,6 +336,7 @@ def train(
     progress: bool = True,
     command: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[int, Dict[str, float]], None]] = None,
+    decoding: DecoderSettings = GREEDY,
 ) -> TrainResult:
     """Train a model on a task; returns its validation and test metrics beside the task's trivial baseline.
 
@@ -339,6 +349,7 @@ def train(
         progress: a tqdm bar with loss, the metric and tokens per second.
         command: the command line that started the run, recorded in ``results.json``.
         on_step: called after each optimiser step with (steps done, the step's training metrics).
+        decoding: the decoder of a seq2seq task's decoded metrics, in every evaluation (greedy by default).
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
     written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there.
@@ -435,7 +446,8 @@ def train(
                                    **{k: v for k, v in metrics.items() if k != "scored"}})
                         evaluation_began = time.perf_counter()
                         validation = evaluate(model, task, "validation", batch_size=config.batch_size,
-                                              max_batches=config.eval_batches, precision=config.precision)
+                                              max_batches=config.eval_batches, precision=config.precision,
+                                              decoding=decoding)
                         evaluating += time.perf_counter() - evaluation_began
                         row = {"step": step, "split": "validation", **validation}
                         history.append(row)
@@ -461,8 +473,9 @@ def train(
         train_seconds = time.perf_counter() - began - evaluating
         if not validation:  # resumed a finished run: nothing trained, evaluate once
             validation = evaluate(model, task, "validation", batch_size=config.batch_size,
-                                  max_batches=config.eval_batches, precision=config.precision)
-        test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision)
+                                  max_batches=config.eval_batches, precision=config.precision, decoding=decoding)
+        test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision,
+                        decoding=decoding)
     result = TrainResult(
         config=config, steps=step, validation=validation, test=test, baseline=task.baseline(),
         parameters=sum(p.numel() for p in model.parameters()), train_seconds=round(train_seconds, 3),
@@ -486,9 +499,16 @@ def load_trained(path: Union[str, Path]) -> Tuple[nn.Module, Task, TrainConfig]:
     return model.eval(), task, config
 
 
-def evaluate_checkpoint(path: Union[str, Path], split: str = "test") -> Dict[str, Any]:
-    """Metrics of a saved model on a split, with the task's baseline and the run's config."""
+def evaluate_checkpoint(
+    path: Union[str, Path], split: str = "test", decoding: DecoderSettings = GREEDY
+) -> Dict[str, Any]:
+    """Metrics of a saved model on a split (a seq2seq model's decoded by ``decoding``), with the task's
+    baseline and the run's config."""
     model, task, config = load_trained(path)
-    metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision)
-    return {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
-            "baseline": task.baseline(), "config": config.as_dict()}
+    metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
+                       decoding=decoding)
+    report = {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
+              "baseline": task.baseline(), "config": config.as_dict()}
+    if task.kind == "seq2seq":
+        report["decoder"] = decoding.describe()
+    return report

@@ -21,8 +21,9 @@
 * Guided attention (Tachibana et al. 2018): :func:`guide_loss` on the cross-attention weights, which
   :class:`CrossAttentionRecorder` recomputes from the queries and keys of the softmax cross-attention.
 
-Decoded metrics (:func:`decoded_metrics`): greedy decoding, exact match (word accuracy for g2p) and the
-token error rate (edit distance over reference length: phoneme error rate for g2p).
+Decoded metrics (:func:`decoded_metrics`): exact match (word accuracy for g2p) and the token error rate
+(edit distance over reference length: phoneme error rate for g2p) of outputs decoded as
+:mod:`attnzoo.training.decoders` chooses (greedy by default).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..decoding import greedy_decode
 from ..models import Seq2SeqTransformer
 from ..tasks import IGNORE_INDEX, Seq2SeqSplit, Task
 
@@ -183,15 +183,6 @@ def strip_output(tokens: Sequence[int], eos_id: int) -> List[int]:
             break
         out.append(int(token))
     return out
-
-
-@torch.no_grad()
-def greedy_outputs(model: Seq2SeqTransformer, task: Task, source: Tensor, source_mask: Tensor) -> List[List[int]]:
-    """Greedy decodes of a batch of sources, each cut at its EOS (at most ``task.target_len`` tokens)."""
-    prompt = torch.full((source.shape[0], 1), task.bos_id, dtype=torch.long)
-    decoded = greedy_decode(model, prompt, task.target_len, eos_id=task.eos_id, source=source,
-                            source_padding_mask=source_mask)
-    return [strip_output(row[1:].tolist(), task.eos_id) for row in decoded]
 
 
 def decoded_metrics(predictions: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> Dict[str, float]:
