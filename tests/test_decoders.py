@@ -16,7 +16,7 @@ from attnzoo import beam_search, greedy_decode, sample_decode
 from attnzoo.cli import main
 from attnzoo.models.monotonic import MonotonicInference
 from attnzoo.tasks import load
-from attnzoo.training import DecoderSettings, TrainConfig, build_model, evaluate, train
+from attnzoo.training import DecoderSettings, TrainConfig, build_model, evaluate
 from attnzoo.training.decoders import corpus_bleu, timed_outputs
 
 REVERSE = dict(train_size=64, validation_size=12, test_size=12, length=7, num_symbols=6)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..models import Seq2SeqTransformer
-from ..tasks import IGNORE_INDEX, Seq2SeqSplit, Task
+from ..tasks import IGNORE_INDEX, Seq2SeqSplit
 
 SCHEDULED_SAMPLING = ("none", "token", "two-pass")
 SAMPLING_DECAYS = ("linear", "exponential", "inverse-sigmoid")
