@@ -23,17 +23,13 @@ REVERSE = dict(train_size=64, validation_size=12, test_size=12, length=7, num_sy
 SMALL = dict(dim=16, depth=1, heads=2, batch_size=8, steps=4, eval_interval=4)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
+@pytest.fixture(scope="module", autouse=True)
+def reverse():
+    """The task; torch on one thread for the module's tests (tiny models run fastest so beside other work)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    yield load("reverse", **REVERSE)
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def reverse():
-    return load("reverse", **REVERSE)
 
 
 @pytest.fixture(scope="module")

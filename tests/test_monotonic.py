@@ -11,13 +11,8 @@ from attnzoo.functional.monotonic import (
     monotonic_window_mask_reference,
 )
 from attnzoo.mechanisms import UnsupportedOptionError
-from attnzoo.models.monotonic import (
-    MonotonicInference,
-    MonotonicState,
-    _CrossAttentionWeights,
-    monotonic_prefill,
-    monotonic_step,
-)
+from attnzoo.models.cross_attention import CrossAttentionWeights
+from attnzoo.models.monotonic import MonotonicInference, MonotonicState, monotonic_prefill, monotonic_step
 from attnzoo.state import select_batch
 
 SRC_VOCAB, TGT_VOCAB, BOS, EOS = 9, 7, 1, 2
@@ -81,7 +76,7 @@ def _walk(model, monotonic, src, mask, steps, seed):
     focuses, weights = [state.focus], []
     for _ in range(steps):
         token = torch.randint(0, TGT_VOCAB, (src.shape[0],), generator=generator)
-        with _CrossAttentionWeights(model) as recorded:
+        with CrossAttentionWeights(model, "the test") as recorded:
             _, state = monotonic_step(model, monotonic, token, state)
         focuses.append(state.focus)
         weights.append(recorded.weights)
@@ -102,10 +97,11 @@ def test_focus_never_moves_backwards_over_random_models_and_inputs(case):
         assert (after >= before).all() and (after - before <= monotonic.ahead).all()
         assert (after < lengths).all()  # the focus never lands on padding
         hidden = monotonic_window_mask(before, src.shape[1], monotonic.ahead, monotonic.behind) | mask
-        for layer_weights in step_weights:  # every layer attended inside the window only
-            assert (layer_weights * hidden).abs().sum() == 0.0
+        for layer_weights in step_weights:  # every layer and head attended inside the window only
+            assert layer_weights.shape == (src.shape[0], heads, 1, src.shape[1])
+            assert (layer_weights * hidden[:, None, None, :]).abs().sum() == 0.0
             if monotonic.behind == 0:  # then attention itself stays or moves forward
-                assert (layer_weights.argmax(dim=-1) >= before).all()
+                assert (layer_weights.argmax(dim=-1) >= before[:, None, None]).all()
 
 
 def test_full_window_decoding_equals_unconstrained_decoding():

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._validation import check_number, check_positive_int
 from ..functional.monotonic import advance_focus, initial_focus, monotonic_window_mask
-from ..functional.softmax import masked_softmax_reference
 from ..mechanisms.base import UnsupportedOptionError
+from .cross_attention import CrossAttentionWeights
 from .transformer import DecoderState, Seq2SeqTransformer
 
 
@@ -98,37 +98,10 @@ def check_monotonic(model: Any, monotonic: Any) -> Optional[MonotonicInference]:
     return monotonic
 
 
-class _CrossAttentionWeights:
-    """While entered, records the cross-attention weights of every decoder layer at the newest target position,
-    averaged over the heads: one (batch, seq_src) float32 tensor per layer, recomputed from the queries and keys
-    the softmax mechanism receives (its own forward is left untouched)."""
-
-    def __init__(self, model: Seq2SeqTransformer) -> None:
-        self.mechanisms = [layer.cross_attention.mechanism for layer in model.decoder.layers]
-        self.weights: List[Tensor] = []
-        self._handles: List[Any] = []
-
-    def _record(self, module: Any, args: Tuple[Tensor, ...], kwargs: dict) -> None:
-        q, k = args[0][:, :, -1:].float(), args[1].float()
-        scale = module.scale if module.scale is not None else q.shape[-1] ** -0.5
-        logits = (q @ k.transpose(-1, -2)) * scale  # (batch, heads, 1, seq_src)
-        hidden = kwargs.get("key_padding_mask")
-        allowed = None if hidden is None else ~hidden[:, None, None, :]
-        self.weights.append(masked_softmax_reference(logits, allowed)[:, :, 0].mean(dim=1))
-
-    def mean(self) -> Tensor:
-        """The recorded weights averaged over the layers, (batch, seq_src)."""
-        return torch.stack(self.weights).mean(dim=0)
-
-    def __enter__(self) -> "_CrossAttentionWeights":
-        self.weights = []
-        self._handles = [m.register_forward_pre_hook(self._record, with_kwargs=True) for m in self.mechanisms]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+def _focus_weights(recorded: CrossAttentionWeights) -> Tensor:
+    """The cross-attention weights of the newest target position, averaged over the heads and the decoder
+    layers: (batch, seq_src)."""
+    return torch.stack([weights[:, :, -1] for weights in recorded.weights]).mean(dim=(0, 2))
 
 
 def _hidden_sources(padding_mask: Optional[Tensor], window: Tensor) -> Tensor:
@@ -150,9 +123,9 @@ def monotonic_prefill(
     batch, source_len = src.shape
     focus = initial_focus(src_padding_mask, batch, source_len, src.device)
     window = monotonic_window_mask(focus, source_len, monotonic.ahead, monotonic.behind)
-    with _CrossAttentionWeights(model) as recorded:
+    with CrossAttentionWeights(model, "monotonic inference") as recorded:
         logits, decoder_state = model.prefill(src, tgt, src_padding_mask=src_padding_mask, cross_attention_mask=window)
-    focus = advance_focus(focus, recorded.mean())
+    focus = advance_focus(focus, _focus_weights(recorded))
     return logits, MonotonicState(decoder_state, focus, src_padding_mask, source_len)
 
 
@@ -168,8 +141,8 @@ def monotonic_step(
     # The model's step reads the memory padding mask for its cross-attention only: the window goes there.
     windowed = dataclasses.replace(
         state.decoder, memory_padding_mask=_hidden_sources(state.source_padding_mask, window))
-    with _CrossAttentionWeights(model) as recorded:
+    with CrossAttentionWeights(model, "monotonic inference") as recorded:
         logits, decoder_state = model.step(token_t, windowed)
     decoder_state = dataclasses.replace(decoder_state, memory_padding_mask=state.source_padding_mask)
-    focus = advance_focus(state.focus, recorded.mean())
+    focus = advance_focus(state.focus, _focus_weights(recorded))
     return logits, MonotonicState(decoder_state, focus, state.source_padding_mask, state.source_len)

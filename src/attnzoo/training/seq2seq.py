@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..models import Seq2SeqTransformer
+from ..models.cross_attention import CrossAttentionWeights
 from ..tasks import IGNORE_INDEX, Seq2SeqSplit
 
 SCHEDULED_SAMPLING = ("none", "token", "two-pass")
@@ -229,7 +230,7 @@ def guide_loss(
     return total / count
 
 
-class CrossAttentionRecorder:
+class CrossAttentionRecorder(CrossAttentionWeights):
     """Records the cross-attention weights (batch, heads, seq_tgt, seq_src) of every decoder layer of a
     :class:`Seq2SeqTransformer` during one forward pass, recomputed from the queries and keys its softmax
     cross-attention receives (with gradient), so that a loss can be put on them. Use as a context manager::
@@ -240,32 +241,7 @@ class CrossAttentionRecorder:
     """
 
     def __init__(self, model: Seq2SeqTransformer) -> None:
-        self.mechanisms = [layer.cross_attention.mechanism for layer in model.decoder.layers
-                           if getattr(layer, "cross_attention", None) is not None]
-        for mechanism in self.mechanisms:
-            if mechanism.name != "softmax" or mechanism.quiet:
-                raise ValueError(f"the guide loss needs softmax cross-attention, got {mechanism.name!r}")
-        self.weights: List[Tensor] = []
-        self._handles: List = []
-
-    def _record(self, module, args, kwargs) -> None:
-        q, k = args[0], args[1]
-        scale = module.scale if module.scale is not None else q.shape[-1] ** -0.5
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-        mask = kwargs.get("key_padding_mask")
-        if mask is not None:
-            scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-        self.weights.append(scores.softmax(dim=-1))
-
-    def __enter__(self) -> "CrossAttentionRecorder":
-        self.weights = []
-        self._handles = [m.register_forward_pre_hook(self._record, with_kwargs=True) for m in self.mechanisms]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        super().__init__(model, "the guide loss")
 
 
 def seq2seq_logits(
