@@ -170,14 +170,10 @@ def test_select_batch_reorders_the_focus():
     model = seq2seq()
     src, mask = sources(3, 5)
     _, state = monotonic_prefill(model, MonotonicInference(), src, start(3), src_padding_mask=mask)
-    state = dataclass_focus(state, torch.tensor([0, 1, 2]))
+    state = MonotonicState(state.decoder, torch.tensor([0, 1, 2]), state.source_padding_mask, state.source_len)
     moved = select_batch(state, torch.tensor([2, 2, 0]))
     assert isinstance(moved, MonotonicState) and moved.focus.tolist() == [2, 2, 0]
     assert torch.equal(moved.source_padding_mask, mask[[2, 2, 0]])
-
-
-def dataclass_focus(state, focus):
-    return MonotonicState(state.decoder, focus, state.source_padding_mask, state.source_len)
 
 
 def test_prefill_cross_attention_mask_hides_sources_from_the_decoder_only():
