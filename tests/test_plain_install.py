@@ -229,3 +229,15 @@ def test_train_and_eval_run_with_nothing_but_the_core_dependencies(plain, tmp_pa
     assert "100%" in result.stderr, result.stderr[-2000:]
     evaluated = _run_on_a_terminal([sys.executable, "-m", "attnzoo.cli", "eval", str(out)], plain.env, tmp_path)
     assert evaluated.returncode == 0 and "baseline" in evaluated.stdout, evaluated.stderr[-2000:]
+
+
+def test_seq2seq_evaluation_runs_with_nothing_but_the_core_dependencies(plain, tmp_path):
+    """The decoded metrics of a seq2seq run (corpus BLEU by sacrebleu among them) need only core dependencies."""
+    command = [sys.executable, "-m", "attnzoo.cli", "train", "reverse", "--task-options",
+               "train_size=32,validation_size=8,test_size=8,length=5", "--dim", "16", "--depth", "1", "--heads",
+               "2", "--batch-size", "8", "--steps", "2", "--eval-interval", "2", "--threads", "1", "--beam-size",
+               "2", "--output", str(tmp_path / "run")]
+    result = _run_on_a_terminal(command, plain.env, tmp_path)
+    assert result.returncode == 0, (f"exit {result.returncode}; refused imports: {plain.refused()}\n"
+                                    f"{result.stderr[-3000:]}\n{result.stdout[-3000:]}")
+    assert "bleu" in result.stdout and "decoder:    beam (size 2" in result.stdout, result.stdout[-2000:]

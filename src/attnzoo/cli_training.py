@@ -28,6 +28,13 @@ TRAIN_OPTIONS = {
     "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
     "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
 }
+# Command-line option -> DecoderSettings / MonotonicInference field: the decoder of a seq2seq task's decoded
+# metrics, chosen at train and eval time alike and never part of the training config.
+DECODER_OPTIONS = {
+    "--beam-size": "beam_size", "--length-penalty": "length_penalty", "--sampling-temperature": "temperature",
+    "--top-k": "top_k", "--top-p": "top_p", "--sampling-seed": "seed", "--monotonic-ahead": "ahead",
+    "--monotonic-behind": "behind",
+}
 OPTION_OF_FIELD = {field: option for option, field in TRAIN_OPTIONS.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
                        task_options="--task-options")
@@ -115,6 +122,60 @@ def _tasks_epilog() -> str:
     return "\n".join(lines)
 
 
+def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "decoding", "seq2seq tasks: the decoder of the decoded metrics (exact match, token error rate, BLEU, "
+                    "ms per sentence); greedy unless one of these is given")
+    group.add_argument("--beam-size", dest="decoder_beam_size", metavar="N", type=int,
+                       help="beam search with this many beams")
+    group.add_argument("--length-penalty", dest="decoder_length_penalty", metavar="X", type=float,
+                       help="beam search: scores divided by length ** this (default 1.0)")
+    group.add_argument("--sampling-temperature", dest="decoder_temperature", metavar="T", type=float,
+                       help="sampling at this temperature (seeded: --sampling-seed)")
+    group.add_argument("--top-k", dest="decoder_top_k", metavar="K", type=int,
+                       help="sampling: keep the k likeliest tokens")
+    group.add_argument("--top-p", dest="decoder_top_p", metavar="P", type=float,
+                       help="sampling: nucleus of this probability")
+    group.add_argument("--sampling-seed", dest="decoder_seed", metavar="SEED", type=int,
+                       help="sampling: the generator's seed (default 0)")
+    group.add_argument("--monotonic-inference", action="store_true",
+                       help="hold the cross-attention to a window that moves left to right with its focus "
+                            "(any decoder)")
+    group.add_argument("--monotonic-ahead", dest="decoder_ahead", metavar="N", type=int,
+                       help="monotonic: source positions visible past the focus (default 3)")
+    group.add_argument("--monotonic-behind", dest="decoder_behind", metavar="N", type=int,
+                       help="monotonic: positions visible before the focus (default 0)")
+
+
+def _decoder_settings(args: argparse.Namespace, task: Optional[str]) -> Any:
+    """The :class:`DecoderSettings` the decoding options ask for (greedy when none is given) for a run on
+    ``task`` (None: not known yet, not checked); errors name the option."""
+    from .models.monotonic import MonotonicInference
+    from .tasks import task_class
+    from .training import DecoderSettings
+
+    given = {field: getattr(args, "decoder_" + field) for field in DECODER_OPTIONS.values()
+             if getattr(args, "decoder_" + field) is not None}
+    window = {field: given.pop(field) for field in ("ahead", "behind") if field in given}
+    if window and not args.monotonic_inference:
+        raise ValueError("--monotonic-ahead / --monotonic-behind set the window of --monotonic-inference: give it")
+    if (given or args.monotonic_inference) and task is not None and task_class(task).kind != "seq2seq":
+        raise ValueError(f"the decoding options apply to seq2seq tasks only; {task} is {task_class(task).kind!r}")
+    beam = bool({"beam_size", "length_penalty"} & set(given))
+    if beam and len(given) > len({"beam_size", "length_penalty"} & set(given)):
+        raise ValueError("--beam-size / --length-penalty (beam search) and --sampling-temperature / --top-k / "
+                         "--top-p / --sampling-seed (sampling) choose different decoders: give one kind")
+    try:
+        monotonic = MonotonicInference(**window) if args.monotonic_inference else None
+        return DecoderSettings("beam" if beam else "sample" if given else "greedy", monotonic=monotonic, **given)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        for option, field in DECODER_OPTIONS.items():
+            if message.startswith(field + " "):
+                message = option + message[len(field):]
+        raise ValueError(message) from None
+
+
 def train_command(args: argparse.Namespace) -> int:
     from .mechanisms import UnsupportedOptionError, available
     from .tasks import available as tasks_available
@@ -134,6 +195,7 @@ def train_command(args: argparse.Namespace) -> int:
                 raise ValueError(f"--resume {args.resume} continues the run as it was configured; these differ: "
                                  + ", ".join(conflicts))
             config = None
+            decoding = _decoder_settings(args, saved["task"])
         else:
             if args.task is None:
                 raise ValueError(f"give a TASK ({', '.join(tasks_available())}) or --resume DIR")
@@ -146,6 +208,7 @@ def train_command(args: argparse.Namespace) -> int:
                 config = TrainConfig(**given)
             except (TypeError, ValueError) as error:
                 raise ValueError(_name_option(str(error))) from None
+            decoding = _decoder_settings(args, config.task)
             if output is None:
                 output = f"runs/{config.task}-{config.mechanism}"
             _check_buildable(config)
@@ -169,7 +232,7 @@ def train_command(args: argparse.Namespace) -> int:
     main = parallel is None or parallel.is_main
     try:
         result = train(config, output, resume=args.resume is not None, progress=not args.quiet and main,
-                       command=command, parallel=parallel)
+                       command=command, parallel=parallel, decoding=decoding)
     except KeyboardInterrupt:
         if not main:
             return EXIT_INTERRUPTED
@@ -190,6 +253,8 @@ def train_command(args: argparse.Namespace) -> int:
           f"parameters, {result.train_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s)")
     print(f"  validation: {_format_metrics(result.validation)}")
     print(f"  test:       {_format_metrics(result.test)}")
+    if "bleu" in result.test:
+        print(f"  decoder:    {decoding.describe()}")
     print(f"  baseline:   {metric} {result.baseline[metric]:.4f} "
           f"({'majority class' if metric == 'accuracy' else 'unigram entropy'} of the test split)")
     print(f"wrote checkpoints/, metrics.csv and results.json to {output}/")
@@ -226,9 +291,12 @@ def _check_buildable(config: Any) -> None:
 
 def eval_command(args: argparse.Namespace) -> int:
     from .training import CheckpointError, evaluate_checkpoint
+    from .training.checkpoint import find_checkpoint, read_config
 
     try:
-        report = evaluate_checkpoint(args.checkpoint, args.split)
+        saved = read_config(find_checkpoint(args.checkpoint)).get("train")
+        decoding = _decoder_settings(args, saved.get("task") if isinstance(saved, dict) else None)
+        report = evaluate_checkpoint(args.checkpoint, args.split, decoding)
     except (CheckpointError, ValueError, TypeError) as error:
         return _usage_error("eval", str(error))
     if args.json:
@@ -237,6 +305,8 @@ def eval_command(args: argparse.Namespace) -> int:
     metrics, baseline = report["metrics"], report["baseline"]
     print(f"{report['mechanism']} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
     print("  baseline: " + ", ".join(f"{k} {v:.4f}" for k, v in baseline.items()))
+    if "decoder" in report:
+        print(f"  decoder:  {report['decoder']}")
     return EXIT_OK
 
 
@@ -324,6 +394,7 @@ def add_training_commands(commands: Any) -> None:
     train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_decoder_options(train)
     train.set_defaults(run=train_command)
 
     evaluate = commands.add_parser("eval", help="score a saved model on a split of its task",
@@ -333,6 +404,7 @@ def add_training_commands(commands: Any) -> None:
                           help="a run directory (its latest checkpoint) or a checkpoint directory")
     evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_decoder_options(evaluate)
     evaluate.set_defaults(run=eval_command)
 
     lra = commands.add_parser(

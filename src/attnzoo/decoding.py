@@ -4,7 +4,9 @@ Every decoder runs the model's incremental path: one ``prefill`` over the prompt
 token, with the decoding state passed explicitly (beam search reorders it with
 :func:`attnzoo.state.select_batch`). For a :class:`Seq2SeqTransformer` the ``prompt`` is the target prefix
 (typically one start token per sequence) and ``source`` the source ids; the source is encoded and its
-cross-attention keys and values are projected once.
+cross-attention keys and values are projected once. ``monotonic=MonotonicInference(ahead, behind)`` holds
+its cross-attention to a window that moves left to right (:mod:`attnzoo.models.monotonic`); the focus is part
+of the decoding state, so every decoder here supports it, beam search included.
 
 The model's train/eval mode is left as it is: call ``model.eval()`` first so dropout is off.
 
@@ -16,16 +18,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from ._validation import check_positive_int
-from .models.transformer import DecoderState, LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
+from .models.monotonic import MonotonicInference, check_monotonic, monotonic_prefill, monotonic_step
+from .models.transformer import LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
 from .state import select_batch
 
 Model = Union[LanguageModel, Seq2SeqTransformer]
+Step = Callable[[Tensor, Any], Tuple[Tensor, Any]]
+"""One decoding step: (token_t (batch,), state) -> (logits (batch, vocab), state)."""
 
 
 # -- argument checks -----------------------------------------------------------------------------------------
@@ -57,16 +62,20 @@ def _start(
     eos_id: Optional[int],
     source: Optional[Tensor],
     source_padding_mask: Optional[Tensor],
-) -> Tuple[Tensor, DecoderState]:
-    """Check the shared arguments, run the prompt, and return the last position's logits (batch, vocab)."""
+    monotonic: Optional[MonotonicInference] = None,
+) -> Tuple[Tensor, Any, Step]:
+    """Check the shared arguments, run the prompt, and return the last position's logits (batch, vocab), the
+    decoding state and the step function that carries it on."""
     vocab_size = _vocab_size(model)
     check_positive_int("max_new_tokens", max_new_tokens)
     check_tokens("prompt", prompt, vocab_size)
     _check_eos(eos_id, vocab_size)
+    monotonic = check_monotonic(model, monotonic)
     if isinstance(model, LanguageModel):
         if source is not None or source_padding_mask is not None:
             raise ValueError("source / source_padding_mask are for a Seq2SeqTransformer; a LanguageModel takes none")
         logits, state = model.prefill(prompt)
+        return logits[:, -1], state, model.step
     else:
         if source is None:
             raise ValueError("source (batch, seq_src) token ids are required to decode with a Seq2SeqTransformer")
@@ -74,8 +83,11 @@ def _start(
         check_padding_mask("source_padding_mask", source_padding_mask, source)
         if source.shape[0] != prompt.shape[0]:
             raise ValueError(f"prompt batch {prompt.shape[0]} does not match source batch {source.shape[0]}")
+        if monotonic is not None:
+            logits, state = monotonic_prefill(model, monotonic, source, prompt, src_padding_mask=source_padding_mask)
+            return logits[:, -1], state, lambda token_t, state: monotonic_step(model, monotonic, token_t, state)
         logits, state = model.prefill(source, prompt, src_padding_mask=source_padding_mask)
-    return logits[:, -1], state
+    return logits[:, -1], state, model.step
 
 
 # -- greedy and sampling -------------------------------------------------------------------------------------
@@ -87,8 +99,9 @@ def _decode_loop(
     eos_id: Optional[int],
     source: Optional[Tensor],
     source_padding_mask: Optional[Tensor],
+    monotonic: Optional[MonotonicInference],
 ) -> Tensor:
-    logits, state = _start(model, prompt, max_new_tokens, eos_id, source, source_padding_mask)
+    logits, state, step = _start(model, prompt, max_new_tokens, eos_id, source, source_padding_mask, monotonic)
     tokens = [prompt]
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     for position in range(max_new_tokens):
@@ -100,7 +113,7 @@ def _decode_loop(
         tokens.append(next_token[:, None])
         if position == max_new_tokens - 1 or bool(finished.all()):
             break
-        logits, state = model.step(next_token, state)
+        logits, state = step(next_token, state)
     return torch.cat(tokens, dim=1)
 
 
@@ -113,6 +126,7 @@ def greedy_decode(
     eos_id: Optional[int] = None,
     source: Optional[Tensor] = None,
     source_padding_mask: Optional[Tensor] = None,
+    monotonic: Optional[MonotonicInference] = None,
 ) -> Tensor:
     """Pick the most likely token at every step.
 
@@ -120,7 +134,7 @@ def greedy_decode(
     emitted ``eos_id``; a finished sequence is filled with ``eos_id`` after its end.
     """
     return _decode_loop(model, prompt, max_new_tokens, lambda logits: logits.argmax(dim=-1), eos_id, source,
-                        source_padding_mask)
+                        source_padding_mask, monotonic)
 
 
 def _check_filter(top_k: Optional[int], top_p: Optional[float]) -> None:
@@ -162,6 +176,7 @@ def sample_decode(
     eos_id: Optional[int] = None,
     source: Optional[Tensor] = None,
     source_padding_mask: Optional[Tensor] = None,
+    monotonic: Optional[MonotonicInference] = None,
 ) -> Tensor:
     """Sample each token from ``softmax(logits / temperature)``, restricted by ``top_k`` / ``top_p``.
 
@@ -183,7 +198,7 @@ def sample_decode(
         scaled = filter_logits(logits.float() / temperature, top_k, top_p)
         return torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator)[:, 0]
 
-    return _decode_loop(model, prompt, max_new_tokens, pick, eos_id, source, source_padding_mask)
+    return _decode_loop(model, prompt, max_new_tokens, pick, eos_id, source, source_padding_mask, monotonic)
 
 
 # -- beam search ---------------------------------------------------------------------------------------------
@@ -230,6 +245,7 @@ def beam_search(
     eos_id: Optional[int] = None,
     source: Optional[Tensor] = None,
     source_padding_mask: Optional[Tensor] = None,
+    monotonic: Optional[MonotonicInference] = None,
 ) -> BeamSearchResult:
     """Beam search over the model's incremental path.
 
@@ -240,7 +256,7 @@ def beam_search(
     """
     check_positive_int("beam_size", beam_size)
     length_penalty = _check_number("length_penalty", length_penalty)
-    logits, state = _start(model, prompt, max_new_tokens, eos_id, source, source_padding_mask)
+    logits, state, step = _start(model, prompt, max_new_tokens, eos_id, source, source_padding_mask, monotonic)
     batch, vocab = logits.shape
     device = prompt.device
     beams = beam_size
@@ -290,7 +306,7 @@ def beam_search(
         if all(done) or length == max_new_tokens:
             break
         state = select_batch(state, flat_parents)
-        logits, state = model.step(new_tokens, state)
+        logits, state = step(new_tokens, state)
         log_probs = logits.to(score_dtype).log_softmax(dim=-1)
 
     # Beams still live at the end stop at the length limit.

@@ -454,15 +454,25 @@ class Seq2SeqTransformer(nn.Module):
         return self.head(hidden)
 
     def prefill(
-        self, src: Tensor, tgt: Tensor, *, src_padding_mask: Optional[Tensor] = None
+        self, src: Tensor, tgt: Tensor, *, src_padding_mask: Optional[Tensor] = None,
+        cross_attention_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, DecoderState]:
         """Encode src and run the target prefix tgt (batch, seq_tgt); returns (logits (batch, seq_tgt, vocab),
-        state). The memory's cross-attention keys and values are projected here, once."""
+        state). The memory's cross-attention keys and values are projected here, once.
+
+        ``cross_attention_mask`` (batch, seq_src) bool, True = hidden: source positions this pass's
+        cross-attention does not see besides the padding (the encoder still reads them), e.g. the window of
+        monotonic decoding (:mod:`attnzoo.models.monotonic`); the returned state holds the padding alone."""
         memory = self.encode(src, src_padding_mask=src_padding_mask)
         check_tokens("tgt", tgt, self.tgt_vocab_size)
+        check_padding_mask("cross_attention_mask", cross_attention_mask, src)
         if tgt.shape[0] != src.shape[0]:
             raise ValueError(f"tgt batch {tgt.shape[0]} does not match src batch {src.shape[0]}")
-        hidden, state = self.decoder.prefill(self.tgt_embedding(tgt), memory, memory_padding_mask=src_padding_mask)
+        hidden_sources = src_padding_mask
+        if cross_attention_mask is not None:
+            hidden_sources = cross_attention_mask if src_padding_mask is None else src_padding_mask | cross_attention_mask
+        hidden, state = self.decoder.prefill(self.tgt_embedding(tgt), memory, memory_padding_mask=hidden_sources)
+        state = replace(state, memory_padding_mask=src_padding_mask)
         return self.head(hidden), state
 
     def step(self, token_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:

@@ -7,11 +7,13 @@
 
 from .checkpoint import CheckpointError, find_checkpoint
 from .config import TrainConfig
+from .decoders import DecoderSettings
 from .loop import TrainResult, batch_indices, evaluate, evaluate_checkpoint, load_trained, train
 from .model import build_model, unsupported_reasons
 
 __all__ = [
     "CheckpointError",
+    "DecoderSettings",
     "TrainConfig",
     "TrainResult",
     "batch_indices",

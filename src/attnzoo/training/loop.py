@@ -39,12 +39,12 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .distributed import DataParallel
+from .decoders import GREEDY, DecoderSettings, corpus_bleu, timed_outputs
 from .model import build_model
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     decoded_metrics,
     decoder_inputs,
-    greedy_outputs,
     seq2seq_logits,
     smoothed_cross_entropy,
     strip_output,
@@ -54,7 +54,7 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss"]
+              "exact_match", "token_error_rate", "guide_loss", "bleu", "ms_per_sentence"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -169,12 +169,14 @@ def _on(device: torch.device, *tensors: Optional[Tensor]) -> Tuple[Optional[Tens
 @torch.no_grad()
 def evaluate(
     model: nn.Module, task: Task, split: str = "validation", *, batch_size: int = 64,
-    max_batches: Optional[int] = None, precision: str = "float32",
+    max_batches: Optional[int] = None, precision: str = "float32", decoding: DecoderSettings = GREEDY,
 ) -> Dict[str, float]:
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
-    A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
-    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become)."""
+    A seq2seq task adds the decoded metrics of the decoder ``decoding`` (greedy by default): ``exact_match``,
+    ``token_error_rate``, corpus ``bleu`` (0-100) and the decoding time ``ms_per_sentence``
+    (:mod:`attnzoo.training.decoders`), and the cross-attention's ``guide_loss`` at width 0.2 (0 when the
+    attention is on the diagonal: how monotonic it has become)."""
     data = task.split(split)
     device = next(model.parameters()).device
     was_training = model.training
@@ -182,7 +184,8 @@ def evaluate(
     tally = Tally()
     predictions: List[List[int]] = []
     references: List[List[int]] = []
-    guide_sum = 0.0
+    guide_sum, decode_seconds = 0.0, 0.0
+    generator = decoding.generator()
     try:
         for number, start in enumerate(range(0, len(data), batch_size)):
             if max_batches is not None and number >= max_batches:
@@ -193,7 +196,11 @@ def evaluate(
                 logits, guide = model_logits(model, task, data, index, inputs, mask)
                 if task.kind == "seq2seq":
                     guide_sum += float(guide) * len(index)
-                    predictions += greedy_outputs(model, task, inputs, mask)
+                    outputs, seconds = timed_outputs(model, inputs, mask, bos_id=task.bos_id, eos_id=task.eos_id,
+                                                     max_new_tokens=task.target_len, settings=decoding,
+                                                     generator=generator)
+                    predictions += outputs
+                    decode_seconds += seconds
                     references += [strip_output(row.tolist(), task.eos_id) for row in targets]
             tally.add(loss_and_tally(task.kind, logits, targets)[1])
     finally:
@@ -202,6 +209,8 @@ def evaluate(
     if task.kind == "seq2seq":
         metrics.update(decoded_metrics(predictions, references))
         metrics["guide_loss"] = guide_sum / max(len(references), 1)
+        metrics["bleu"] = corpus_bleu(predictions, references, task.target_tokens)
+        metrics["ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
     return metrics
 
 
@@ -354,6 +363,7 @@ def train(
     command: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[int, Dict[str, float]], None]] = None,
     parallel: Optional[DataParallel] = None,
+    decoding: DecoderSettings = GREEDY,
 ) -> TrainResult:
     """Train a model on a task; returns its validation and test metrics beside the task's trivial baseline.
 
@@ -370,6 +380,7 @@ def train(
             every rank calls ``train`` with the same arguments): each trains on its share of the configured
             (global) batch, and the parameters are those one process reaches on the global batch. Rank 0 alone
             evaluates and writes the output directory; every rank returns the same result.
+        decoding: the decoder of a seq2seq task's decoded metrics, in every evaluation (greedy by default).
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
     written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there.
@@ -503,7 +514,8 @@ def train(
                         evaluation_began = time.perf_counter()
                         if main:
                             validation = evaluate(model, task, "validation", batch_size=config.batch_size,
-                                                  max_batches=config.eval_batches, precision=config.precision)
+                                                  max_batches=config.eval_batches, precision=config.precision,
+                                                  decoding=decoding)
                         if parallel is not None:
                             validation = parallel.broadcast(validation)
                         evaluating += time.perf_counter() - evaluation_began
@@ -535,8 +547,10 @@ def train(
         if main:
             if not validation:  # resumed a finished run: nothing trained, evaluate once
                 validation = evaluate(model, task, "validation", batch_size=config.batch_size,
-                                      max_batches=config.eval_batches, precision=config.precision)
-            test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision)
+                                      max_batches=config.eval_batches, precision=config.precision,
+                                      decoding=decoding)
+            test = evaluate(model, task, "test", batch_size=config.batch_size, precision=config.precision,
+                            decoding=decoding)
         if parallel is not None:
             validation, test = parallel.broadcast((validation, test))
     result = TrainResult(
@@ -562,9 +576,16 @@ def load_trained(path: Union[str, Path]) -> Tuple[nn.Module, Task, TrainConfig]:
     return model.eval(), task, config
 
 
-def evaluate_checkpoint(path: Union[str, Path], split: str = "test") -> Dict[str, Any]:
-    """Metrics of a saved model on a split, with the task's baseline and the run's config."""
+def evaluate_checkpoint(
+    path: Union[str, Path], split: str = "test", decoding: DecoderSettings = GREEDY
+) -> Dict[str, Any]:
+    """Metrics of a saved model on a split (a seq2seq model's decoded by ``decoding``), with the task's
+    baseline and the run's config."""
     model, task, config = load_trained(path)
-    metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision)
-    return {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
-            "baseline": task.baseline(), "config": config.as_dict()}
+    metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
+                       decoding=decoding)
+    report = {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
+              "baseline": task.baseline(), "config": config.as_dict()}
+    if task.kind == "seq2seq":
+        report["decoder"] = decoding.describe()
+    return report

@@ -21,8 +21,9 @@
 * Guided attention (Tachibana et al. 2018): :func:`guide_loss` on the cross-attention weights, which
   :class:`CrossAttentionRecorder` recomputes from the queries and keys of the softmax cross-attention.
 
-Decoded metrics (:func:`decoded_metrics`): greedy decoding, exact match (word accuracy for g2p) and the
-token error rate (edit distance over reference length: phoneme error rate for g2p).
+Decoded metrics (:func:`decoded_metrics`): exact match (word accuracy for g2p) and the token error rate
+(edit distance over reference length: phoneme error rate for g2p) of outputs decoded as
+:mod:`attnzoo.training.decoders` chooses (greedy by default).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..decoding import greedy_decode
 from ..models import Seq2SeqTransformer
-from ..tasks import IGNORE_INDEX, Seq2SeqSplit, Task
+from ..models.cross_attention import CrossAttentionWeights
+from ..tasks import IGNORE_INDEX, Seq2SeqSplit
 
 SCHEDULED_SAMPLING = ("none", "token", "two-pass")
 SAMPLING_DECAYS = ("linear", "exponential", "inverse-sigmoid")
@@ -185,15 +186,6 @@ def strip_output(tokens: Sequence[int], eos_id: int) -> List[int]:
     return out
 
 
-@torch.no_grad()
-def greedy_outputs(model: Seq2SeqTransformer, task: Task, source: Tensor, source_mask: Tensor) -> List[List[int]]:
-    """Greedy decodes of a batch of sources, each cut at its EOS (at most ``task.target_len`` tokens)."""
-    prompt = torch.full((source.shape[0], 1), task.bos_id, dtype=torch.long)
-    decoded = greedy_decode(model, prompt, task.target_len, eos_id=task.eos_id, source=source,
-                            source_padding_mask=source_mask)
-    return [strip_output(row[1:].tolist(), task.eos_id) for row in decoded]
-
-
 def decoded_metrics(predictions: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> Dict[str, float]:
     """``exact_match`` (share of sequences decoded exactly) and ``token_error_rate`` (edit distances over
     the references' total length) of token lists without BOS or EOS."""
@@ -238,7 +230,7 @@ def guide_loss(
     return total / count
 
 
-class CrossAttentionRecorder:
+class CrossAttentionRecorder(CrossAttentionWeights):
     """Records the cross-attention weights (batch, heads, seq_tgt, seq_src) of every decoder layer of a
     :class:`Seq2SeqTransformer` during one forward pass, recomputed from the queries and keys its softmax
     cross-attention receives (with gradient), so that a loss can be put on them. Use as a context manager::
@@ -249,32 +241,7 @@ class CrossAttentionRecorder:
     """
 
     def __init__(self, model: Seq2SeqTransformer) -> None:
-        self.mechanisms = [layer.cross_attention.mechanism for layer in model.decoder.layers
-                           if getattr(layer, "cross_attention", None) is not None]
-        for mechanism in self.mechanisms:
-            if mechanism.name != "softmax" or mechanism.quiet:
-                raise ValueError(f"the guide loss needs softmax cross-attention, got {mechanism.name!r}")
-        self.weights: List[Tensor] = []
-        self._handles: List = []
-
-    def _record(self, module, args, kwargs) -> None:
-        q, k = args[0], args[1]
-        scale = module.scale if module.scale is not None else q.shape[-1] ** -0.5
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-        mask = kwargs.get("key_padding_mask")
-        if mask is not None:
-            scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-        self.weights.append(scores.softmax(dim=-1))
-
-    def __enter__(self) -> "CrossAttentionRecorder":
-        self.weights = []
-        self._handles = [m.register_forward_pre_hook(self._record, with_kwargs=True) for m in self.mechanisms]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        super().__init__(model, "the guide loss")
 
 
 def seq2seq_logits(
