@@ -22,7 +22,14 @@ import torch
 from torch import Tensor
 
 from ._validation import check_positive_int
-from .models.transformer import DecoderState, LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
+from .models.transformer import (
+    CopyDecoderState,
+    DecoderState,
+    LanguageModel,
+    Seq2SeqTransformer,
+    check_padding_mask,
+    check_tokens,
+)
 from .state import select_batch
 
 Model = Union[LanguageModel, Seq2SeqTransformer]
@@ -33,7 +40,7 @@ def _vocab_size(model: Model) -> int:
     if isinstance(model, LanguageModel):
         return model.vocab_size
     if isinstance(model, Seq2SeqTransformer):
-        return model.tgt_vocab_size
+        return model.output_vocab_size  # the extended vocabulary when the model can copy
     raise TypeError(f"model must be a LanguageModel or a Seq2SeqTransformer, got {type(model).__name__}")
 
 
@@ -57,7 +64,7 @@ def _start(
     eos_id: Optional[int],
     source: Optional[Tensor],
     source_padding_mask: Optional[Tensor],
-) -> Tuple[Tensor, DecoderState]:
+) -> Tuple[Tensor, Union[DecoderState, CopyDecoderState]]:
     """Check the shared arguments, run the prompt, and return the last position's logits (batch, vocab)."""
     vocab_size = _vocab_size(model)
     check_positive_int("max_new_tokens", max_new_tokens)
