@@ -11,7 +11,7 @@ training sentence uses, so a model must copy them from its source rather than re
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -57,6 +57,18 @@ class Seq2SeqTask(Task):
     eos_id: int = EOS_ID
     source_tokens: List[str]
     target_tokens: List[str]
+    rare_ids: Optional[FrozenSet[int]] = None
+    """Target ids of the rare tokens an answer repeats from its source (the names and numbers of
+    ``copy-names``), or None: evaluation then reports the share of them the model reproduces."""
+
+    def copy_map(self) -> torch.Tensor:
+        """What a copy mechanism produces when it copies each source token: (vocab_size,) int64, the target
+        id of the token of the same name, -1 for the special tokens and for a source token the target
+        vocabulary lacks (see :mod:`attnzoo.models.pointer`). All -1 when the vocabularies share nothing
+        (g2p: letters and phonemes): such a task has nothing to copy."""
+        target_id = {token: i for i, token in enumerate(self.target_tokens)}
+        return torch.tensor([-1 if token in SPECIALS else target_id.get(token, -1) for token in self.source_tokens],
+                            dtype=torch.int64)
 
     def _finish(self, data: Dict[str, Tuple[List[List[int]], List[List[int]]]]) -> None:
         """Set the sizes from the longest sequences and build the three splits."""

@@ -52,7 +52,7 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss"]
+              "exact_match", "token_error_rate", "guide_loss", "rare_token_recall"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -155,7 +155,8 @@ def evaluate(
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
     A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
-    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become)."""
+    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become); one
+    with rare tokens to copy (``rare_ids``, as copy-names) also their ``rare_token_recall``."""
     data = task.split(split)
     was_training = model.training
     model.eval()
@@ -180,7 +181,7 @@ def evaluate(
         model.train(was_training)
     metrics = tally.metrics(task)
     if task.kind == "seq2seq":
-        metrics.update(decoded_metrics(predictions, references))
+        metrics.update(decoded_metrics(predictions, references, getattr(task, "rare_ids", None)))
         metrics["guide_loss"] = guide_sum / max(len(references), 1)
     return metrics
 
