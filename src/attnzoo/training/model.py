@@ -68,8 +68,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
                          f"{task.kind!r}")
     copy_map = task.copy_map() if config.copy_mechanism else None
     if copy_map is not None and not bool((copy_map >= 0).any()):
-        raise UnsupportedOptionError(f"copy_mechanism: {task.name}'s source and target vocabularies share no "
-                                     "token, so there is nothing to copy")
+        raise UnsupportedOptionError(f"copy_mechanism needs a task whose source and target share tokens; "
+                                     f"{task.name}'s vocabularies share none, so there is nothing to copy")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
