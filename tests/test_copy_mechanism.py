@@ -1,7 +1,8 @@
 """The copy mechanism (pointer-generator, See et al. 2017): the mixed distribution sums to one and reaches
 source-only tokens through extended ids, the fast path equals its float64 reference and passes gradcheck,
 incremental decoding scores like a full forward pass, bad input is named, and a few steps of
-`attnzoo train copy-names --copy-mechanism` then `attnzoo eval`."""
+`attnzoo train copy-names --copy-mechanism` then `attnzoo eval` (resuming such a run: in
+test_training_seq2seq.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from attnzoo.tasks import IGNORE_INDEX, load
 from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
 from attnzoo.training.loop import loss_and_tally
 from attnzoo.training.seq2seq import decoded_metrics, rare_token_recall
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, EXTENDED = 6, 9  # target ids 0..5; 6, 7, 8 exist only in the source
 
@@ -249,14 +252,6 @@ NAMES = dict(train_size=48, validation_size=16, test_size=16, num_names=20, num_
 SMALL = dict(dim=16, depth=1, heads=2, batch_size=8, steps=4, eval_interval=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_task_copy_maps_pair_tokens_by_name():
     names = load("copy-names", **NAMES)
     copy_map = names.copy_map()
@@ -334,20 +329,3 @@ def test_a_few_steps_of_attnzoo_train_copy_names_with_the_copy_mechanism_then_ev
     out = capsys.readouterr().out
     assert "exact_match" in out and "rare_token_recall" in out
 
-
-def test_a_copy_mechanism_run_resumes_to_bit_identical_parameters(tmp_path):
-    from safetensors.torch import load_file
-
-    cfg = TrainConfig("copy-names", task_options=NAMES, copy_mechanism=True, dropout=0.1, **{**SMALL, "steps": 3})
-    train(cfg, tmp_path / "whole", progress=False)
-
-    def stop(step, metrics):
-        if step == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, tmp_path / "cut", progress=False, on_step=stop)
-    train(None, tmp_path / "cut", resume=True, progress=False)
-    a, b = (load_file(str(find_checkpoint(tmp_path / run) / "model.safetensors")) for run in ("whole", "cut"))
-    assert any(k.startswith("pointer.") for k in a)
-    assert all(torch.equal(a[k], b[k]) for k in a)
