@@ -257,6 +257,8 @@ def test_task_copy_maps_pair_tokens_by_name():
     copy_map = names.copy_map()
     assert copy_map[:3].tolist() == [-1, -1, -1]  # PAD, BOS, EOS
     assert torch.equal(copy_map[3:], torch.arange(3, names.vocab_size))  # one shared vocabulary
+    assert names.name_ids | names.number_ids == names.rare_ids and not names.name_ids & names.number_ids
+    assert {names.target_tokens[i] for i in names.number_ids} == {str(n) for n in range(20)}
     g2p = load("g2p", train_size=8, validation_size=4, test_size=4)
     assert (g2p.copy_map() == -1).all()  # letters and phonemes share nothing
 

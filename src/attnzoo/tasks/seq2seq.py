@@ -194,7 +194,8 @@ class CopyNames(Seq2SeqTask):
     ``num_names`` names are made up; ``held_out`` of them (a share) appear only in the validation and test
     sentences, never in training. Numbers are drawn from ``0..num_numbers-1``, rare each. Source and target
     share one word vocabulary (every word of every template, name and number), so a copy mechanism can
-    point at a source token and produce the same id.
+    point at a source token and produce the same id. ``name_ids`` and ``number_ids`` are the ids of the
+    names and numbers, ``rare_ids`` both.
     """
 
     name = "copy-names"
@@ -225,7 +226,9 @@ class CopyNames(Seq2SeqTask):
         self.source_tokens = self.target_tokens = [*SPECIALS, *words, *names,
                                                    *(str(i) for i in range(self.num_numbers))]
         index = {token: i for i, token in enumerate(self.source_tokens)}
-        self.rare_ids = frozenset(index[t] for t in (*names, *(str(i) for i in range(self.num_numbers))))
+        self.name_ids = frozenset(index[t] for t in names)
+        self.number_ids = frozenset(index[str(i)] for i in range(self.num_numbers))
+        self.rare_ids = self.name_ids | self.number_ids
         data = {}
         for split_name, count in (("train", self.train_size), ("validation", self.validation_size),
                                   ("test", self.test_size)):
