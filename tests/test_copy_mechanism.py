@@ -263,6 +263,27 @@ def test_task_copy_maps_pair_tokens_by_name():
     assert (g2p.copy_map() == -1).all()  # letters and phonemes share nothing
 
 
+def test_copy_names_without_a_shared_vocabulary_holds_held_out_names_as_extended_ids():
+    task = load("copy-names", **NAMES, shared_vocabulary=False)
+    held_out = task.extended_tokens
+    assert len(held_out) == 10 and not set(held_out) & set(task.target_tokens)
+    assert task.num_classes == task.vocab_size - len(held_out)
+    copy_map = task.copy_map()
+    extended = {task.source_tokens.index(name): task.num_classes + k for k, name in enumerate(held_out)}
+    assert all(copy_map[source_id] == target_id for source_id, target_id in extended.items())
+    assert int(task.split("train").targets.max()) < task.num_classes  # training answers never need them
+    test = task.split("test")
+    for row in range(len(test)):
+        source_names = {extended[t] for t in test.inputs[row].tolist() if t in extended}
+        answer_names = {t for t in test.targets[row].tolist() if t >= task.num_classes}
+        assert answer_names == source_names and len(answer_names) == 1  # each answer repeats its source's name
+    assert {task.num_classes + k for k in range(len(held_out))} <= task.name_ids
+    with pytest.raises(ValueError, match="copy_mechanism is needed: copy-names's answers"):
+        build_model(TrainConfig("copy-names", task_options={**NAMES, "shared_vocabulary": False}, **SMALL), task)
+    with pytest.raises(TypeError, match="shared_vocabulary must be True or False"):
+        load("copy-names", **NAMES, shared_vocabulary="no")
+
+
 def test_rare_token_recall_counts_each_rare_token_of_the_reference():
     rare = {10, 11, 12}
     predictions = [[10, 5, 11], [12, 12], [5], []]
@@ -309,6 +330,7 @@ def test_copy_settings_are_checked_by_the_config_and_the_task():
     (["train", "recall", "--copy-mechanism"], "--copy-mechanism needs a seq2seq task"),
     (["train", "copy-names", "--copy-mechanism", "--label-smoothing", "0.1"],
      "--label-smoothing 0.1 cannot be combined with copy_mechanism"),
+    (["train", "copy-names", "--task-options", "shared_vocabulary=false"], "--copy-mechanism is needed"),
 ])
 def test_bad_copy_options_are_one_line_usage_errors(capsys, argv, message):
     assert main([*argv, "--task-options", "train_size=8,validation_size=4,test_size=4", "--steps", "1"]) == 2
@@ -316,8 +338,11 @@ def test_bad_copy_options_are_one_line_usage_errors(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_a_few_steps_of_attnzoo_train_copy_names_with_the_copy_mechanism_then_eval(capsys, tmp_path):
-    argv = ["train", "copy-names", "--copy-mechanism", "--task-options", json.dumps(NAMES), "--dim", "16",
+@pytest.mark.parametrize("shared_vocabulary", [True, False])
+def test_a_few_steps_of_attnzoo_train_copy_names_with_the_copy_mechanism_then_eval(capsys, tmp_path,
+                                                                                 shared_vocabulary):
+    options = json.dumps({**NAMES, "shared_vocabulary": shared_vocabulary})
+    argv = ["train", "copy-names", "--copy-mechanism", "--task-options", options, "--dim", "16",
             "--depth", "1", "--heads", "2", "--batch-size", "8", "--steps", "3", "--eval-interval", "3",
             "--scheduled-sampling", "two-pass", "--output", str(tmp_path), "--quiet", "--json"]
     assert main(argv) == 0

@@ -66,6 +66,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind != "seq2seq" and config.copy_mechanism:
         raise ValueError(f"copy_mechanism needs a seq2seq task (a source to copy from); {task.name} is "
                          f"{task.kind!r}")
+    if getattr(task, "extended_tokens", ()) and not config.copy_mechanism:
+        raise ValueError(f"copy_mechanism is needed: {task.name}'s answers (with these options) hold tokens "
+                         "outside its target vocabulary, which only a copy mechanism can produce")
     copy_map = task.copy_map() if config.copy_mechanism else None
     if copy_map is not None and not bool((copy_map >= 0).any()):
         raise UnsupportedOptionError(f"copy_mechanism needs a task whose source and target share tokens; "
