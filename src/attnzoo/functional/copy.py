@@ -72,9 +72,9 @@ def copy_weights(copy_scores: Tensor, source_ids: Tensor) -> Tensor:
 
 
 def scatter_copy(weights: Tensor, source_ids: Tensor, extended_vocab_size: int) -> Tensor:
-    """Sum the weights (batch, seq_tgt, seq_src) of the positions holding each id onto that id:
-    (batch, seq_tgt, extended_vocab_size). Positions with id -1 (weight 0 from :func:`copy_weights`) add
-    nothing."""
+    """The copy distribution over the extended vocabulary: the weights (batch, seq_tgt, seq_src) of the
+    positions holding each id summed onto that id, (batch, seq_tgt, extended_vocab_size). Positions with id
+    -1 add nothing. (To inspect what a model copies; the mixing itself only touches the ids a source holds.)"""
     batch, seq_tgt, _ = weights.shape
     # Blocked positions are sent to id 0 with their weight zeroed, so the scatter needs no mask of its own.
     ids = source_ids.clamp(min=0)[:, None, :].expand(batch, seq_tgt, -1)
@@ -89,6 +89,20 @@ def _log_or_minus_inf(x: Tensor) -> Tensor:
     return torch.where(positive, torch.log(torch.where(positive, x, torch.ones_like(x))), float("-inf"))
 
 
+def _log_add_exp(a: Tensor, b: Tensor) -> Tensor:
+    """log(exp(a) + exp(b)), -inf where both are -inf, with zero gradients there (torch.logaddexp's are NaN)."""
+    shift = torch.maximum(a, b).detach()  # any finite shift gives the same value; the larger one is stable
+    shift = torch.where(shift.isfinite(), shift, torch.zeros_like(shift))
+    return shift + _log_or_minus_inf(torch.exp(a - shift) + torch.exp(b - shift))
+
+
+def _first_occurrences(source_ids: Tensor) -> Tensor:
+    """(batch, seq_src) bool: True at the first copyable position holding each id of its row."""
+    same = source_ids[:, :, None] == source_ids[:, None, :]  # (batch, seq_src, seq_src)
+    earlier = torch.ones_like(same[0]).tril(diagonal=-1)  # [j, j'] True for j' < j
+    return (source_ids >= 0) & ~(same & earlier).any(dim=-1)
+
+
 def pointer_generator_log_probs(
     vocab_logits: Tensor, copy_scores: Tensor, gate_logits: Tensor, source_ids: Tensor, extended_vocab_size: int
 ) -> Tensor:
@@ -98,21 +112,28 @@ def pointer_generator_log_probs(
     p_gen = sigmoid(gate_logits); P_vocab = softmax(vocab_logits) (0 past the vocabulary); a = the copy
     attention, :func:`copy_weights`. Computed in log space (log-sigmoid, log-softmax, log-add-exp) so that a
     confident gate or vocabulary keeps its precision; in the dtype of the inputs, float32 at least.
+
+    Only the ids the source holds get a copy term, so the full-width work is the generation term alone: the
+    copy mass of each id is summed over the positions holding it (a seq_src x seq_src match, small), mixed
+    in at those positions and written over the generation term at the id, once per id (the first position
+    holding it; blocked and repeated positions write to one spare column, dropped at the end).
     """
     check_copy_inputs(vocab_logits, copy_scores, gate_logits, source_ids, extended_vocab_size)
     dtype = torch.promote_types(vocab_logits.dtype, torch.float32)
-    vocab = vocab_logits.shape[-1]
-    has_copy = (source_ids >= 0).any(dim=-1)[:, None]  # (batch, 1): rows without a copy keep p_gen = 1
-    gate = gate_logits.to(dtype)
-    log_gen = torch.where(has_copy, F.logsigmoid(gate), torch.zeros_like(gate))[..., None]
-    log_not_gen = torch.where(has_copy, F.logsigmoid(-gate), torch.full_like(gate, float("-inf")))[..., None]
-    log_vocab = vocab_logits.to(dtype).log_softmax(dim=-1)
-    log_copy = _log_or_minus_inf(scatter_copy(copy_weights(copy_scores.to(dtype), source_ids), source_ids,
-                                              extended_vocab_size))
-    # The target vocabulary mixes both parts; the extended ids have the copy part only (no -inf + -inf sums,
-    # whose gradient would be NaN).
-    inside = torch.logaddexp(log_gen + log_vocab, log_not_gen + log_copy[..., :vocab])
-    return torch.cat([inside, log_not_gen + log_copy[..., vocab:]], dim=-1)
+    batch, seq_tgt, vocab = vocab_logits.shape
+    has_copy = (source_ids >= 0).any(dim=-1)[:, None, None]  # (batch, 1, 1): rows without a copy keep p_gen = 1
+    gate = gate_logits.to(dtype)[..., None]
+    log_gen = torch.where(has_copy, F.logsigmoid(gate), torch.zeros_like(gate))
+    log_not_gen = torch.where(has_copy, F.logsigmoid(-gate), torch.full_like(gate, float("-inf")))
+    generated = F.pad(log_gen + vocab_logits.to(dtype).log_softmax(dim=-1),
+                      (0, extended_vocab_size - vocab + 1), value=float("-inf"))  # + the spare column
+    weights = copy_weights(copy_scores.to(dtype), source_ids)  # (batch, seq_tgt, seq_src), 0 where blocked
+    same_id = (source_ids[:, :, None] == source_ids[:, None, :]).to(dtype)  # (batch, seq_src, seq_src)
+    mass = weights @ same_id  # the copy mass of the id at each position, over all positions holding it
+    spare = extended_vocab_size
+    ids = torch.where(_first_occurrences(source_ids), source_ids, spare)[:, None, :].expand(batch, seq_tgt, -1)
+    mixed = _log_add_exp(generated.gather(-1, ids), log_not_gen + _log_or_minus_inf(mass))
+    return generated.scatter(-1, ids, mixed)[..., :extended_vocab_size]
 
 
 def pointer_generator_log_probs_reference(
