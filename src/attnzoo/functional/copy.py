@@ -96,9 +96,9 @@ def _log_add_exp(a: Tensor, b: Tensor) -> Tensor:
     return shift + _log_or_minus_inf(torch.exp(a - shift) + torch.exp(b - shift))
 
 
-def _first_occurrences(source_ids: Tensor) -> Tensor:
-    """(batch, seq_src) bool: True at the first copyable position holding each id of its row."""
-    same = source_ids[:, :, None] == source_ids[:, None, :]  # (batch, seq_src, seq_src)
+def _first_occurrences(source_ids: Tensor, same: Tensor) -> Tensor:
+    """(batch, seq_src) bool: True at the first copyable position holding each id of its row, given
+    ``same`` (batch, seq_src, seq_src), True where two positions hold one id."""
     earlier = torch.ones_like(same[0]).tril(diagonal=-1)  # [j, j'] True for j' < j
     return (source_ids >= 0) & ~(same & earlier).any(dim=-1)
 
@@ -128,10 +128,10 @@ def pointer_generator_log_probs(
     generated = F.pad(log_gen + vocab_logits.to(dtype).log_softmax(dim=-1),
                       (0, extended_vocab_size - vocab + 1), value=float("-inf"))  # + the spare column
     weights = copy_weights(copy_scores.to(dtype), source_ids)  # (batch, seq_tgt, seq_src), 0 where blocked
-    same_id = (source_ids[:, :, None] == source_ids[:, None, :]).to(dtype)  # (batch, seq_src, seq_src)
-    mass = weights @ same_id  # the copy mass of the id at each position, over all positions holding it
+    same = source_ids[:, :, None] == source_ids[:, None, :]  # (batch, seq_src, seq_src)
+    mass = weights @ same.to(dtype)  # the copy mass of the id at each position, over all positions holding it
     spare = extended_vocab_size
-    ids = torch.where(_first_occurrences(source_ids), source_ids, spare)[:, None, :].expand(batch, seq_tgt, -1)
+    ids = torch.where(_first_occurrences(source_ids, same), source_ids, spare)[:, None, :].expand(batch, seq_tgt, -1)
     mixed = _log_add_exp(generated.gather(-1, ids), log_not_gen + _log_or_minus_inf(mass))
     return generated.scatter(-1, ids, mixed)[..., :extended_vocab_size]
 
