@@ -35,13 +35,7 @@ def config(**changes) -> TrainConfig:
     return TrainConfig("reverse", **{**SMALL, "task_options": REVERSE, **changes})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models train fastest on one thread (and do not fight other processes for the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +211,11 @@ def test_scheduled_sampling_needs_a_seq2seq_task():
 
 
 # -- end to end ----------------------------------------------------------------------------------------------
-def test_scheduled_sampling_run_resumes_to_bit_identical_parameters(tmp_path):
+@pytest.mark.parametrize("settings", [dict(label_smoothing=0.1), dict(copy_mechanism=True)])
+def test_scheduled_sampling_run_resumes_to_bit_identical_parameters(tmp_path, settings):
     from safetensors.torch import load_file
 
-    cfg = config(scheduled_sampling="token", dropout=0.1, label_smoothing=0.1, steps=3)
+    cfg = config(scheduled_sampling="token", dropout=0.1, steps=3, **settings)
     train(cfg, tmp_path / "whole", progress=False)
 
     def stop(step, metrics):

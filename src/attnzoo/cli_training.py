@@ -35,7 +35,9 @@ DECODER_OPTIONS = {
     "--top-k": "top_k", "--top-p": "top_p", "--sampling-seed": "seed", "--monotonic-ahead": "ahead",
     "--monotonic-behind": "behind",
 }
-OPTION_OF_FIELD = {field: option for option, field in TRAIN_OPTIONS.items()}
+# Switches: on when given (store_const True), otherwise None ("not given").
+TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism"}
+OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
                        task_options="--task-options")
 
@@ -93,7 +95,8 @@ def _usage_error(command: str, message: str) -> int:
 
 def _given_settings(args: argparse.Namespace) -> Dict[str, Any]:
     """The TrainConfig fields the command line set explicitly."""
-    given = {field: getattr(args, field) for field in TRAIN_OPTIONS.values() if getattr(args, field) is not None}
+    given = {field: getattr(args, field) for field in (*TRAIN_OPTIONS.values(), *TRAIN_FLAGS.values())
+             if getattr(args, field) is not None}
     if args.task is not None:
         given["task"] = args.task
     if args.mechanism is not None:
@@ -388,6 +391,8 @@ def add_training_commands(commands: Any) -> None:
             train.add_argument(option, dest=field, choices=choices[option], help=f"default {default}")
         else:
             train.add_argument(option, dest=field, type=numeric.get(option, int), help=f"default {default}")
+    train.add_argument("--copy-mechanism", dest="copy_mechanism", action="store_const", const=True,
+                       help="seq2seq: a pointer-generator output that can copy source tokens (See et al. 2017)")
     train.add_argument("--output", metavar="DIR", help="run directory (default runs/TASK-MECHANISM)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint "
                                                        "(its settings are kept; options given must match)")

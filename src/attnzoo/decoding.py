@@ -38,7 +38,7 @@ def _vocab_size(model: Model) -> int:
     if isinstance(model, LanguageModel):
         return model.vocab_size
     if isinstance(model, Seq2SeqTransformer):
-        return model.tgt_vocab_size
+        return model.output_vocab_size  # the extended vocabulary when the model can copy
     raise TypeError(f"model must be a LanguageModel or a Seq2SeqTransformer, got {type(model).__name__}")
 
 

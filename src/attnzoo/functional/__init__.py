@@ -67,6 +67,12 @@ from .flash import (
     mixed_chunk_attention_unchecked,
 )
 from .vq import quantize, vq_attention, vq_attention_reference, vq_attention_step, vq_attention_unchecked
+from .copy import (
+    copy_weights,
+    pointer_generator_log_probs,
+    pointer_generator_log_probs_reference,
+    scatter_copy,
+)
 
 __all__ = sorted(name for name in dir() if not name.startswith("_") and name not in ("annotations",)
                  and callable(globals()[name]))

@@ -5,7 +5,9 @@ from .fusion import AttentionFusion
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
 from .reversible import ReversibleDecoder, ReversibleEncoder
+from .pointer import CopyMemory, PointerGenerator
 from .transformer import (
+    CopyDecoderState,
     Decoder,
     DecoderState,
     Encoder,
@@ -20,6 +22,8 @@ __all__ = [
     "AttentionFusion",
     "AttentionSpec",
     "BlockConfig",
+    "CopyDecoderState",
+    "CopyMemory",
     "DecoderLayer",
     "EncoderLayer",
     "FeedForward",
@@ -31,6 +35,7 @@ __all__ = [
     "DecoderState",
     "Encoder",
     "LanguageModel",
+    "PointerGenerator",
     "ReversibleDecoder",
     "ReversibleEncoder",
     "Seq2SeqTransformer",

@@ -88,6 +88,10 @@ def check_monotonic(model: Any, monotonic: Any) -> Optional[MonotonicInference]:
         raise UnsupportedOptionError(
             f"monotonic=...: monotonic inference constrains the cross-attention of a Seq2SeqTransformer; "
             f"{type(model).__name__} has none")
+    if model.pointer is not None:
+        raise UnsupportedOptionError(
+            "monotonic=...: the copy mechanism's own attention over the source is not held to the window; "
+            "decode a copy-mechanism model without monotonic inference")
     for number, layer in enumerate(model.decoder.layers):
         mechanism = layer.cross_attention.mechanism
         if mechanism.name != "softmax" or mechanism.quiet:

@@ -12,16 +12,18 @@ Padding masks are (batch, seq) bool tensors, True marking padding.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_choice, check_positive_int, check_probability
+from ..mechanisms.base import UnsupportedOptionError
 from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .config import AttentionSpec, BlockConfig, attention_slot
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
+from .pointer import CopyMemory, PointerGenerator
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
 POOLING_KINDS = ("mean", "cls")
@@ -366,6 +368,19 @@ class LanguageModel(nn.Module):
         return self.head(hidden[:, 0]), state
 
 
+@dataclass
+class CopyDecoderState:
+    """Decoding state of a :class:`Seq2SeqTransformer` with the copy mechanism: the decoder's state and what
+    the copy attention needs of the source (reordered with :func:`attnzoo.state.select_batch` like it)."""
+
+    decoder: DecoderState
+    copy: CopyMemory
+
+    @property
+    def position(self) -> int:
+        return self.decoder.position
+
+
 class Seq2SeqTransformer(nn.Module):
     """Encoder-decoder Transformer: source (batch, seq_src) and target (batch, seq_tgt) -> (batch, seq_tgt, vocab).
 
@@ -377,6 +392,15 @@ class Seq2SeqTransformer(nn.Module):
             stacks reversible).
         encoder_self_attention, decoder_self_attention, cross_attention (+ ``*_options``): the mechanism
             of each attention slot, e.g. an approximate encoder with exact cross-attention.
+        copy_mechanism: a pointer-generator output (See et al. 2017, :mod:`attnzoo.models.pointer`): the
+            vocabulary distribution mixed with a copy distribution over the source positions. The outputs are
+            then the *log-probabilities* of the mixture over the extended vocabulary (``output_vocab_size``
+            wide; they already sum to one, so cross-entropy, argmax and the decoders use them as logits), and
+            target ids may be extended ids (a copied source-only token read back by the decoder: all of them
+            share one learned embedding).
+        copy_map: with ``copy_mechanism`` only, and required there: (src_vocab_size,) int64, the target id
+            copying each source token produces (an id >= tgt_vocab_size for a source-only token, -1 for one
+            never copied); see :mod:`attnzoo.models.pointer`.
 
     Decoding: ``logits, state = model.prefill(src, tgt_prefix, src_padding_mask=...)`` encodes the source and
     projects its keys and values once; then ``model.step(token_t, state)``.
@@ -406,9 +430,17 @@ class Seq2SeqTransformer(nn.Module):
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
         reversible: bool = False,
+        copy_mechanism: bool = False,
+        copy_map: Optional[Tensor] = None,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
+        check_bool("copy_mechanism", copy_mechanism)
+        if copy_mechanism and copy_map is None:
+            raise ValueError("copy_mechanism=True needs copy_map, the (src_vocab_size,) target id of each source "
+                             "token (-1: never copied)")
+        if not copy_mechanism and copy_map is not None:
+            raise ValueError("copy_map is only used with copy_mechanism=True")
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         self.src_embedding = TokenEmbedding(src_vocab_size, dim, positional, max_length, dropout)
         self.tgt_embedding = TokenEmbedding(tgt_vocab_size, dim, positional, max_length, dropout)
@@ -427,6 +459,43 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder = _encoder_type(reversible).from_config(encoder_config, encoder_depth)
         self.decoder = _decoder_type(reversible).from_config(decoder_config, decoder_depth)
         self.head = nn.Linear(dim, tgt_vocab_size, bias=False)
+        self.pointer: Optional[PointerGenerator] = None
+        self.copied_embedding: Optional[nn.Parameter] = None
+        if copy_mechanism:
+            self.pointer = PointerGenerator(dim, src_vocab_size, tgt_vocab_size, copy_map)
+            if self.pointer.extended_vocab_size > tgt_vocab_size:
+                # The decoder reads back the source-only tokens it copied: one shared embedding (See et al.
+                # feed an UNK there), initialised like nn.Embedding's rows.
+                self.copied_embedding = nn.Parameter(torch.randn(dim))
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the outputs and range of the target ids: the extended vocabulary with the copy mechanism,
+        the target vocabulary without."""
+        return self.tgt_vocab_size if self.pointer is None else self.pointer.extended_vocab_size
+
+    def _embed_target(self, tgt: Tensor, start: int = 0) -> Tuple[Tensor, Tensor]:
+        """Target ids (batch, seq) -> (embeddings with positions for the decoder, the token embeddings alone
+        for the copy gate), both (batch, seq, dim). Extended ids take the shared copied-token embedding."""
+        if self.copied_embedding is None:
+            tokens = self.tgt_embedding.embed_tokens(tgt)
+        else:
+            extended = tgt >= self.tgt_vocab_size
+            tokens = self.tgt_embedding.embed_tokens(tgt.masked_fill(extended, 0))
+            tokens = torch.where(extended[..., None], self.copied_embedding.to(tokens.dtype), tokens)
+        return self.tgt_embedding.add_positions(tokens, start), tokens
+
+    def _check_target(self, src: Tensor, tgt: Tensor) -> None:
+        check_tokens("tgt", tgt, self.output_vocab_size)
+        if tgt.shape[0] != src.shape[0]:
+            raise ValueError(f"tgt batch {tgt.shape[0]} does not match src batch {src.shape[0]}")
+
+    def _output(self, hidden: Tensor, tokens: Tensor, copy: Optional[CopyMemory]) -> Tensor:
+        """Logits of the head, or with the copy mechanism the mixture's log-probabilities."""
+        logits = self.head(hidden)
+        if self.pointer is None:
+            return logits
+        return self.pointer(hidden, tokens, logits, copy)
 
     def encode(self, src: Tensor, *, src_padding_mask: Optional[Tensor] = None) -> Tensor:
         """Source ids (batch, seq_src) -> memory (batch, seq_src, dim)."""
@@ -442,44 +511,60 @@ class Seq2SeqTransformer(nn.Module):
         src_padding_mask: Optional[Tensor] = None,
         tgt_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        """Teacher-forced logits (batch, seq_tgt, tgt_vocab) for target ids tgt (batch, seq_tgt)."""
+        """Teacher-forced logits (batch, seq_tgt, output_vocab_size) for target ids tgt (batch, seq_tgt);
+        log-probabilities with the copy mechanism."""
         memory = self.encode(src, src_padding_mask=src_padding_mask)
-        check_tokens("tgt", tgt, self.tgt_vocab_size)
+        self._check_target(src, tgt)
         check_padding_mask("tgt_padding_mask", tgt_padding_mask, tgt)
-        if tgt.shape[0] != src.shape[0]:
-            raise ValueError(f"tgt batch {tgt.shape[0]} does not match src batch {src.shape[0]}")
-        hidden = self.decoder(
-            self.tgt_embedding(tgt), memory, padding_mask=tgt_padding_mask, memory_padding_mask=src_padding_mask
-        )
-        return self.head(hidden)
+        x, tokens = self._embed_target(tgt)
+        hidden = self.decoder(x, memory, padding_mask=tgt_padding_mask, memory_padding_mask=src_padding_mask)
+        copy = None if self.pointer is None else self.pointer.project_memory(memory, src, src_padding_mask)
+        return self._output(hidden, tokens, copy)
 
     def prefill(
         self, src: Tensor, tgt: Tensor, *, src_padding_mask: Optional[Tensor] = None,
         cross_attention_mask: Optional[Tensor] = None,
-    ) -> Tuple[Tensor, DecoderState]:
-        """Encode src and run the target prefix tgt (batch, seq_tgt); returns (logits (batch, seq_tgt, vocab),
-        state). The memory's cross-attention keys and values are projected here, once.
+    ) -> Tuple[Tensor, Union[DecoderState, CopyDecoderState]]:
+        """Encode src and run the target prefix tgt (batch, seq_tgt); returns (logits (batch, seq_tgt,
+        output_vocab_size), state). The memory's cross-attention keys and values (and the copy attention's
+        keys) are projected here, once; the state is a :class:`CopyDecoderState` with the copy mechanism.
 
         ``cross_attention_mask`` (batch, seq_src) bool, True = hidden: source positions this pass's
         cross-attention does not see besides the padding (the encoder still reads them), e.g. the window of
         monotonic decoding (:mod:`attnzoo.models.monotonic`); the returned state holds the padding alone."""
         memory = self.encode(src, src_padding_mask=src_padding_mask)
-        check_tokens("tgt", tgt, self.tgt_vocab_size)
+        self._check_target(src, tgt)
         check_padding_mask("cross_attention_mask", cross_attention_mask, src)
-        if tgt.shape[0] != src.shape[0]:
-            raise ValueError(f"tgt batch {tgt.shape[0]} does not match src batch {src.shape[0]}")
         hidden_sources = src_padding_mask
         if cross_attention_mask is not None:
+            if self.pointer is not None:
+                raise UnsupportedOptionError(
+                    "cross_attention_mask: the copy mechanism's own attention reads every source position")
             hidden_sources = cross_attention_mask if src_padding_mask is None else src_padding_mask | cross_attention_mask
-        hidden, state = self.decoder.prefill(self.tgt_embedding(tgt), memory, memory_padding_mask=hidden_sources)
+        x, tokens = self._embed_target(tgt)
+        hidden, state = self.decoder.prefill(x, memory, memory_padding_mask=hidden_sources)
         state = replace(state, memory_padding_mask=src_padding_mask)
-        return self.head(hidden), state
+        if self.pointer is None:
+            return self.head(hidden), state
+        copy = self.pointer.project_memory(memory, src, src_padding_mask)
+        return self._output(hidden, tokens, copy), CopyDecoderState(state, copy)
 
-    def step(self, token_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
-        """Feed one target token per sequence, token_t (batch,); returns logits (batch, vocab) and the state."""
-        _check_step_token(token_t, state, self.tgt_vocab_size)
-        hidden, state = self.decoder.step(self.tgt_embedding(token_t[:, None], start=state.position), state)
-        return self.head(hidden[:, 0]), state
+    def step(
+        self, token_t: Tensor, state: Union[DecoderState, CopyDecoderState]
+    ) -> Tuple[Tensor, Union[DecoderState, CopyDecoderState]]:
+        """Feed one target token per sequence, token_t (batch,); returns logits (batch, output_vocab_size)
+        and the state."""
+        check_tokens("token_t", token_t, self.output_vocab_size, rank=1)
+        expected = DecoderState if self.pointer is None else CopyDecoderState
+        if not isinstance(state, expected):
+            raise TypeError(f"state must be the {expected.__name__} returned by prefill or step, "
+                            f"got {type(state).__name__}")
+        x, tokens = self._embed_target(token_t[:, None], start=state.position)
+        decoder_state = state if self.pointer is None else state.decoder
+        hidden, decoder_state = self.decoder.step(x, decoder_state)
+        if self.pointer is None:
+            return self.head(hidden[:, 0]), decoder_state
+        return self._output(hidden, tokens, state.copy)[:, 0], CopyDecoderState(decoder_state, state.copy)
 
 
 class SequenceClassifier(nn.Module):

@@ -11,12 +11,12 @@ training sentence uses, so a model must copy them from its source rather than re
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .._validation import check_number, check_positive_int
+from .._validation import check_bool, check_number, check_positive_int
 from .base import IGNORE_INDEX, SPLITS, Seq2SeqSplit, Task, register
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -57,6 +57,21 @@ class Seq2SeqTask(Task):
     eos_id: int = EOS_ID
     source_tokens: List[str]
     target_tokens: List[str]
+    rare_ids: Optional[FrozenSet[int]] = None
+    """Target ids of the rare tokens an answer repeats from its source (the names and numbers of
+    ``copy-names``), or None: evaluation then reports the share of them the model reproduces."""
+    extended_tokens: Tuple[str, ...] = ()
+    """Source tokens outside the target vocabulary that answers may hold all the same, as the extended ids
+    ``num_classes + k``: only a copy mechanism can produce them (empty for most tasks)."""
+
+    def copy_map(self) -> torch.Tensor:
+        """What a copy mechanism produces when it copies each source token: (vocab_size,) int64, the target
+        (or extended) id of the token of the same name, -1 for the special tokens and for a source token that
+        no answer can hold (see :mod:`attnzoo.models.pointer`). All -1 when the vocabularies share nothing
+        (g2p: letters and phonemes): such a task has nothing to copy."""
+        target_id = {token: i for i, token in enumerate((*self.target_tokens, *self.extended_tokens))}
+        return torch.tensor([-1 if token in SPECIALS else target_id.get(token, -1) for token in self.source_tokens],
+                            dtype=torch.int64)
 
     def _finish(self, data: Dict[str, Tuple[List[List[int]], List[List[int]]]]) -> None:
         """Set the sizes from the longest sequences and build the three splits."""
@@ -180,9 +195,12 @@ class CopyNames(Seq2SeqTask):
     """Template sentences whose answers repeat a name and a number of the source.
 
     ``num_names`` names are made up; ``held_out`` of them (a share) appear only in the validation and test
-    sentences, never in training. Numbers are drawn from ``0..num_numbers-1``, rare each. Source and target
-    share one word vocabulary (every word of every template, name and number), so a copy mechanism can
-    point at a source token and produce the same id.
+    sentences, never in training. Numbers are drawn from ``0..num_numbers-1``, rare each. With
+    ``shared_vocabulary`` (the default) source and target share one word vocabulary (every word of every
+    template, name and number), so a copy mechanism can point at a source token and produce the same id;
+    without it the target vocabulary lacks the held-out names, which the answers of validation and test hold
+    as extended ids (:attr:`extended_tokens`): only a copy mechanism can produce them at all. ``name_ids``
+    and ``number_ids`` are the target ids of the names and numbers, ``rare_ids`` both.
     """
 
     name = "copy-names"
@@ -198,6 +216,7 @@ class CopyNames(Seq2SeqTask):
         num_names: int = 2000,
         held_out: float = 0.5,
         num_numbers: int = 1000,
+        shared_vocabulary: bool = True,
     ) -> None:
         self.seed = self._check_seed(seed)
         self._set_split_sizes(train_size, validation_size, test_size)
@@ -205,15 +224,22 @@ class CopyNames(Seq2SeqTask):
         self.held_out = check_number("held_out", held_out, minimum=0.0, maximum=1.0, exclusive_minimum=True,
                                      exclusive_maximum=True)
         self.num_numbers = check_positive_int("num_numbers", num_numbers)
+        self.shared_vocabulary = check_bool("shared_vocabulary", shared_vocabulary)
         rng = np.random.default_rng(self.seed)
         names = _name_pool(rng, self.num_names)
         cut = min(max(int(round(self.num_names * (1 - self.held_out))), 1), self.num_names - 1)
         pools = {"train": names[:cut], "validation": names[cut:], "test": names[cut:]}
         words = sorted({w for pair in TEMPLATES for t in pair for w in t.split() if not w.startswith("{")})
-        self.source_tokens = self.target_tokens = [*SPECIALS, *words, *names,
-                                                   *(str(i) for i in range(self.num_numbers))]
+        numbers = [str(i) for i in range(self.num_numbers)]
+        self.source_tokens = [*SPECIALS, *words, *names, *numbers]
+        self.target_tokens = self.source_tokens if self.shared_vocabulary else [*SPECIALS, *words, *names[:cut],
+                                                                                *numbers]
+        self.extended_tokens = () if self.shared_vocabulary else tuple(names[cut:])
         index = {token: i for i, token in enumerate(self.source_tokens)}
-        self.rare_ids = frozenset(index[t] for t in (*names, *(str(i) for i in range(self.num_numbers))))
+        target_index = {token: i for i, token in enumerate((*self.target_tokens, *self.extended_tokens))}
+        self.name_ids = frozenset(target_index[t] for t in names)
+        self.number_ids = frozenset(target_index[t] for t in numbers)
+        self.rare_ids = self.name_ids | self.number_ids
         data = {}
         for split_name, count in (("train", self.train_size), ("validation", self.validation_size),
                                   ("test", self.test_size)):
@@ -223,10 +249,12 @@ class CopyNames(Seq2SeqTask):
                 source, target = TEMPLATES[rng.integers(len(TEMPLATES))]
                 fill = {"name": pool[rng.integers(len(pool))], "number": str(rng.integers(self.num_numbers))}
                 sources.append([index[w] for w in source.format(**fill).split()])
-                targets.append([index[w] for w in target.format(**fill).split()])
+                targets.append([target_index[w] for w in target.format(**fill).split()])
             data[split_name] = (sources, targets)
         self._finish(data)
 
     def _describe_extra(self) -> List[str]:
+        vocabulary = "one shared vocabulary" if self.shared_vocabulary else \
+            f"the {len(self.extended_tokens)} held-out names outside the target vocabulary (extended ids)"
         return [f"{len(TEMPLATES)} templates, {self.num_names} names ({self.held_out:.0%} only in validation "
-                f"and test), numbers 0..{self.num_numbers - 1}; seed {self.seed}"]
+                f"and test), numbers 0..{self.num_numbers - 1}, {vocabulary}; seed {self.seed}"]

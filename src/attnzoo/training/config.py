@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
-from .._validation import check_choice, check_number, check_positive_int, check_probability
+from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     SAMPLING_DECAYS,
@@ -55,6 +55,9 @@ class TrainConfig:
             schedule to ``steps`` (linear reaches 0, exponential 0.01 at the end; inverse sigmoid 1/2 halfway).
         guide_loss, guide_width: seq2seq tasks only: the weight (>= 0; 0 switches it off) of the diagonal guide
             loss on the cross-attention (Tachibana et al. 2018) and its width g (> 0).
+        copy_mechanism: seq2seq tasks only: a pointer-generator output (See et al. 2017) that can copy source
+            tokens (:mod:`attnzoo.models.pointer`); the loss is the NLL of its mixed distribution. Not with
+            ``label_smoothing``.
     """
 
     task: str
@@ -86,6 +89,7 @@ class TrainConfig:
     sampling_min_teacher: float = 0.0
     guide_loss: float = 0.0
     guide_width: float = DEFAULT_GUIDE_WIDTH
+    copy_mechanism: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -118,6 +122,12 @@ class TrainConfig:
         check_number("sampling_min_teacher", self.sampling_min_teacher, minimum=0.0, maximum=1.0)
         check_number("guide_loss", self.guide_loss, minimum=0.0)
         check_number("guide_width", self.guide_width, minimum=0.0, exclusive_minimum=True)
+        check_bool("copy_mechanism", self.copy_mechanism)
+        if self.copy_mechanism and self.label_smoothing > 0:
+            # Smoothing spreads mass over every output, but the extended ids a source does not hold have
+            # probability 0 under the copy mixture: their log is -inf.
+            raise ValueError(f"label_smoothing {self.label_smoothing!r} cannot be combined with copy_mechanism "
+                             "(the mixture gives some outputs probability 0); use 0")
         if self.dim % self.heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
 

@@ -54,7 +54,7 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss", "bleu", "ms_per_sentence"]
+              "exact_match", "token_error_rate", "guide_loss", "rare_token_recall", "bleu", "ms_per_sentence"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -176,7 +176,8 @@ def evaluate(
     A seq2seq task adds the decoded metrics of the decoder ``decoding`` (greedy by default): ``exact_match``,
     ``token_error_rate``, corpus ``bleu`` (0-100) and the decoding time ``ms_per_sentence``
     (:mod:`attnzoo.training.decoders`), and the cross-attention's ``guide_loss`` at width 0.2 (0 when the
-    attention is on the diagonal: how monotonic it has become)."""
+    attention is on the diagonal: how monotonic it has become); one with rare tokens to copy (``rare_ids``, as
+    copy-names) also their ``rare_token_recall``."""
     data = task.split(split)
     device = next(model.parameters()).device
     was_training = model.training
@@ -207,9 +208,10 @@ def evaluate(
         model.train(was_training)
     metrics = tally.metrics(task)
     if task.kind == "seq2seq":
-        metrics.update(decoded_metrics(predictions, references))
+        metrics.update(decoded_metrics(predictions, references, getattr(task, "rare_ids", None)))
         metrics["guide_loss"] = guide_sum / max(len(references), 1)
-        metrics["bleu"] = corpus_bleu(predictions, references, task.target_tokens)
+        # Extended ids (source tokens outside the target vocabulary, produced by copying) are named too.
+        metrics["bleu"] = corpus_bleu(predictions, references, (*task.target_tokens, *task.extended_tokens))
         metrics["ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
     return metrics
 

@@ -63,6 +63,16 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind != "seq2seq" and config.guide_loss > 0:
         raise ValueError(f"guide_loss {config.guide_loss!r} needs a seq2seq task (cross-attention); {task.name} "
                          f"is {task.kind!r}")
+    if task.kind != "seq2seq" and config.copy_mechanism:
+        raise ValueError(f"copy_mechanism needs a seq2seq task (a source to copy from); {task.name} is "
+                         f"{task.kind!r}")
+    if getattr(task, "extended_tokens", ()) and not config.copy_mechanism:
+        raise ValueError(f"copy_mechanism is needed: {task.name}'s answers (with these options) hold tokens "
+                         "outside its target vocabulary, which only a copy mechanism can produce")
+    copy_map = task.copy_map() if config.copy_mechanism else None
+    if copy_map is not None and not bool((copy_map >= 0).any()):
+        raise UnsupportedOptionError(f"copy_mechanism needs a task whose source and target share tokens; "
+                                     f"{task.name}'s vocabularies share none, so there is nothing to copy")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
@@ -86,5 +96,5 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         return Seq2SeqTransformer(task.vocab_size, task.num_classes, encoder_depth=depth, decoder_depth=depth,
                                   encoder_self_attention=mechanism, encoder_self_attention_options=options,
                                   decoder_self_attention=mechanism, decoder_self_attention_options=options,
-                                  **common)
+                                  copy_mechanism=config.copy_mechanism, copy_map=copy_map, **common)
     raise ValueError(f"task {task.name} has an unknown kind {task.kind!r}")

@@ -21,15 +21,17 @@
 * Guided attention (Tachibana et al. 2018): :func:`guide_loss` on the cross-attention weights, which
   :class:`CrossAttentionRecorder` recomputes from the queries and keys of the softmax cross-attention.
 
-Decoded metrics (:func:`decoded_metrics`): exact match (word accuracy for g2p) and the token error rate
-(edit distance over reference length: phoneme error rate for g2p) of outputs decoded as
+Decoded metrics (:func:`decoded_metrics`): exact match (word accuracy for g2p), the token error rate
+(edit distance over reference length: phoneme error rate for g2p) and, for a task with rare tokens to copy,
+the share of them reproduced (:func:`rare_token_recall`), of outputs decoded as
 :mod:`attnzoo.training.decoders` chooses (greedy by default).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections import Counter
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -186,13 +188,34 @@ def strip_output(tokens: Sequence[int], eos_id: int) -> List[int]:
     return out
 
 
-def decoded_metrics(predictions: Sequence[Sequence[int]], references: Sequence[Sequence[int]]) -> Dict[str, float]:
+def rare_token_recall(
+    predictions: Sequence[Sequence[int]], references: Sequence[Sequence[int]], rare_ids: AbstractSet[int]
+) -> float:
+    """The share of the rare tokens (ids in ``rare_ids``) of the references that their predictions
+    reproduce, anywhere in the output: a token a reference holds twice must be predicted twice (multiset
+    intersection). 1.0 when the references hold none."""
+    found = total = 0
+    for prediction, reference in zip(predictions, references):
+        wanted = Counter(t for t in reference if t in rare_ids)
+        total += sum(wanted.values())
+        found += sum((wanted & Counter(prediction)).values())
+    return found / total if total else 1.0
+
+
+def decoded_metrics(
+    predictions: Sequence[Sequence[int]], references: Sequence[Sequence[int]],
+    rare_ids: Optional[AbstractSet[int]] = None,
+) -> Dict[str, float]:
     """``exact_match`` (share of sequences decoded exactly) and ``token_error_rate`` (edit distances over
-    the references' total length) of token lists without BOS or EOS."""
+    the references' total length) of token lists without BOS or EOS; with ``rare_ids``, also
+    ``rare_token_recall`` (:func:`rare_token_recall`)."""
     exact = sum(list(p) == list(r) for p, r in zip(predictions, references))
     errors = sum(edit_distance(p, r) for p, r in zip(predictions, references))
     length = sum(len(r) for r in references)
-    return {"exact_match": exact / max(len(references), 1), "token_error_rate": errors / max(length, 1)}
+    metrics = {"exact_match": exact / max(len(references), 1), "token_error_rate": errors / max(length, 1)}
+    if rare_ids is not None:
+        metrics["rare_token_recall"] = rare_token_recall(predictions, references, rare_ids)
+    return metrics
 
 
 # -- guided attention (Tachibana et al. 2018) ----------------------------------------------------------------
