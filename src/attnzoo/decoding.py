@@ -1,4 +1,5 @@
-"""Autoregressive decoding for :class:`LanguageModel` and :class:`Seq2SeqTransformer`.
+"""Autoregressive decoding for :class:`LanguageModel` and :class:`Seq2SeqTransformer`, and one-pass
+non-autoregressive decoding (:func:`nat_decode`) for a Seq2SeqTransformer built for it.
 
 Every decoder runs the model's incremental path: one ``prefill`` over the prompt, then one ``step`` per new
 token, with the decoding state passed explicitly (beam search reorders it with
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ._validation import check_positive_int
+from .models.nat import check_lengths, predicted_lengths
 from .models.transformer import DecoderState, LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
 from .state import select_batch
 
@@ -337,3 +339,46 @@ def _collect(
             scores[b, j] = hyp.score
             lengths[b, j] = end
     return BeamSearchResult(sequences, scores, lengths)
+
+
+# -- non-autoregressive ----------------------------------------------------------------------------------------
+@torch.no_grad()
+def nat_decode(
+    model: Seq2SeqTransformer,
+    source: Tensor,
+    *,
+    eos_id: int,
+    source_padding_mask: Optional[Tensor] = None,
+    target_lengths: Optional[Tensor] = None,
+) -> Tensor:
+    """Decode every target position in one pass of a model built with ``decoding="non-autoregressive"``.
+
+    Each row's length (END included) is ``target_lengths`` (batch,) when given (the true lengths, for tests
+    and analysis), else the length head's prediction (``length="predicted"``); the decoder reads that many
+    placeholders and the last of them is END. With ``length="max"`` the decoder reads ``max_target_length``
+    placeholders and the output ends at its first END (given lengths then only cut it).
+
+    Returns (batch, width) ids without a start token: ``eos_id`` from each row's first END (or its last
+    position) on, as :func:`greedy_decode` fills finished rows.
+    """
+    if not isinstance(model, Seq2SeqTransformer) or model.nat is None:
+        raise TypeError("model must be a Seq2SeqTransformer built with decoding='non-autoregressive', got "
+                        f"{type(model).__name__}" + ("" if not isinstance(model, Seq2SeqTransformer)
+                                                     else f" with decoding={model.decoding!r}"))
+    if eos_id is None:
+        raise ValueError("eos_id (the END token id) is required: it marks where each output stops")
+    _check_eos(eos_id, model.tgt_vocab_size)
+    predicted = model.nat.length_mode == "predicted"
+    memory = model.encode(source, src_padding_mask=source_padding_mask)
+    lengths = target_lengths
+    if predicted and lengths is None:
+        lengths = predicted_lengths(model.nat.length_head(memory, source_padding_mask))
+    logits = model.decode_nat(memory, memory_padding_mask=source_padding_mask,
+                              target_lengths=lengths if predicted else None)
+    tokens = logits.argmax(dim=-1).to(source.dtype)
+    if lengths is not None:
+        check_lengths("target_lengths", lengths, source.shape[0], tokens.shape[1])
+        last = torch.arange(tokens.shape[1], device=tokens.device)[None, :] >= (lengths.to(tokens.device) - 1)[:, None]
+        tokens = tokens.masked_fill(last, eos_id)
+    ended = (tokens == eos_id).cumsum(dim=1) > 0
+    return tokens.masked_fill(ended, eos_id)

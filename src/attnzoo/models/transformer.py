@@ -17,11 +17,12 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_bool, check_choice, check_positive_int, check_probability
+from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .config import AttentionSpec, BlockConfig, attention_slot
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
+from .nat import build_nat_parts, check_lengths, mean_over_positions
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
 POOLING_KINDS = ("mean", "cls")
@@ -241,11 +242,17 @@ class Decoder(_LayerStack):
         *,
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
+        causal: bool = True,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim) or None without cross-attention;
-        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding."""
+        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding.
+        ``causal=False``: bidirectional self-attention (non-autoregressive decoding)."""
+        if not check_bool("causal", causal) and self.config.block != "attention":
+            raise ValueError(f"causal=False needs attention layers; block={self.config.block!r} units are causal")
+        # Gated units take no causal argument (they are causal only, refused above).
+        bidirectional = {} if causal else {"causal": False}
         for layer in self.layers:
-            x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask)
+            x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask, **bidirectional)
         return self.norm(x)
 
     def prefill(
@@ -377,9 +384,14 @@ class Seq2SeqTransformer(nn.Module):
             stacks reversible).
         encoder_self_attention, decoder_self_attention, cross_attention (+ ``*_options``): the mechanism
             of each attention slot, e.g. an approximate encoder with exact cross-attention.
+        decoding: "autoregressive" (the default) or "non-autoregressive": every target position in one pass
+            over placeholders, with bidirectional decoder self-attention (:mod:`attnzoo.models.nat`).
+        length, max_target_length: non-autoregressive only: where the output length comes from,
+            "predicted" (a length head, the default) or "max"; the widest target (END included).
 
     Decoding: ``logits, state = model.prefill(src, tgt_prefix, src_padding_mask=...)`` encodes the source and
-    projects its keys and values once; then ``model.step(token_t, state)``.
+    projects its keys and values once; then ``model.step(token_t, state)``. A non-autoregressive model runs
+    :meth:`forward_nat` instead (see :func:`attnzoo.decoding.nat_decode`).
     """
 
     def __init__(
@@ -406,10 +418,16 @@ class Seq2SeqTransformer(nn.Module):
         layer_norm_eps: float = 1e-5,
         ff_chunks: int = 1,
         reversible: bool = False,
+        decoding: str = "autoregressive",
+        length: Optional[str] = None,
+        max_target_length: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        self.decoding = decoding
+        self.nat = build_nat_parts(decoding, length, max_target_length, dim=dim, positional=positional,
+                                   reversible=reversible)
         self.src_embedding = TokenEmbedding(src_vocab_size, dim, positional, max_length, dropout)
         self.tgt_embedding = TokenEmbedding(tgt_vocab_size, dim, positional, max_length, dropout)
         decoder_config = BlockConfig(
@@ -443,6 +461,7 @@ class Seq2SeqTransformer(nn.Module):
         tgt_padding_mask: Optional[Tensor] = None,
     ) -> Tensor:
         """Teacher-forced logits (batch, seq_tgt, tgt_vocab) for target ids tgt (batch, seq_tgt)."""
+        self._check_autoregressive("forward")
         memory = self.encode(src, src_padding_mask=src_padding_mask)
         check_tokens("tgt", tgt, self.tgt_vocab_size)
         check_padding_mask("tgt_padding_mask", tgt_padding_mask, tgt)
@@ -458,6 +477,7 @@ class Seq2SeqTransformer(nn.Module):
     ) -> Tuple[Tensor, DecoderState]:
         """Encode src and run the target prefix tgt (batch, seq_tgt); returns (logits (batch, seq_tgt, vocab),
         state). The memory's cross-attention keys and values are projected here, once."""
+        self._check_autoregressive("prefill")
         memory = self.encode(src, src_padding_mask=src_padding_mask)
         check_tokens("tgt", tgt, self.tgt_vocab_size)
         if tgt.shape[0] != src.shape[0]:
@@ -470,6 +490,68 @@ class Seq2SeqTransformer(nn.Module):
         _check_step_token(token_t, state, self.tgt_vocab_size)
         hidden, state = self.decoder.step(self.tgt_embedding(token_t[:, None], start=state.position), state)
         return self.head(hidden[:, 0]), state
+
+    # -- non-autoregressive decoding ---------------------------------------------------------------------
+    def _check_autoregressive(self, method: str) -> None:
+        if self.nat is not None:
+            raise ValueError(f"{method} feeds target tokens, which a model built with decoding="
+                             "'non-autoregressive' does not read: use forward_nat or attnzoo.decoding.nat_decode")
+
+    def forward_nat(
+        self,
+        src: Tensor,
+        *,
+        src_padding_mask: Optional[Tensor] = None,
+        target_lengths: Optional[Tensor] = None,
+        width: Optional[int] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """One parallel pass of a non-autoregressive model over the source ids src (batch, seq_src); no target
+        token is read. Arguments as for :meth:`decode_nat`.
+
+        Returns the logits (batch, width, tgt_vocab) and the length head's logits (batch, max_target_length),
+        class i for length i + 1 (None with ``length="max"``).
+        """
+        memory = self.encode(src, src_padding_mask=src_padding_mask)
+        logits = self.decode_nat(memory, memory_padding_mask=src_padding_mask, target_lengths=target_lengths,
+                                 width=width)
+        head = self.nat.length_head
+        return logits, None if head is None else head(memory, src_padding_mask)
+
+    def decode_nat(
+        self,
+        memory: Tensor,
+        *,
+        memory_padding_mask: Optional[Tensor] = None,
+        target_lengths: Optional[Tensor] = None,
+        width: Optional[int] = None,
+    ) -> Tensor:
+        """The non-autoregressive decoder on an encoded source: logits (batch, width, tgt_vocab).
+
+        Args:
+            memory: (batch, seq_src, dim) from :meth:`encode`; memory_padding_mask: (batch, seq_src) bool.
+            target_lengths: (batch,) integers in [1, width] (END included) or None: each row's decoder positions
+                from its length on are padding, which the decoder's self-attention ignores (their logits mean
+                nothing). None: every position is read.
+            width: decoder positions, at most ``max_target_length`` (default: the longest of
+                ``target_lengths``, else ``max_target_length``).
+        """
+        if self.nat is None:
+            raise ValueError("forward_nat and decode_nat need a model built with decoding='non-autoregressive'; "
+                             f"this one has decoding={self.decoding!r}")
+        batch, maximum = memory.shape[0], self.nat.max_target_length
+        if width is None:
+            width = maximum if target_lengths is None else int(
+                check_lengths("target_lengths", target_lengths, batch, maximum).max())
+        check_number("width", width, integer=True, minimum=1, maximum=maximum)
+        padding_mask = None
+        if target_lengths is not None:
+            check_lengths("target_lengths", target_lengths, batch, width)
+            positions = torch.arange(width, device=memory.device)
+            padding_mask = positions[None, :] >= target_lengths.to(memory.device)[:, None]
+        placeholders = self.tgt_embedding.add_positions(self.nat.placeholders(batch, width).to(memory.dtype))
+        hidden = self.decoder(placeholders, memory, padding_mask=padding_mask,
+                              memory_padding_mask=memory_padding_mask, causal=False)
+        return self.head(hidden)
 
 
 class SequenceClassifier(nn.Module):
@@ -534,12 +616,7 @@ class SequenceClassifier(nn.Module):
         hidden = self.encoder(self.embedding.add_positions(x), key_padding_mask=padding_mask)
         if self.cls is not None:
             return self.head(hidden[:, 0])
-        if padding_mask is None:
-            return self.head(hidden.mean(dim=1))
-        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
-        # A row of padding only pools to zeros instead of 0/0.
-        pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
-        return self.head(pooled)
+        return self.head(mean_over_positions(hidden, padding_mask))
 
 
 class SequenceTagger(nn.Module):
