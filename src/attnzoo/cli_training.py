@@ -26,6 +26,7 @@ TRAIN_OPTIONS = {
     "--label-smoothing": "label_smoothing", "--scheduled-sampling": "scheduled_sampling",
     "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
     "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
+    "--decoding": "decoding", "--length-mode": "length_mode", "--length-loss": "length_loss",
 }
 OPTION_OF_FIELD = {field: option for option, field in TRAIN_OPTIONS.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
@@ -292,10 +293,12 @@ def add_training_commands(commands: Any) -> None:
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     numeric = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
                "--grad-clip": float, "--label-smoothing": float, "--sampling-k": float,
-               "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float}
+               "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float,
+               "--length-loss": float}
     choices = {"--positional": ["sinusoidal", "learned", "rotary", "none"], "--pooling": ["mean", "cls"],
                "--precision": ["float32", "bfloat16"], "--scheduled-sampling": ["none", "token", "two-pass"],
-               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"]}
+               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"],
+               "--decoding": ["autoregressive", "non-autoregressive"], "--length-mode": ["predicted", "max"]}
     for option, field in TRAIN_OPTIONS.items():
         default = defaults[field]
         if option in choices:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .._validation import check_choice, check_number, check_positive_int, check_probability
+from .nat import check_decoding_settings
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     SAMPLING_DECAYS,
@@ -55,6 +56,10 @@ class TrainConfig:
             schedule to ``steps`` (linear reaches 0, exponential 0.01 at the end; inverse sigmoid 1/2 halfway).
         guide_loss, guide_width: seq2seq tasks only: the weight (>= 0; 0 switches it off) of the diagonal guide
             loss on the cross-attention (Tachibana et al. 2018) and its width g (> 0).
+        decoding, length_mode, length_loss: seq2seq tasks only: "autoregressive" (the default) or
+            "non-autoregressive" (one parallel pass, :mod:`attnzoo.training.nat`); for the latter, where the
+            output length comes from, "predicted" (None: the default) or "max", and the weight of the length
+            head's loss (None: 0.1). Both stay None in autoregressive mode.
     """
 
     task: str
@@ -86,6 +91,9 @@ class TrainConfig:
     sampling_min_teacher: float = 0.0
     guide_loss: float = 0.0
     guide_width: float = DEFAULT_GUIDE_WIDTH
+    decoding: str = "autoregressive"
+    length_mode: Optional[str] = None
+    length_loss: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -118,6 +126,8 @@ class TrainConfig:
         check_number("sampling_min_teacher", self.sampling_min_teacher, minimum=0.0, maximum=1.0)
         check_number("guide_loss", self.guide_loss, minimum=0.0)
         check_number("guide_width", self.guide_width, minimum=0.0, exclusive_minimum=True)
+        check_decoding_settings(self.decoding, self.length_mode, self.length_loss, self.scheduled_sampling,
+                                self.guide_loss)
         if self.dim % self.heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
 

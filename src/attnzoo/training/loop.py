@@ -38,6 +38,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig
 from .model import build_model
+from .nat import DEFAULT_LENGTH_LOSS, is_non_autoregressive, nat_logits, nat_outputs
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     decoded_metrics,
@@ -52,7 +53,7 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss"]
+              "exact_match", "token_error_rate", "guide_loss", "length_loss", "decode_ms_per_sentence"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -127,9 +128,12 @@ def model_logits(
     auxiliary loss or None: the one call that differs per kind. A seq2seq model reads the decoder inputs
     too, mixed with its own predictions under scheduled sampling when ``config`` (training only) asks for it;
     its auxiliary loss is the (unweighted) guide loss of its cross-attention, in evaluation always (a measure
-    of how diagonal the attention is) and in training when ``config.guide_loss`` > 0."""
+    of how diagonal the attention is) and in training when ``config.guide_loss`` > 0. A non-autoregressive
+    model runs its one parallel pass instead; its auxiliary loss is the length head's (None without one)."""
     if task.kind != "seq2seq":
         return model(inputs, padding_mask=mask), None
+    if is_non_autoregressive(model):
+        return nat_logits(model, data, index, inputs, mask)
     mode = "none" if config is None else config.scheduled_sampling
     teacher = 1.0 if config is None else config.teacher_probability(step)
     seed = 0 if config is None else config.seed
@@ -155,14 +159,18 @@ def evaluate(
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
     A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
-    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become)."""
+    ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become), and the
+    decoding time per sentence in milliseconds (``decode_ms_per_sentence``, the batch decoded at once). A
+    non-autoregressive model decodes in one pass and reports its ``length_loss`` instead of the guide loss."""
     data = task.split(split)
     was_training = model.training
     model.eval()
     tally = Tally()
     predictions: List[List[int]] = []
     references: List[List[int]] = []
-    guide_sum = 0.0
+    auxiliary_sum, decode_seconds = 0.0, 0.0
+    nat = is_non_autoregressive(model)
+    decode_outputs = nat_outputs if nat else greedy_outputs
     try:
         for number, start in enumerate(range(0, len(data), batch_size)):
             if max_batches is not None and number >= max_batches:
@@ -170,10 +178,12 @@ def evaluate(
             index = torch.arange(start, min(start + batch_size, len(data)))
             inputs, targets, mask = _take(data, index)
             with _autocast(precision):
-                logits, guide = model_logits(model, task, data, index, inputs, mask)
+                logits, auxiliary = model_logits(model, task, data, index, inputs, mask)
                 if task.kind == "seq2seq":
-                    guide_sum += float(guide) * len(index)
-                    predictions += greedy_outputs(model, task, inputs, mask)
+                    auxiliary_sum += 0.0 if auxiliary is None else float(auxiliary) * len(index)
+                    began = time.perf_counter()
+                    predictions += decode_outputs(model, task, inputs, mask)
+                    decode_seconds += time.perf_counter() - began
                     references += [strip_output(row.tolist(), task.eos_id) for row in targets]
             tally.add(loss_and_tally(task.kind, logits, targets)[1])
     finally:
@@ -181,7 +191,9 @@ def evaluate(
     metrics = tally.metrics(task)
     if task.kind == "seq2seq":
         metrics.update(decoded_metrics(predictions, references))
-        metrics["guide_loss"] = guide_sum / max(len(references), 1)
+        if not nat or model.nat.length_head is not None:
+            metrics["length_loss" if nat else "guide_loss"] = auxiliary_sum / max(len(references), 1)
+        metrics["decode_ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
     return metrics
 
 
@@ -405,8 +417,10 @@ def train(
                         logits, auxiliary = model_logits(model, task, train_split, index, inputs, mask,
                                                          config=config, step=step)
                     loss, tally = loss_and_tally(task.kind, logits, targets, label_smoothing=config.label_smoothing)
-                    if auxiliary is not None:
-                        loss = loss + config.guide_loss * auxiliary
+                    if auxiliary is not None:  # the length head's loss (NAT) or the guide loss
+                        weight = config.guide_loss if config.decoding == "autoregressive" else (
+                            DEFAULT_LENGTH_LOSS if config.length_loss is None else config.length_loss)
+                        loss = loss + weight * auxiliary
                     loss = loss + vq_auxiliary_loss(model)  # the commitment loss of vq attention (zero without it)
                     loss.backward()
                     if config.grad_clip > 0:
