@@ -1,7 +1,7 @@
 """Non-autoregressive decoding: the decoder's self-attention is bidirectional and reads no target token, the
 length head pools only real source positions and learns lengths, nat_decode equals a row-by-row reference,
-bad arguments are named, a model that learned `copy` reproduces its input, and `attnzoo train` / `eval` /
-`--resume` run in this mode."""
+bad arguments are named, a model that learned `copy` reproduces its input, and `attnzoo train` and `eval` run in
+this mode (resuming: test_training_seq2seq.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from attnzoo import Seq2SeqTransformer, nat_decode
 from attnzoo.cli import main
 from attnzoo.models.nat import LengthHead, length_loss, mean_over_positions, predicted_lengths
 from attnzoo.tasks import Seq2SeqSplit, load
-from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
+from attnzoo.training import TrainConfig, build_model, train
 from attnzoo.training.loop import load_trained, model_logits
 from attnzoo.training.nat import nat_logits, target_lengths
 
@@ -287,24 +287,6 @@ def test_autoregressive_evaluation_reports_its_decoding_time_too(tmp_path):
     result = train(TrainConfig("copy", task_options=COPY, **SMALL), tmp_path, progress=False)
     assert result.test["decode_ms_per_sentence"] > 0 and "length_loss" not in result.test
     assert "decode_ms_per_sentence" in (tmp_path / "metrics.csv").read_text().splitlines()[0]
-
-
-def test_a_nat_run_resumes_to_bit_identical_parameters(tmp_path):
-    from safetensors.torch import load_file
-
-    cfg = TrainConfig("copy", task_options=COPY, decoding="non-autoregressive", length_loss=0.5, dropout=0.1,
-                      **{**SMALL, "steps": 3})
-    train(cfg, tmp_path / "whole", progress=False)
-
-    def stop(step, metrics):
-        if step == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, tmp_path / "cut", progress=False, on_step=stop)
-    train(None, tmp_path / "cut", resume=True, progress=False)
-    a, b = (load_file(str(find_checkpoint(tmp_path / run) / "model.safetensors")) for run in ("whole", "cut"))
-    assert any("length_head" in key for key in a) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow

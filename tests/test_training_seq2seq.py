@@ -217,10 +217,12 @@ def test_scheduled_sampling_needs_a_seq2seq_task():
 
 
 # -- end to end ----------------------------------------------------------------------------------------------
-def test_scheduled_sampling_run_resumes_to_bit_identical_parameters(tmp_path):
+@pytest.mark.parametrize("changes", [dict(scheduled_sampling="token", label_smoothing=0.1),
+                                     dict(decoding="non-autoregressive", length_loss=0.5)])
+def test_a_seq2seq_run_resumes_to_bit_identical_parameters(tmp_path, changes):
     from safetensors.torch import load_file
 
-    cfg = config(scheduled_sampling="token", dropout=0.1, label_smoothing=0.1, steps=3)
+    cfg = config(**changes, dropout=0.1, steps=3)
     train(cfg, tmp_path / "whole", progress=False)
 
     def stop(step, metrics):
