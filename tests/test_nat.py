@@ -135,6 +135,16 @@ def test_nat_decode_equals_its_row_by_row_reference(length):
     assert (decoded[:, -1] == EOS).all() and (decoded[2] == EOS).all()  # length 1: END only
 
 
+def test_a_sentence_decoded_alone_equals_it_decoded_in_a_batch():
+    """Alone, a sentence needs no padding on either side (and its decoder runs without a mask)."""
+    model = nat_model(seed=3)
+    src, mask = source(batch=5, seed=4)
+    batch = nat_decode(model, src, eos_id=EOS, source_padding_mask=mask)
+    for row in range(5):
+        alone = nat_decode(model, src[row : row + 1, ~mask[row]], eos_id=EOS)[0]
+        assert torch.equal(alone, batch[row, : len(alone)]) and (batch[row, len(alone) :] == EOS).all()
+
+
 # -- the length head -----------------------------------------------------------------------------------------
 def test_mean_over_positions_and_the_length_loss_equal_their_formulas():
     generator = torch.Generator().manual_seed(0)
@@ -230,7 +240,7 @@ def test_bad_decoding_arguments_are_named():
     with pytest.raises(ValueError, match="eos_id must be"):
         nat_decode(model, src, eos_id=VOCAB)
     autoregressive = Seq2SeqTransformer(VOCAB, VOCAB, 16, 2)
-    with pytest.raises(TypeError, match="decoding='non-autoregressive'.*decoding='autoregressive'"):
+    with pytest.raises(TypeError, match="decoding='non-autoregressive', got 'autoregressive'"):
         nat_decode(autoregressive, src, eos_id=EOS)
     with pytest.raises(ValueError, match="forward_nat and decode_nat need a model built with"):
         autoregressive.forward_nat(src)

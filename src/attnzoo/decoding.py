@@ -362,9 +362,8 @@ def nat_decode(
     position) on, as :func:`greedy_decode` fills finished rows.
     """
     if not isinstance(model, Seq2SeqTransformer) or model.nat is None:
-        raise TypeError("model must be a Seq2SeqTransformer built with decoding='non-autoregressive', got "
-                        f"{type(model).__name__}" + ("" if not isinstance(model, Seq2SeqTransformer)
-                                                     else f" with decoding={model.decoding!r}"))
+        got = getattr(model, "decoding", type(model).__name__)
+        raise TypeError(f"model must be a Seq2SeqTransformer built with decoding='non-autoregressive', got {got!r}")
     if eos_id is None:
         raise ValueError("eos_id (the END token id) is required: it marks where each output stops")
     _check_eos(eos_id, model.tgt_vocab_size)
@@ -373,8 +372,14 @@ def nat_decode(
     lengths = target_lengths
     if predicted and lengths is None:
         lengths = predicted_lengths(model.nat.length_head(memory, source_padding_mask))
-    logits = model.decode_nat(memory, memory_padding_mask=source_padding_mask,
-                              target_lengths=lengths if predicted else None)
+    masked = None
+    if predicted:
+        check_lengths("target_lengths", lengths, source.shape[0], model.nat.max_target_length)
+        # Rows as long as the widest have no padding: without a mask the decoder runs its cheaper path
+        # (every single-sentence decode).
+        masked = lengths if bool((lengths != lengths.max()).any()) else None
+    logits = model.decode_nat(memory, memory_padding_mask=source_padding_mask, target_lengths=masked,
+                              width=int(lengths.max()) if predicted else None)
     tokens = logits.argmax(dim=-1).to(source.dtype)
     if lengths is not None:
         check_lengths("target_lengths", lengths, source.shape[0], tokens.shape[1])

@@ -497,6 +497,11 @@ class Seq2SeqTransformer(nn.Module):
             raise ValueError(f"{method} feeds target tokens, which a model built with decoding="
                              "'non-autoregressive' does not read: use forward_nat or attnzoo.decoding.nat_decode")
 
+    def _check_non_autoregressive(self) -> None:
+        if self.nat is None:
+            raise ValueError("forward_nat and decode_nat need a model built with decoding='non-autoregressive'; "
+                             f"this one has decoding={self.decoding!r}")
+
     def forward_nat(
         self,
         src: Tensor,
@@ -511,6 +516,7 @@ class Seq2SeqTransformer(nn.Module):
         Returns the logits (batch, width, tgt_vocab) and the length head's logits (batch, max_target_length),
         class i for length i + 1 (None with ``length="max"``).
         """
+        self._check_non_autoregressive()
         memory = self.encode(src, src_padding_mask=src_padding_mask)
         logits = self.decode_nat(memory, memory_padding_mask=src_padding_mask, target_lengths=target_lengths,
                                  width=width)
@@ -535,9 +541,7 @@ class Seq2SeqTransformer(nn.Module):
             width: decoder positions, at most ``max_target_length`` (default: the longest of
                 ``target_lengths``, else ``max_target_length``).
         """
-        if self.nat is None:
-            raise ValueError("forward_nat and decode_nat need a model built with decoding='non-autoregressive'; "
-                             f"this one has decoding={self.decoding!r}")
+        self._check_non_autoregressive()
         batch, maximum = memory.shape[0], self.nat.max_target_length
         if width is None:
             width = maximum if target_lengths is None else int(
