@@ -46,8 +46,8 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
         target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads)
         causal = config.decoding == "autoregressive"
         target_padding = None if causal else torch.zeros(1, task.target_len, dtype=torch.bool, device="meta")
-        reasons += [f"as the decoder's self-attention: {reason}"
-                    for reason in mechanism.unsupported_reasons(*target, causal=causal, key_padding_mask=target_padding)]
+        reasons += [f"as the decoder's self-attention: {reason}" for reason in
+                    mechanism.unsupported_reasons(*target, causal=causal, key_padding_mask=target_padding)]
     if task.needs_causal and not mechanism.capabilities.causal:
         reasons = [f"{task.name} is next-token prediction, which needs causal attention: " + "; ".join(reasons)]
     return reasons

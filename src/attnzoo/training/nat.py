@@ -3,8 +3,8 @@
 * The loss is the token cross-entropy over the target positions of one parallel pass over placeholders
   (the decoder never reads a target token), plus ``length_loss`` times the length head's cross-entropy
   (``length_mode="predicted"``). With the predicted length, the decoder reads each target's true length
-  (END included) in training, as Gu et al. (2018) train on the reference length; with ``"max"`` it reads
-  every position and learns to put END where the target ends (the padding after it is not scored).
+  (END included) in training, so the two parts learn apart; with ``"max"`` it reads every position and
+  learns to put END where the target ends (the padding after it is not scored).
 * Evaluation decodes in one pass (:func:`~attnzoo.decoding.nat_decode`) and reports the same decoded metrics
   as autoregressive decoding.
 
