@@ -27,12 +27,7 @@ COPY = dict(train_size=64, validation_size=16, test_size=16, length=6, num_symbo
 SMALL = dict(dim=16, depth=1, heads=2, batch_size=8, steps=4, eval_interval=2)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def nat_model(seed: int = 0, **changes) -> Seq2SeqTransformer:

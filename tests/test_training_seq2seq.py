@@ -35,13 +35,7 @@ def config(**changes) -> TrainConfig:
     return TrainConfig("reverse", **{**SMALL, "task_options": REVERSE, **changes})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models train fastest on one thread (and do not fight other processes for the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
