@@ -53,7 +53,7 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss", "length_loss", "decode_ms_per_sentence"]
+              "exact_match", "token_error_rate", "guide_loss", "length_loss", "ms_per_sentence"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def evaluate(
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
     A seq2seq task adds the greedy-decoded ``exact_match`` and ``token_error_rate`` and the cross-attention's
     ``guide_loss`` at width 0.2 (0 when the attention is on the diagonal: how monotonic it has become), and the
-    decoding time per sentence in milliseconds (``decode_ms_per_sentence``, the batch decoded at once). A
+    decoding time per sentence in milliseconds (``ms_per_sentence``, the batch decoded at once). A
     non-autoregressive model decodes in one pass and reports its ``length_loss`` instead of the guide loss."""
     data = task.split(split)
     was_training = model.training
@@ -193,7 +193,7 @@ def evaluate(
         metrics.update(decoded_metrics(predictions, references))
         if not nat or model.nat.length_head is not None:
             metrics["length_loss" if nat else "guide_loss"] = auxiliary_sum / max(len(references), 1)
-        metrics["decode_ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
+        metrics["ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
     return metrics
 
 
