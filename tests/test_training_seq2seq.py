@@ -211,11 +211,13 @@ def test_scheduled_sampling_needs_a_seq2seq_task():
 
 
 # -- end to end ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("settings", [dict(label_smoothing=0.1), dict(copy_mechanism=True)])
-def test_scheduled_sampling_run_resumes_to_bit_identical_parameters(tmp_path, settings):
+@pytest.mark.parametrize("changes", [dict(scheduled_sampling="token", label_smoothing=0.1),
+                                     dict(scheduled_sampling="token", copy_mechanism=True),
+                                     dict(decoding="non-autoregressive", length_loss=0.5)])
+def test_a_seq2seq_run_resumes_to_bit_identical_parameters(tmp_path, changes):
     from safetensors.torch import load_file
 
-    cfg = config(scheduled_sampling="token", dropout=0.1, steps=3, **settings)
+    cfg = config(**changes, dropout=0.1, steps=3)
     train(cfg, tmp_path / "whole", progress=False)
 
     def stop(step, metrics):

@@ -22,7 +22,7 @@ from .mechanisms import (
 )
 from .positional import LearnedPositionalEmbedding, RotaryEmbedding, SinusoidalPositionalEncoding
 from . import decoding
-from .decoding import BeamSearchResult, beam_search, greedy_decode, sample_decode
+from .decoding import BeamSearchResult, beam_search, greedy_decode, nat_decode, sample_decode
 from .swap import SwapReport, SwappedAttention, swap_attention
 from .models import (
     AttentionFusion,
@@ -61,6 +61,7 @@ __all__ = [
     "BeamSearchResult",
     "beam_search",
     "greedy_decode",
+    "nat_decode",
     "sample_decode",
     "SwapReport",
     "SwappedAttention",

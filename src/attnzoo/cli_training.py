@@ -27,6 +27,7 @@ TRAIN_OPTIONS = {
     "--label-smoothing": "label_smoothing", "--scheduled-sampling": "scheduled_sampling",
     "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
     "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
+    "--decoding": "decoding", "--length-mode": "length_mode", "--length-loss": "length_loss",
 }
 # Command-line option -> DecoderSettings / MonotonicInference field: the decoder of a seq2seq task's decoded
 # metrics, chosen at train and eval time alike and never part of the training config.
@@ -150,6 +151,18 @@ def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
                        help="monotonic: positions visible before the focus (default 0)")
 
 
+def _check_decoder_fits(decoding: Any, run: Dict[str, Any]) -> None:
+    """Refuse, before training, a decoder the run's model cannot decode with (its evaluations would fail)."""
+    from .training.decoders import GREEDY
+
+    if run.get("decoding", "autoregressive") != "autoregressive" and decoding != GREEDY:
+        raise ValueError(f"a --decoding {run['decoding']!r} model decodes in one parallel pass: the decoder "
+                         f"options ({decoding.describe()}) are for autoregressive models")
+    if run.get("copy_mechanism") and decoding.monotonic is not None:
+        raise ValueError("--monotonic-inference holds the cross-attention to a window, but the copy mechanism's "
+                         "own attention reads every source position: leave it off with --copy-mechanism")
+
+
 def _decoder_settings(args: argparse.Namespace, task: Optional[str]) -> Any:
     """The :class:`DecoderSettings` the decoding options ask for (greedy when none is given) for a run on
     ``task`` (None: not known yet, not checked); errors name the option."""
@@ -218,6 +231,7 @@ def train_command(args: argparse.Namespace) -> int:
             if Path(output, "checkpoints").exists():
                 raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
                                  "or choose another --output")
+        _check_decoder_fits(decoding, saved if config is None else config.as_dict())
         if launched_by_torchrun():  # data parallel: settings it cannot honour fail here, on every rank
             world = int(os.environ["WORLD_SIZE"])
             reasons = data_parallel_reasons(config or TrainConfig.from_dict(saved), world)
@@ -381,10 +395,12 @@ def add_training_commands(commands: Any) -> None:
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     numeric = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
                "--grad-clip": float, "--label-smoothing": float, "--sampling-k": float,
-               "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float}
+               "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float,
+               "--length-loss": float}
     choices = {"--positional": ["sinusoidal", "learned", "rotary", "none"], "--pooling": ["mean", "cls"],
                "--precision": ["float32", "bfloat16"], "--scheduled-sampling": ["none", "token", "two-pass"],
-               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"]}
+               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"],
+               "--decoding": ["autoregressive", "non-autoregressive"], "--length-mode": ["predicted", "max"]}
     for option, field in TRAIN_OPTIONS.items():
         default = defaults[field]
         if option in choices:

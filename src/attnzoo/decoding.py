@@ -1,4 +1,5 @@
-"""Autoregressive decoding for :class:`LanguageModel` and :class:`Seq2SeqTransformer`.
+"""Autoregressive decoding for :class:`LanguageModel` and :class:`Seq2SeqTransformer`, and one-pass
+non-autoregressive decoding (:func:`nat_decode`) for a Seq2SeqTransformer built for it.
 
 Every decoder runs the model's incremental path: one ``prefill`` over the prompt, then one ``step`` per new
 token, with the decoding state passed explicitly (beam search reorders it with
@@ -25,7 +26,8 @@ from torch import Tensor
 
 from ._validation import check_positive_int
 from .models.monotonic import MonotonicInference, check_monotonic, monotonic_prefill, monotonic_step
-from .models.transformer import LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
+from .models.nat import check_lengths, predicted_lengths
+from .models.transformer import DecoderState, LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
 from .state import select_batch
 
 Model = Union[LanguageModel, Seq2SeqTransformer]
@@ -353,3 +355,51 @@ def _collect(
             scores[b, j] = hyp.score
             lengths[b, j] = end
     return BeamSearchResult(sequences, scores, lengths)
+
+
+# -- non-autoregressive ----------------------------------------------------------------------------------------
+@torch.no_grad()
+def nat_decode(
+    model: Seq2SeqTransformer,
+    source: Tensor,
+    *,
+    eos_id: int,
+    source_padding_mask: Optional[Tensor] = None,
+    target_lengths: Optional[Tensor] = None,
+) -> Tensor:
+    """Decode every target position in one pass of a model built with ``decoding="non-autoregressive"``.
+
+    Each row's length (END included) is ``target_lengths`` (batch,) when given (the true lengths, for tests
+    and analysis), else the length head's prediction (``length="predicted"``); the decoder reads that many
+    placeholders and the last of them is END. With ``length="max"`` the decoder reads ``max_target_length``
+    placeholders and the output ends at its first END (given lengths then only cut it).
+
+    Returns (batch, width) ids without a start token: ``eos_id`` from each row's first END (or its last
+    position) on, as :func:`greedy_decode` fills finished rows.
+    """
+    if not isinstance(model, Seq2SeqTransformer) or model.nat is None:
+        got = getattr(model, "decoding", type(model).__name__)
+        raise TypeError(f"model must be a Seq2SeqTransformer built with decoding='non-autoregressive', got {got!r}")
+    if eos_id is None:
+        raise ValueError("eos_id (the END token id) is required: it marks where each output stops")
+    _check_eos(eos_id, model.tgt_vocab_size)
+    predicted = model.nat.length_mode == "predicted"
+    memory = model.encode(source, src_padding_mask=source_padding_mask)
+    lengths = target_lengths
+    if predicted and lengths is None:
+        lengths = predicted_lengths(model.nat.length_head(memory, source_padding_mask))
+    masked = None
+    if predicted:
+        check_lengths("target_lengths", lengths, source.shape[0], model.nat.max_target_length)
+        # Rows as long as the widest have no padding: without a mask the decoder runs its cheaper path
+        # (every single-sentence decode).
+        masked = lengths if bool((lengths != lengths.max()).any()) else None
+    logits = model.decode_nat(memory, memory_padding_mask=source_padding_mask, target_lengths=masked,
+                              width=int(lengths.max()) if predicted else None)
+    tokens = logits.argmax(dim=-1).to(source.dtype)
+    if lengths is not None:
+        check_lengths("target_lengths", lengths, source.shape[0], tokens.shape[1])
+        last = torch.arange(tokens.shape[1], device=tokens.device)[None, :] >= (lengths.to(tokens.device) - 1)[:, None]
+        tokens = tokens.masked_fill(last, eos_id)
+    ended = (tokens == eos_id).cumsum(dim=1) > 0
+    return tokens.masked_fill(ended, eos_id)

@@ -194,12 +194,14 @@ class DecoderLayer(_Block):
         *,
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
+        causal: bool = True,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim); padding_mask: (batch, seq) and
-        memory_padding_mask: (batch, seq_mem), bool, True = padding. Returns (batch, seq, dim)."""
+        memory_padding_mask: (batch, seq_mem), bool, True = padding. Returns (batch, seq, dim).
+        ``causal=False`` lets every position attend to every other (a non-autoregressive decoder)."""
         self._check_memory(memory)
         x = self.attention_block(
-            x, lambda h: self.self_attention(h, causal=True, key_padding_mask=padding_mask)
+            x, lambda h: self.self_attention(h, causal=causal, key_padding_mask=padding_mask)
         )
         if self.cross_attention is not None:
             x = self.cross_attention_block(

@@ -17,13 +17,14 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar, Un
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_bool, check_choice, check_positive_int, check_probability
+from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms.base import UnsupportedOptionError
 from ..positional import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .config import AttentionSpec, BlockConfig, attention_slot
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
 from .pointer import CopyMemory, PointerGenerator
+from .nat import build_nat_parts, check_lengths, mean_over_positions
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
 POOLING_KINDS = ("mean", "cls")
@@ -243,11 +244,17 @@ class Decoder(_LayerStack):
         *,
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
+        causal: bool = True,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim) or None without cross-attention;
-        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding."""
+        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding.
+        ``causal=False``: bidirectional self-attention (non-autoregressive decoding)."""
+        if not check_bool("causal", causal) and self.config.block != "attention":
+            raise ValueError(f"causal=False needs attention layers; block={self.config.block!r} units are causal")
+        # Gated units take no causal argument (they are causal only, refused above).
+        bidirectional = {} if causal else {"causal": False}
         for layer in self.layers:
-            x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask)
+            x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask, **bidirectional)
         return self.norm(x)
 
     def prefill(
@@ -401,9 +408,14 @@ class Seq2SeqTransformer(nn.Module):
         copy_map: with ``copy_mechanism`` only, and required there: (src_vocab_size,) int64, the target id
             copying each source token produces (an id >= tgt_vocab_size for a source-only token, -1 for one
             never copied); see :mod:`attnzoo.models.pointer`.
+        decoding: "autoregressive" (the default) or "non-autoregressive": every target position in one pass
+            over placeholders, with bidirectional decoder self-attention (:mod:`attnzoo.models.nat`).
+        length, max_target_length: non-autoregressive only: where the output length comes from,
+            "predicted" (a length head, the default) or "max"; the widest target (END included).
 
     Decoding: ``logits, state = model.prefill(src, tgt_prefix, src_padding_mask=...)`` encodes the source and
-    projects its keys and values once; then ``model.step(token_t, state)``.
+    projects its keys and values once; then ``model.step(token_t, state)``. A non-autoregressive model runs
+    :meth:`forward_nat` instead (see :func:`attnzoo.decoding.nat_decode`).
     """
 
     def __init__(
@@ -432,6 +444,9 @@ class Seq2SeqTransformer(nn.Module):
         reversible: bool = False,
         copy_mechanism: bool = False,
         copy_map: Optional[Tensor] = None,
+        decoding: str = "autoregressive",
+        length: Optional[str] = None,
+        max_target_length: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
@@ -441,7 +456,13 @@ class Seq2SeqTransformer(nn.Module):
                              "token (-1: never copied)")
         if not copy_mechanism and copy_map is not None:
             raise ValueError("copy_map is only used with copy_mechanism=True")
+        if copy_mechanism and decoding != "autoregressive":
+            raise UnsupportedOptionError(
+                f"copy_mechanism=True: the copy mechanism is built for autoregressive decoding, got decoding={decoding!r}")
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        self.decoding = decoding
+        self.nat = build_nat_parts(decoding, length, max_target_length, dim=dim, positional=positional,
+                                   reversible=reversible)
         self.src_embedding = TokenEmbedding(src_vocab_size, dim, positional, max_length, dropout)
         self.tgt_embedding = TokenEmbedding(tgt_vocab_size, dim, positional, max_length, dropout)
         decoder_config = BlockConfig(
@@ -513,6 +534,7 @@ class Seq2SeqTransformer(nn.Module):
     ) -> Tensor:
         """Teacher-forced logits (batch, seq_tgt, output_vocab_size) for target ids tgt (batch, seq_tgt);
         log-probabilities with the copy mechanism."""
+        self._check_autoregressive("forward")
         memory = self.encode(src, src_padding_mask=src_padding_mask)
         self._check_target(src, tgt)
         check_padding_mask("tgt_padding_mask", tgt_padding_mask, tgt)
@@ -532,6 +554,7 @@ class Seq2SeqTransformer(nn.Module):
         ``cross_attention_mask`` (batch, seq_src) bool, True = hidden: source positions this pass's
         cross-attention does not see besides the padding (the encoder still reads them), e.g. the window of
         monotonic decoding (:mod:`attnzoo.models.monotonic`); the returned state holds the padding alone."""
+        self._check_autoregressive("prefill")
         memory = self.encode(src, src_padding_mask=src_padding_mask)
         self._check_target(src, tgt)
         check_padding_mask("cross_attention_mask", cross_attention_mask, src)
@@ -554,6 +577,7 @@ class Seq2SeqTransformer(nn.Module):
     ) -> Tuple[Tensor, Union[DecoderState, CopyDecoderState]]:
         """Feed one target token per sequence, token_t (batch,); returns logits (batch, output_vocab_size)
         and the state."""
+        self._check_autoregressive("step")
         check_tokens("token_t", token_t, self.output_vocab_size, rank=1)
         expected = DecoderState if self.pointer is None else CopyDecoderState
         if not isinstance(state, expected):
@@ -565,6 +589,72 @@ class Seq2SeqTransformer(nn.Module):
         if self.pointer is None:
             return self.head(hidden[:, 0]), decoder_state
         return self._output(hidden, tokens, state.copy)[:, 0], CopyDecoderState(decoder_state, state.copy)
+
+    # -- non-autoregressive decoding ---------------------------------------------------------------------
+    def _check_autoregressive(self, method: str) -> None:
+        if self.nat is not None:
+            raise ValueError(f"{method} feeds target tokens, which a model built with decoding="
+                             "'non-autoregressive' does not read: use forward_nat or attnzoo.decoding.nat_decode")
+
+    def _check_non_autoregressive(self) -> None:
+        if self.nat is None:
+            raise ValueError("forward_nat and decode_nat need a model built with decoding='non-autoregressive'; "
+                             f"this one has decoding={self.decoding!r}")
+
+    def forward_nat(
+        self,
+        src: Tensor,
+        *,
+        src_padding_mask: Optional[Tensor] = None,
+        target_lengths: Optional[Tensor] = None,
+        width: Optional[int] = None,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """One parallel pass of a non-autoregressive model over the source ids src (batch, seq_src); no target
+        token is read. Arguments as for :meth:`decode_nat`.
+
+        Returns the logits (batch, width, tgt_vocab) and the length head's logits (batch, max_target_length),
+        class i for length i + 1 (None with ``length="max"``).
+        """
+        self._check_non_autoregressive()
+        memory = self.encode(src, src_padding_mask=src_padding_mask)
+        logits = self.decode_nat(memory, memory_padding_mask=src_padding_mask, target_lengths=target_lengths,
+                                 width=width)
+        head = self.nat.length_head
+        return logits, None if head is None else head(memory, src_padding_mask)
+
+    def decode_nat(
+        self,
+        memory: Tensor,
+        *,
+        memory_padding_mask: Optional[Tensor] = None,
+        target_lengths: Optional[Tensor] = None,
+        width: Optional[int] = None,
+    ) -> Tensor:
+        """The non-autoregressive decoder on an encoded source: logits (batch, width, tgt_vocab).
+
+        Args:
+            memory: (batch, seq_src, dim) from :meth:`encode`; memory_padding_mask: (batch, seq_src) bool.
+            target_lengths: (batch,) integers in [1, width] (END included) or None: each row's decoder positions
+                from its length on are padding, which the decoder's self-attention ignores (their logits mean
+                nothing). None: every position is read.
+            width: decoder positions, at most ``max_target_length`` (default: the longest of
+                ``target_lengths``, else ``max_target_length``).
+        """
+        self._check_non_autoregressive()
+        batch, maximum = memory.shape[0], self.nat.max_target_length
+        if width is None:
+            width = maximum if target_lengths is None else int(
+                check_lengths("target_lengths", target_lengths, batch, maximum).max())
+        check_number("width", width, integer=True, minimum=1, maximum=maximum)
+        padding_mask = None
+        if target_lengths is not None:
+            check_lengths("target_lengths", target_lengths, batch, width)
+            positions = torch.arange(width, device=memory.device)
+            padding_mask = positions[None, :] >= target_lengths.to(memory.device)[:, None]
+        placeholders = self.tgt_embedding.add_positions(self.nat.placeholders(batch, width).to(memory.dtype))
+        hidden = self.decoder(placeholders, memory, padding_mask=padding_mask,
+                              memory_padding_mask=memory_padding_mask, causal=False)
+        return self.head(hidden)
 
 
 class SequenceClassifier(nn.Module):
@@ -629,12 +719,7 @@ class SequenceClassifier(nn.Module):
         hidden = self.encoder(self.embedding.add_positions(x), key_padding_mask=padding_mask)
         if self.cls is not None:
             return self.head(hidden[:, 0])
-        if padding_mask is None:
-            return self.head(hidden.mean(dim=1))
-        keep = (~padding_mask).unsqueeze(-1).to(hidden.dtype)
-        # A row of padding only pools to zeros instead of 0/0.
-        pooled = (hidden * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
-        return self.head(pooled)
+        return self.head(mean_over_positions(hidden, padding_mask))
 
 
 class SequenceTagger(nn.Module):

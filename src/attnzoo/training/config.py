@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
+from .nat import check_decoding_settings
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     SAMPLING_DECAYS,
@@ -58,6 +59,10 @@ class TrainConfig:
         copy_mechanism: seq2seq tasks only: a pointer-generator output (See et al. 2017) that can copy source
             tokens (:mod:`attnzoo.models.pointer`); the loss is the NLL of its mixed distribution. Not with
             ``label_smoothing``.
+        decoding, length_mode, length_loss: seq2seq tasks only: "autoregressive" (the default) or
+            "non-autoregressive" (one parallel pass, :mod:`attnzoo.training.nat`); for the latter, where the
+            output length comes from, "predicted" (None: the default) or "max", and the weight of the length
+            head's loss (None: 0.1). Both stay None in autoregressive mode.
     """
 
     task: str
@@ -90,6 +95,9 @@ class TrainConfig:
     guide_loss: float = 0.0
     guide_width: float = DEFAULT_GUIDE_WIDTH
     copy_mechanism: bool = False
+    decoding: str = "autoregressive"
+    length_mode: Optional[str] = None
+    length_loss: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -128,6 +136,10 @@ class TrainConfig:
             # probability 0 under the copy mixture: their log is -inf.
             raise ValueError(f"label_smoothing {self.label_smoothing!r} cannot be combined with copy_mechanism "
                              "(the mixture gives some outputs probability 0); use 0")
+        check_decoding_settings(self.decoding, self.length_mode, self.length_loss, self.scheduled_sampling,
+                                self.guide_loss)
+        if self.copy_mechanism and self.decoding != "autoregressive":
+            raise ValueError(f"copy_mechanism is built for autoregressive decoding; decoding is {self.decoding!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
 

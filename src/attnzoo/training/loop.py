@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .. import tasks as task_registry
 from ..feature_maps import RandomFeatureMap, redraw_random_features
+from ..mechanisms.base import UnsupportedOptionError
 from ..mechanisms.vq import auxiliary_loss as vq_auxiliary_loss, update_codebooks
 from ..tasks import IGNORE_INDEX, Split, Task
 from .checkpoint import (
@@ -41,6 +42,7 @@ from .config import TrainConfig
 from .distributed import DataParallel
 from .decoders import GREEDY, DecoderSettings, corpus_bleu, timed_outputs
 from .model import build_model
+from .nat import DEFAULT_LENGTH_LOSS, is_non_autoregressive, nat_logits, nat_outputs
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     decoded_metrics,
@@ -54,7 +56,8 @@ LN2 = math.log(2.0)
 METRICS_CSV = "metrics.csv"
 RESULTS_JSON = "results.json"
 CSV_FIELDS = ["step", "split", "loss", "accuracy", "bits_per_byte", "lr", "tokens_per_s", "elapsed_s",
-              "exact_match", "token_error_rate", "guide_loss", "rare_token_recall", "bleu", "ms_per_sentence"]
+              "exact_match", "token_error_rate", "guide_loss", "length_loss", "rare_token_recall", "bleu",
+              "ms_per_sentence"]
 
 
 # -- data order ----------------------------------------------------------------------------------------------
@@ -141,9 +144,12 @@ def model_logits(
     auxiliary loss or None: the one call that differs per kind. A seq2seq model reads the decoder inputs
     too, mixed with its own predictions under scheduled sampling when ``config`` (training only) asks for it;
     its auxiliary loss is the (unweighted) guide loss of its cross-attention, in evaluation always (a measure
-    of how diagonal the attention is) and in training when ``config.guide_loss`` > 0."""
+    of how diagonal the attention is) and in training when ``config.guide_loss`` > 0. A non-autoregressive
+    model runs its one parallel pass instead; its auxiliary loss is the length head's (None without one)."""
     if task.kind != "seq2seq":
         return model(inputs, padding_mask=mask), None
+    if is_non_autoregressive(model):
+        return nat_logits(model, data, index, inputs, mask)
     mode = "none" if config is None else config.scheduled_sampling
     teacher = 1.0 if config is None else config.teacher_probability(step)
     seed = 0 if config is None else config.seed
@@ -175,9 +181,10 @@ def evaluate(
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
     A seq2seq task adds the decoded metrics of the decoder ``decoding`` (greedy by default): ``exact_match``,
     ``token_error_rate``, corpus ``bleu`` (0-100) and the decoding time ``ms_per_sentence``
-    (:mod:`attnzoo.training.decoders`), and the cross-attention's ``guide_loss`` at width 0.2 (0 when the
-    attention is on the diagonal: how monotonic it has become); one with rare tokens to copy (``rare_ids``, as
-    copy-names) also their ``rare_token_recall``."""
+    (:mod:`attnzoo.training.decoders`, the batch decoded at once), and the cross-attention's ``guide_loss`` at
+    width 0.2 (0 when the attention is on the diagonal: how monotonic it has become); one with rare tokens to
+    copy (``rare_ids``, as copy-names) also their ``rare_token_recall``. A non-autoregressive model decodes in
+    one pass (``decoding`` must be greedy) and reports its ``length_loss`` instead of the guide loss."""
     data = task.split(split)
     device = next(model.parameters()).device
     was_training = model.training
@@ -185,7 +192,11 @@ def evaluate(
     tally = Tally()
     predictions: List[List[int]] = []
     references: List[List[int]] = []
-    guide_sum, decode_seconds = 0.0, 0.0
+    auxiliary_sum, decode_seconds = 0.0, 0.0
+    nat = is_non_autoregressive(model)
+    if nat and decoding != GREEDY:
+        raise UnsupportedOptionError(f"decoder {decoding.describe()}: a non-autoregressive model decodes in one "
+                                     "parallel pass; leave the decoder options at greedy")
     generator = decoding.generator()
     try:
         for number, start in enumerate(range(0, len(data), batch_size)):
@@ -194,12 +205,17 @@ def evaluate(
             index = torch.arange(start, min(start + batch_size, len(data)))
             inputs, targets, mask = _on(device, *_take(data, index))
             with _autocast(precision, device):
-                logits, guide = model_logits(model, task, data, index, inputs, mask)
+                logits, auxiliary = model_logits(model, task, data, index, inputs, mask)
                 if task.kind == "seq2seq":
-                    guide_sum += float(guide) * len(index)
-                    outputs, seconds = timed_outputs(model, inputs, mask, bos_id=task.bos_id, eos_id=task.eos_id,
-                                                     max_new_tokens=task.target_len, settings=decoding,
-                                                     generator=generator)
+                    auxiliary_sum += 0.0 if auxiliary is None else float(auxiliary) * len(index)
+                    if nat:
+                        began = time.perf_counter()
+                        outputs = nat_outputs(model, task, inputs, mask)
+                        seconds = time.perf_counter() - began
+                    else:
+                        outputs, seconds = timed_outputs(model, inputs, mask, bos_id=task.bos_id,
+                                                         eos_id=task.eos_id, max_new_tokens=task.target_len,
+                                                         settings=decoding, generator=generator)
                     predictions += outputs
                     decode_seconds += seconds
                     references += [strip_output(row.tolist(), task.eos_id) for row in targets]
@@ -209,7 +225,8 @@ def evaluate(
     metrics = tally.metrics(task)
     if task.kind == "seq2seq":
         metrics.update(decoded_metrics(predictions, references, getattr(task, "rare_ids", None)))
-        metrics["guide_loss"] = guide_sum / max(len(references), 1)
+        if not nat or model.nat.length_head is not None:
+            metrics["length_loss" if nat else "guide_loss"] = auxiliary_sum / max(len(references), 1)
         # Extended ids (source tokens outside the target vocabulary, produced by copying) are named too.
         metrics["bleu"] = corpus_bleu(predictions, references, (*task.target_tokens, *task.extended_tokens))
         metrics["ms_per_sentence"] = 1000.0 * decode_seconds / max(len(references), 1)
@@ -475,8 +492,10 @@ def train(
                         logits, auxiliary = model_logits(trained, task, train_split, index, inputs, mask,
                                                          config=config, step=step)
                     loss, tally = loss_and_tally(task.kind, logits, targets, label_smoothing=config.label_smoothing)
-                    if auxiliary is not None:
-                        loss = loss + config.guide_loss * auxiliary
+                    if auxiliary is not None:  # the length head's loss (NAT) or the guide loss
+                        weight = config.guide_loss if config.decoding == "autoregressive" else (
+                            DEFAULT_LENGTH_LOSS if config.length_loss is None else config.length_loss)
+                        loss = loss + weight * auxiliary
                     loss = loss + vq_auxiliary_loss(model)  # the commitment loss of vq attention (zero without it)
                     if parallel is not None:
                         # Both terms are means over this shard's scored targets; weighted by the shard's share

@@ -42,10 +42,12 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     padding = None if task.pad_id is None else torch.zeros(1, length, dtype=torch.bool, device="meta")
     q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads)
     reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
-    if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention, which is causal
+    if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention: causal unless NAT
         target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads)
-        reasons += [f"as the decoder's self-attention: {reason}"
-                    for reason in mechanism.unsupported_reasons(*target, causal=True, key_padding_mask=None)]
+        causal = config.decoding == "autoregressive"
+        target_padding = None if causal else torch.zeros(1, task.target_len, dtype=torch.bool, device="meta")
+        reasons += [f"as the decoder's self-attention: {reason}" for reason in
+                    mechanism.unsupported_reasons(*target, causal=causal, key_padding_mask=target_padding)]
     if task.needs_causal and not mechanism.capabilities.causal:
         reasons = [f"{task.name} is next-token prediction, which needs causal attention: " + "; ".join(reasons)]
     return reasons
@@ -66,6 +68,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind != "seq2seq" and config.copy_mechanism:
         raise ValueError(f"copy_mechanism needs a seq2seq task (a source to copy from); {task.name} is "
                          f"{task.kind!r}")
+    if task.kind != "seq2seq" and config.decoding != "autoregressive":
+        raise ValueError(f"decoding {config.decoding!r} needs a seq2seq task; {task.name} is {task.kind!r}")
     if getattr(task, "extended_tokens", ()) and not config.copy_mechanism:
         raise ValueError(f"copy_mechanism is needed: {task.name}'s answers (with these options) hold tokens "
                          "outside its target vocabulary, which only a copy mechanism can produce")
@@ -93,6 +97,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         mechanism = common.pop("self_attention")
         depth = common.pop("depth")
         common["max_length"] = max(task.seq_len, task.target_len)
+        if config.decoding != "autoregressive":  # the widest decoded row is the task's widest target
+            common.update(decoding=config.decoding, length=config.length_mode, max_target_length=task.target_len)
         return Seq2SeqTransformer(task.vocab_size, task.num_classes, encoder_depth=depth, decoder_depth=depth,
                                   encoder_self_attention=mechanism, encoder_self_attention_options=options,
                                   decoder_self_attention=mechanism, decoder_self_attention_options=options,
