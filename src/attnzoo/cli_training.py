@@ -26,10 +26,11 @@ TRAIN_OPTIONS = {
     "--label-smoothing": "label_smoothing", "--scheduled-sampling": "scheduled_sampling",
     "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
     "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
+    "--block": "block",
 }
 OPTION_OF_FIELD = {field: option for option, field in TRAIN_OPTIONS.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
-                       task_options="--task-options")
+                       task_options="--task-options", block_options="--block-options")
 
 
 def parse_value(raw: str) -> Any:
@@ -90,7 +91,7 @@ def _given_settings(args: argparse.Namespace) -> Dict[str, Any]:
         given["task"] = args.task
     if args.mechanism is not None:
         given["mechanism"] = args.mechanism
-    for name in ("mechanism_options", "task_options"):
+    for name in ("mechanism_options", "task_options", "block_options"):
         merged = _merged(getattr(args, name))
         if merged is not None:
             given[name] = merged
@@ -145,7 +146,7 @@ def train_command(args: argparse.Namespace) -> int:
             except (TypeError, ValueError) as error:
                 raise ValueError(_name_option(str(error))) from None
             if output is None:
-                output = f"runs/{config.task}-{config.mechanism}"
+                output = f"runs/{config.task}-{config.mechanism if config.block == 'attention' else config.block}"
             _check_buildable(config)
             if Path(output, "checkpoints").exists():
                 raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
@@ -203,7 +204,8 @@ def _check_buildable(config: Any) -> None:
         try:
             build_model(config, task)
         except TypeError as error:
-            raise ValueError(f"--mechanism-options: {error}") from None
+            options = "--mechanism-options" if config.block == "attention" else "--block-options"
+            raise ValueError(f"{options}: {error}") from None
         except ValueError as error:  # a setting that does not fit the task (scheduled sampling off seq2seq)
             raise ValueError(_name_option(str(error))) from None
 
@@ -288,6 +290,9 @@ def add_training_commands(commands: Any) -> None:
     train.add_argument("--mechanism", help="attention mechanism (default softmax; attnzoo list names them)")
     train.add_argument("--mechanism-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="mechanism options as JSON or KEY=VALUE,... (repeatable)")
+    train.add_argument("--block-options", type=parse_options, action="append", metavar="OPTIONS",
+                       help="options of the gated units of --block gau|flash (shared_dim, expansion_dim, scores, "
+                            "chunk_size) as JSON or KEY=VALUE,... (repeatable)")
     train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     numeric = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
@@ -295,7 +300,7 @@ def add_training_commands(commands: Any) -> None:
                "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float}
     choices = {"--positional": ["sinusoidal", "learned", "rotary", "none"], "--pooling": ["mean", "cls"],
                "--precision": ["float32", "bfloat16"], "--scheduled-sampling": ["none", "token", "two-pass"],
-               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"]}
+               "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"], "--block": ["attention", "gau", "flash"]}
     for option, field in TRAIN_OPTIONS.items():
         default = defaults[field]
         if option in choices:

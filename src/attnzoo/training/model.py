@@ -54,7 +54,8 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
 def build_model(config: TrainConfig, task: Task) -> nn.Module:
     """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
     ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
-    on each side), every self-attention slot using ``config.mechanism``.
+    on each side), every self-attention slot using ``config.mechanism``, or every layer a gated unit of
+    ``config.block`` (not for seq2seq).
 
     Raises :class:`~attnzoo.UnsupportedOptionError` when the mechanism cannot serve the task."""
     if task.kind != "seq2seq" and config.scheduled_sampling != "none":
@@ -63,6 +64,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind != "seq2seq" and config.guide_loss > 0:
         raise ValueError(f"guide_loss {config.guide_loss!r} needs a seq2seq task (cross-attention); {task.name} "
                          f"is {task.kind!r}")
+    if config.block != "attention" and task.kind == "seq2seq":
+        raise ValueError(f"block {config.block!r} cannot train on {task.name}: its model, a Seq2SeqTransformer, has "
+                         f"no gated units (block options exist for classify, tag and lm tasks)")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
@@ -71,6 +75,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         positional=config.positional, max_length=task.seq_len, self_attention=config.mechanism,
         self_attention_options=mechanism_options_for(config, task),
     )
+    if config.block != "attention":  # gated units in place of attention + feed-forward (softmax, no options)
+        common.update(block=config.block, block_options=dict(config.block_options), self_attention_options=None)
     if task.kind == "classify":
         return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling, **common)
     if task.kind == "tag":
