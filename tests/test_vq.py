@@ -11,9 +11,8 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo import LanguageModel
 from attnzoo.functional.softmax import softmax_attention_reference
+from attnzoo.functional.prefix import lagged_prefix_sums, lagged_prefix_sums_reference
 from attnzoo.functional.vq import (
-    _lagged_prefix_sums_reference,
-    _LaggedPrefixSums,
     quantize,
     quantize_reference,
     vq_attention,
@@ -128,8 +127,8 @@ def test_gradients_without_the_estimator_match_the_reference(causal, block_size)
 def test_lagged_prefix_sums_match_cumsum_forward_and_backward(lag):
     per_block = randn(2, 3, 6, 4, 5, seed=35).requires_grad_()
     weights = randn(2, 3, 6, 4, 5, seed=36)
-    fast = _LaggedPrefixSums.apply(per_block, lag)
-    slow = _lagged_prefix_sums_reference(per_block, lag)
+    fast = lagged_prefix_sums(per_block, lag)
+    slow = lagged_prefix_sums_reference(per_block, lag)
     torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
     (fast_grad,) = torch.autograd.grad((fast * weights).sum(), per_block)
     (slow_grad,) = torch.autograd.grad((slow * weights).sum(), per_block)

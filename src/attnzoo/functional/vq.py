@@ -40,6 +40,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_number, check_qkv
 from .masks import zero_padded
+from .prefix import lagged_prefix_sums
 from .softmax import masked_softmax_reference
 
 
@@ -144,44 +145,6 @@ def _previous(x: Tensor, shift: int) -> Tensor:
     """x (batch, heads, blocks, ...) moved ``shift`` blocks later, zeros in front."""
     pad = [0, 0] * (x.dim() - 3) + [shift, 0]
     return F.pad(x, pad)[:, :, : x.shape[2]]
-
-
-def _lagged_prefix_sums_reference(per_block: Tensor, lag: int) -> Tensor:
-    """:class:`_LaggedPrefixSums` written out: block g gets the sum of blocks 0 .. g - lag (zeros before)."""
-    cumulative = per_block.cumsum(dim=2)
-    return _previous(cumulative, lag)
-
-
-class _LaggedPrefixSums(torch.autograd.Function):
-    """Block g of the result is the sum of ``per_block`` (batch, heads, blocks, ...) over blocks 0 .. g - lag.
-
-    Forward and backward are running sums written in place into one buffer, block by block: ``cumsum``
-    along a middle dimension, or a loop of out-of-place additions under autograd, costs several times more
-    on CPU (one full-size gradient per block)."""
-
-    @staticmethod
-    def forward(ctx, per_block: Tensor, lag: int) -> Tensor:  # type: ignore[override]
-        ctx.lag = lag
-        out = torch.empty_like(per_block)
-        blocks = per_block.shape[2]
-        out[:, :, :lag].zero_()
-        if blocks > lag:
-            out[:, :, lag].copy_(per_block[:, :, 0])
-        for g in range(lag + 1, blocks):
-            torch.add(out[:, :, g - 1], per_block[:, :, g - lag], out=out[:, :, g])
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
-        # Block b enters the sums of blocks b + lag .. last: its gradient is their sum, a running sum from the end.
-        lag, blocks = ctx.lag, grad.shape[2]
-        out = torch.empty_like(grad)
-        out[:, :, max(blocks - lag, 0):].zero_()
-        if blocks > lag:
-            out[:, :, blocks - 1 - lag].copy_(grad[:, :, blocks - 1])
-        for b in range(blocks - 2 - lag, -1, -1):
-            torch.add(out[:, :, b + 1], grad[:, :, b + lag], out=out[:, :, b])
-        return out, None
 
 
 class _SoftmaxOverCacheAndWindow(torch.autograd.Function):
@@ -295,7 +258,7 @@ def vq_attention_unchecked(
     per_block = v.new_zeros(batch, heads, blocks, size, width + 1)
     per_block = per_block.scatter_add(3, code_blocks.unsqueeze(-1).expand(-1, -1, -1, -1, width + 1), v)
     if causal:
-        cache = _LaggedPrefixSums.apply(per_block, window)
+        cache = lagged_prefix_sums(per_block, window)
     elif window == 0:
         cache = per_block.sum(dim=2, keepdim=True)
     else:
