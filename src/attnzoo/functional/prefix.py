@@ -37,13 +37,12 @@ class _LaggedPrefixSums(torch.autograd.Function):
     @staticmethod
     def forward(ctx, per_block: Tensor, lag: int) -> Tensor:  # type: ignore[override]
         ctx.lag = lag
-        out = torch.empty_like(per_block)
         blocks = per_block.shape[2]
+        out = torch.empty_like(per_block)
         out[:, :, :lag].zero_()
-        if blocks > lag:
-            out[:, :, lag].copy_(per_block[:, :, 0])
-        for g in range(lag + 1, blocks):
-            torch.add(out[:, :, g - 1], per_block[:, :, g - lag], out=out[:, :, g])
+        out[:, :, lag:].copy_(per_block[:, :, : max(blocks - lag, 0)])
+        for g in range(lag + 1, blocks):  # in place on block views (``out=`` on a view does not compile)
+            out[:, :, g].add_(out[:, :, g - 1])
         return out
 
     @staticmethod
@@ -52,10 +51,9 @@ class _LaggedPrefixSums(torch.autograd.Function):
         lag, blocks = ctx.lag, grad.shape[2]
         out = torch.empty_like(grad)
         out[:, :, max(blocks - lag, 0):].zero_()
-        if blocks > lag:
-            out[:, :, blocks - 1 - lag].copy_(grad[:, :, blocks - 1])
-        for b in range(blocks - 2 - lag, -1, -1):
-            torch.add(out[:, :, b + 1], grad[:, :, b + lag], out=out[:, :, b])
+        out[:, :, : max(blocks - lag, 0)].copy_(grad[:, :, lag:])
+        for b in range(blocks - lag - 2, -1, -1):
+            out[:, :, b].add_(out[:, :, b + 1])
         return out, None
 
 
