@@ -342,7 +342,9 @@ def test_train_bytes_with_block_flash_then_eval_and_resume_from_the_command_line
     assert saved["block"] == "flash" and saved["block_options"] == {"chunk_size": 8, "shared_dim": 8}
     code, out, err = _cli(capsys, "eval", str(out_dir), "--json")
     assert code == 0, err
-    assert json.loads(out)["metrics"]["bits_per_byte"] > 0
+    assert json.loads(out)["metrics"]["bits_per_byte"] > 0 and json.loads(out)["block"] == "flash"
+    code, out, err = _cli(capsys, "eval", str(out_dir))
+    assert code == 0 and out.startswith("flash on bytes"), err
     code, _, err = _cli(capsys, "train", "--resume", str(out_dir), "--block", "gau")
     assert code == 2 and "--block 'gau' (the checkpoint has 'flash')" in err
     code, out, err = _cli(capsys, "train", "--resume", str(out_dir), "--steps", "4", "--quiet")

@@ -171,7 +171,7 @@ def train_command(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict(), indent=2))
         return EXIT_OK
     metric = "accuracy" if "accuracy" in result.test else "bits_per_byte"
-    print(f"{result.config.mechanism} on {result.config.task}: {result.steps} steps, {result.parameters:,} "
+    print(f"{result.config.model_label} on {result.config.task}: {result.steps} steps, {result.parameters:,} "
           f"parameters, {result.train_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s)")
     print(f"  validation: {_format_metrics(result.validation)}")
     print(f"  test:       {_format_metrics(result.test)}")
@@ -221,7 +221,7 @@ def eval_command(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return EXIT_OK
     metrics, baseline = report["metrics"], report["baseline"]
-    print(f"{report['mechanism']} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
+    print(f"{report['mechanism'] if report['block'] == 'attention' else report['block']} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
     print("  baseline: " + ", ".join(f"{k} {v:.4f}" for k, v in baseline.items()))
     return EXIT_OK
 

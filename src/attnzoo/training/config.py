@@ -134,6 +134,11 @@ class TrainConfig:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
 
     @property
+    def model_label(self) -> str:
+        """What the model attends with, for messages: the mechanism, or the gated unit of ``block``."""
+        return self.mechanism if self.block == "attention" else self.block
+
+    @property
     def warmup(self) -> int:
         """Warm-up steps in effect: ``warmup_steps``, or a tenth of the run."""
         return self.steps // 10 if self.warmup_steps is None else min(self.warmup_steps, self.steps)

@@ -390,7 +390,7 @@ def train(
                 })
 
         train_split = task.split("train")
-        bar = _progress_bar(progress, config.steps, start, f"{config.mechanism} on {task.name}")
+        bar = _progress_bar(progress, config.steps, start, f"{config.model_label} on {task.name}")
         began, tokens_seen, smoothed = time.perf_counter(), 0, None
         evaluating = 0.0  # seconds spent evaluating, left out of the training throughput
         model.train()
@@ -490,5 +490,5 @@ def evaluate_checkpoint(path: Union[str, Path], split: str = "test") -> Dict[str
     """Metrics of a saved model on a split, with the task's baseline and the run's config."""
     model, task, config = load_trained(path)
     metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision)
-    return {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
-            "baseline": task.baseline(), "config": config.as_dict()}
+    return {"task": task.name, "mechanism": config.mechanism, "block": config.block, "split": split,
+            "metrics": metrics, "baseline": task.baseline(), "config": config.as_dict()}
