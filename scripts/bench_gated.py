@@ -4,7 +4,9 @@ the same parameter count (docs/gated.md).
 The softmax block is one ``DecoderLayer`` (causal) or ``EncoderLayer`` (non-causal): SDPA attention with
 ``heads`` heads and a GELU feed-forward network of width ``4 * dim``, pre-norm. A gated unit has about half
 its parameters, so it is measured as two units in a row, with ``expansion_dim`` chosen so that the two have
-the same parameter count as the block (to within a few parameters).
+the same parameter count as the block (to within a few parameters). "2 x FLASH, no attention" is the same pair
+with the attention replaced by ``A V = V``: the cost of the projections, SiLU, gate and norms that equal
+parameters force on both designs, the floor of the FLASH pair's time.
 
 Forward+backward of each candidate on one (batch, N, dim) input, timed side by side in one process, taking
 turns (median of the repeats, after one warm-up call); peak memory of each configuration in a fresh process
@@ -31,7 +33,16 @@ from torch import Tensor, nn
 from attnzoo.bench.measure import PeakMemory, fix_malloc_threshold
 from attnzoo.models import BlockConfig, DecoderLayer, EncoderLayer, GatedDecoderLayer, GatedEncoderLayer
 
-CANDIDATES = ("softmax block", "2 x GAU", "2 x FLASH")
+CANDIDATES = ("softmax block", "2 x GAU", "2 x FLASH", "2 x FLASH, no attention")
+
+
+class NoAttention(nn.Module):
+    """In place of a unit's attention: ``A V = V``. The units then do everything but attend (norm, projections,
+    SiLU, gate, output projection, residual): the time no attention at these widths can go below."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        return v
 
 
 def count(module: nn.Module) -> int:
@@ -68,6 +79,10 @@ def candidates(args: argparse.Namespace) -> Dict[str, nn.Module]:
     for name, kind in (("2 x GAU", "gau"), ("2 x FLASH", "flash")):
         e = matched_expansion(args, kind, target)
         built[name] = nn.Sequential(gated_unit(args, kind, e), gated_unit(args, kind, e))
+    floor = nn.Sequential(*(gated_unit(args, "flash", matched_expansion(args, "flash", target)) for _ in range(2)))
+    for unit in floor:
+        unit.attention = NoAttention()
+    built["2 x FLASH, no attention"] = floor
     return built
 
 

@@ -19,6 +19,7 @@ from attnzoo.training import (
     CheckpointError,
     TrainConfig,
     batch_indices,
+    build_model,
     evaluate_checkpoint,
     find_checkpoint,
     load_trained,
@@ -26,6 +27,7 @@ from attnzoo.training import (
     unsupported_reasons,
 )
 from attnzoo.training import checkpoint as checkpoint_module
+from attnzoo.training.checkpoint import read_config
 from attnzoo.tasks import load
 
 LISTOPS = {"train_size": 64, "validation_size": 16, "test_size": 16, "min_length": 8, "max_length": 24}
@@ -308,3 +310,55 @@ def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, 
         assert code == 2 and "other settings" in err
     finally:
         lra.BUDGETS["quick"] = original
+
+
+# -- gated units (--block) -----------------------------------------------------------------------------------
+FLASH = {"chunk_size": 8, "shared_dim": 8, "expansion_dim": 24}
+
+
+def test_block_flash_trains_resumes_bit_identically_and_keeps_its_units(tmp_path):
+    config = small("bytes", steps=5, block="flash", block_options=FLASH)
+    model = build_model(config, load("bytes", **BYTES))
+    units = [m for m in model.modules() if type(m).__name__ == "GatedDecoderLayer"]
+    assert len(units) == config.depth and units[0].attention.chunk_size == 8 and units[0].expansion_dim == 24
+    whole = train(config, tmp_path / "whole", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "cut", progress=False, on_step=_interrupt_at(2))
+    resumed = train(None, tmp_path / "cut", resume=True, progress=False)
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any("in_proj" in name for name in a)  # the saved weights are the units'
+    assert resumed.test == whole.test
+
+
+def test_train_bytes_with_block_flash_then_eval_and_resume_from_the_command_line(capsys, tmp_path):
+    out_dir = tmp_path / "run"
+    argv = ["train", "bytes", "--task-options", json.dumps(BYTES), "--dim", "16", "--depth", "1", "--heads", "2",
+            "--batch-size", "8", "--steps", "4", "--eval-interval", "2", "--block", "flash",
+            "--block-options", "chunk_size=8,shared_dim=8", "--output", str(out_dir), "--quiet"]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 0, err
+    saved = read_config(find_checkpoint(out_dir))["train"]
+    assert saved["block"] == "flash" and saved["block_options"] == {"chunk_size": 8, "shared_dim": 8}
+    code, out, err = _cli(capsys, "eval", str(out_dir), "--json")
+    assert code == 0, err
+    assert json.loads(out)["metrics"]["bits_per_byte"] > 0 and json.loads(out)["block"] == "flash"
+    code, out, err = _cli(capsys, "eval", str(out_dir))
+    assert code == 0 and out.startswith("flash on bytes"), err
+    code, _, err = _cli(capsys, "train", "--resume", str(out_dir), "--block", "gau")
+    assert code == 2 and "--block 'gau' (the checkpoint has 'flash')" in err
+    code, out, err = _cli(capsys, "train", "--resume", str(out_dir), "--steps", "4", "--quiet")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bytes", "--block-options", "chunk_size=8"], "--block-options given but block is 'attention'"),
+    (["bytes", "--block", "flash", "--mechanism", "vq"], "block 'flash' replaces every attention.*mechanism"),
+    (["bytes", "--block", "flash", "--block-options", "chunk_sise=8"], "--block-options: .*chunk_sise"),
+    (["copy", "--block", "gau"], "block 'gau' cannot train on copy: its model, a Seq2SeqTransformer"),
+    (["bytes", "--block", "lstm"], "--block"),
+])
+def test_bad_block_settings_are_usage_errors(capsys, tmp_path, argv, message):
+    code, out, err = _cli(capsys, "train", *argv, "--output", str(tmp_path / "run"), "--quiet")
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo import LanguageModel
 from attnzoo.functional.softmax import softmax_attention_reference
-from attnzoo.functional.vq import quantize, quantize_reference, vq_attention, vq_attention_reference
+from attnzoo.functional.prefix import lagged_prefix_sums, lagged_prefix_sums_reference
+from attnzoo.functional.vq import (
+    quantize,
+    quantize_reference,
+    vq_attention,
+    vq_attention_reference,
+)
 from attnzoo.mechanisms.vq import VQAttention, auxiliary_loss, update_codebooks
 
 VOCAB = 11
@@ -92,6 +98,41 @@ def test_straight_through_gradients_match_the_reference(causal, block_size):
     for fast, slow in zip(*grads):
         torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
     assert grads[0][1].abs().sum() > 0  # the keys learn through the attention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("block_size", [1, 3, 5, 16])
+def test_gradients_without_the_estimator_match_the_reference(causal, block_size):
+    # Without the estimator the fast path moves keys between the exact window and the cache (the output and
+    # the gradients of q and v are the same either way); an approximate codebook keeps the check honest.
+    codebook = randn(2, 5, 4, seed=30)
+    inputs = [randn(2, 2, 11, 4, seed=s) for s in (31, 32, 33)]
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    mask[1, [0, 1, 2, 7]] = True  # a row whose only visible keys are padding: zero output, zero gradient
+    weights = randn(2, 2, 11, 4, seed=34)
+    grads, outs = [], []
+    for attend in (vq_attention, vq_attention_reference):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = attend(*leaves, codebook, block_size, causal, mask)
+        (out * weights).sum().backward()
+        outs.append(out.detach())
+        grads.append([leaves[0].grad, leaves[2].grad])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-12)
+    for fast, slow in zip(*grads):
+        torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
+    assert grads[0][0].abs().sum() > 0 and grads[0][1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("lag", [1, 2, 7])
+def test_lagged_prefix_sums_match_cumsum_forward_and_backward(lag):
+    per_block = randn(2, 3, 6, 4, 5, seed=35).requires_grad_()
+    weights = randn(2, 3, 6, 4, 5, seed=36)
+    fast = lagged_prefix_sums(per_block, lag)
+    slow = lagged_prefix_sums_reference(per_block, lag)
+    torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
+    (fast_grad,) = torch.autograd.grad((fast * weights).sum(), per_block)
+    (slow_grad,) = torch.autograd.grad((slow * weights).sum(), per_block)
+    torch.testing.assert_close(fast_grad, slow_grad, rtol=1e-12, atol=1e-12)
 
 
 def test_keys_get_the_straight_through_gradient_in_training_and_zero_in_eval():

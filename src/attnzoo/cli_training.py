@@ -28,6 +28,7 @@ TRAIN_OPTIONS = {
     "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
     "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
     "--decoding": "decoding", "--length-mode": "length_mode", "--length-loss": "length_loss",
+    "--block": "block",
 }
 # Command-line option -> DecoderSettings / MonotonicInference field: the decoder of a seq2seq task's decoded
 # metrics, chosen at train and eval time alike and never part of the training config.
@@ -40,7 +41,7 @@ DECODER_OPTIONS = {
 TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism"}
 OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
-                       task_options="--task-options")
+                       task_options="--task-options", block_options="--block-options")
 
 
 def parse_value(raw: str) -> Any:
@@ -102,7 +103,7 @@ def _given_settings(args: argparse.Namespace) -> Dict[str, Any]:
         given["task"] = args.task
     if args.mechanism is not None:
         given["mechanism"] = args.mechanism
-    for name in ("mechanism_options", "task_options"):
+    for name in ("mechanism_options", "task_options", "block_options"):
         merged = _merged(getattr(args, name))
         if merged is not None:
             given[name] = merged
@@ -226,7 +227,7 @@ def train_command(args: argparse.Namespace) -> int:
                 raise ValueError(_name_option(str(error))) from None
             decoding = _decoder_settings(args, config.task)
             if output is None:
-                output = f"runs/{config.task}-{config.mechanism}"
+                output = f"runs/{config.task}-{config.mechanism if config.block == 'attention' else config.block}"
             _check_buildable(config)
             if Path(output, "checkpoints").exists():
                 raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
@@ -266,7 +267,7 @@ def train_command(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict(), indent=2))
         return EXIT_OK
     metric = "accuracy" if "accuracy" in result.test else "bits_per_byte"
-    print(f"{result.config.mechanism} on {result.config.task}: {result.steps} steps, {result.parameters:,} "
+    print(f"{result.config.model_label} on {result.config.task}: {result.steps} steps, {result.parameters:,} "
           f"parameters, {result.train_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s)")
     print(f"  validation: {_format_metrics(result.validation)}")
     print(f"  test:       {_format_metrics(result.test)}")
@@ -301,7 +302,8 @@ def _check_buildable(config: Any) -> None:
         try:
             build_model(config, task)
         except TypeError as error:
-            raise ValueError(f"--mechanism-options: {error}") from None
+            options = "--mechanism-options" if config.block == "attention" else "--block-options"
+            raise ValueError(f"{options}: {error}") from None
         except ValueError as error:  # a setting that does not fit the task (scheduled sampling off seq2seq)
             raise ValueError(_name_option(str(error))) from None
 
@@ -320,7 +322,7 @@ def eval_command(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return EXIT_OK
     metrics, baseline = report["metrics"], report["baseline"]
-    print(f"{report['mechanism']} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
+    print(f"{report['mechanism'] if report['block'] == 'attention' else report['block']} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
     print("  baseline: " + ", ".join(f"{k} {v:.4f}" for k, v in baseline.items()))
     if "decoder" in report:
         print(f"  decoder:  {report['decoder']}")
@@ -391,6 +393,9 @@ def add_training_commands(commands: Any) -> None:
     train.add_argument("--mechanism", help="attention mechanism (default softmax; attnzoo list names them)")
     train.add_argument("--mechanism-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="mechanism options as JSON or KEY=VALUE,... (repeatable)")
+    train.add_argument("--block-options", type=parse_options, action="append", metavar="OPTIONS",
+                       help="options of the gated units of --block gau|flash (shared_dim, expansion_dim, scores, "
+                            "chunk_size) as JSON or KEY=VALUE,... (repeatable)")
     train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     numeric = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
@@ -400,7 +405,8 @@ def add_training_commands(commands: Any) -> None:
     choices = {"--positional": ["sinusoidal", "learned", "rotary", "none"], "--pooling": ["mean", "cls"],
                "--precision": ["float32", "bfloat16"], "--scheduled-sampling": ["none", "token", "two-pass"],
                "--sampling-decay": ["linear", "exponential", "inverse-sigmoid"],
-               "--decoding": ["autoregressive", "non-autoregressive"], "--length-mode": ["predicted", "max"]}
+               "--decoding": ["autoregressive", "non-autoregressive"], "--length-mode": ["predicted", "max"],
+               "--block": ["attention", "gau", "flash"]}
     for option, field in TRAIN_OPTIONS.items():
         default = defaults[field]
         if option in choices:

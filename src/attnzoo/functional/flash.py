@@ -39,6 +39,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_choice, check_key_padding_mask, check_number, check_qkv
 from .masks import allowed_mask, zero_padded
+from .prefix import lagged_prefix_sums
 from .softmax import masked_sdpa, masked_softmax_reference
 
 SCORES = ("relu2", "softmax")
@@ -272,8 +273,8 @@ def mixed_chunk_attention_unchecked(
     states = torch.matmul(k_lin.transpose(-1, -2), v)  # (batch, heads, chunks, dim, width)
     counts = valid_chunks.sum(-1).to(compute)  # (batch, 1, chunks)
     if causal:
-        # Exclusive prefix sums: chunk g reads chunks 0 .. g - 1.
-        states = torch.cumsum(states, dim=2) - states
+        # Exclusive prefix sums: chunk g reads chunks 0 .. g - 1 (written in place, forward and backward).
+        states = lagged_prefix_sums(states, 1)
         counts = torch.cumsum(counts, dim=2) - counts
     else:
         states = states.sum(dim=2, keepdim=True)

@@ -17,14 +17,21 @@ while keys in the cache are their codewords (no gradient to ``k``, as the paper 
 cache; values and queries keep theirs). With ``straight_through=False`` no gradient reaches ``k`` through the
 attention: the output is piecewise constant in ``k``.
 
+Without the straight-through estimator nothing depends on which way a key enters, so the fast path keeps
+in the exact window only what the cache cannot hold: the current block of a causal query (non-causal: no
+window, one cache of all keys). The output and the gradients of q and v are those of the definition either
+way (tested against the float64 reference).
+
 Cost: time O(N (S d + S e + L (d + e))), memory O(N S + (N / L) S e) for codebook size S, block size L, key
-width d and value width e.
+width d and value width e. The softmax over the cache and the window is one hand-written autograd function:
+its backward forms the score gradients in place instead of allocating an (N x S) tensor per elementwise
+step (see :class:`_SoftmaxOverCacheAndWindow`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +40,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_number, check_qkv
 from .masks import zero_padded
+from .prefix import lagged_prefix_sums
 from .softmax import masked_softmax_reference
 
 
@@ -139,6 +147,72 @@ def _previous(x: Tensor, shift: int) -> Tensor:
     return F.pad(x, pad)[:, :, : x.shape[2]]
 
 
+class _SoftmaxOverCacheAndWindow(torch.autograd.Function):
+    """One softmax over the codeword cache and the exact window, by hand in both directions.
+
+    Forward, for query blocks q (batch, heads, blocks, L, d), already scaled:
+    ``scores = [q C^T + cache_bias, q K_w^T + window_bias for each window part]``, one shift (the row maximum,
+    a constant for the gradient), ``E = exp(scores - shift)`` in place, ``num = E_cache cache + sum E_w V_w``
+    (values with a last column of counts or valid flags, so that ``num`` holds the softmax numerator and its
+    denominator), ``out = num[:e] / num[e]`` (0 where the denominator is 0).
+
+    Backward, with ``g = [dout, -(dout . out)] / den`` (the gradient of ``num``): ``dE = g V^T``, the score
+    gradient ``dE * E`` formed in place, ``dV = E^T g``, ``dq = dS C + sum dS_w K_w``, ``dK_w = dS_w^T q``.
+    Autograd would allocate a fresh (N x S) tensor for each of its elementwise steps; at N = 8192 and S = 512
+    that is 134 MB a step, whose page faults cost more on CPU than the arithmetic.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, codebook: Tensor, cache: Tensor, cache_bias: Optional[Tensor],  # type: ignore[override]
+                *window: Optional[Tensor]) -> Tensor:
+        batch, heads, blocks, block, dim = q.shape
+        size = codebook.shape[1]
+        parts = [(window[i], window[i + 1], window[i + 2]) for i in range(0, len(window), 3)]
+        weights = torch.matmul(q.view(batch, heads, blocks * block, dim), codebook.transpose(-1, -2)[None])
+        weights = weights.view(batch, heads, blocks, block, size)
+        if cache_bias is not None:
+            weights.add_(cache_bias.unsqueeze(3))
+        shift = weights.amax(-1, keepdim=True)
+        window_weights = []
+        for keys, _, bias in parts:
+            scores = torch.matmul(q, keys.transpose(-1, -2))
+            if bias is not None:
+                scores.add_(bias)
+            torch.maximum(shift, scores.amax(-1, keepdim=True), out=shift)
+            window_weights.append(scores)
+        shift.masked_fill_(~torch.isfinite(shift), 0.0)  # a row that sees no key: all its weights are 0
+        num = torch.matmul(weights.sub_(shift).exp_(), cache)
+        for scores, (_, values, _) in zip(window_weights, parts):
+            num.add_(torch.matmul(scores.sub_(shift).exp_(), values))
+        width = num.shape[-1] - 1
+        denominator = num[..., width:]
+        denominator = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+        out = num[..., :width] / denominator
+        ctx.save_for_backward(q, codebook, cache, weights, out, denominator,
+                              *[t for (keys, values, _), w in zip(parts, window_weights) for t in (keys, values, w)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        q, codebook, cache, weights, out, denominator, *saved = ctx.saved_tensors
+        batch, heads, blocks, block, dim = q.shape
+        needs = ctx.needs_input_grad
+        grad_num = torch.cat([grad_out, -(grad_out * out).sum(-1, keepdim=True)], dim=-1).div_(denominator)
+        grad_cache = torch.matmul(weights.transpose(-1, -2), grad_num) if needs[2] else None
+        grad_scores = torch.matmul(grad_num, cache.transpose(-1, -2)).mul_(weights)
+        grad_q = torch.matmul(grad_scores.view(batch, heads, blocks * block, -1), codebook[None])
+        grad_q = grad_q.view(q.shape)
+        grad_window = []
+        for i in range(0, len(saved), 3):
+            keys, values, window_weights = saved[i:i + 3]
+            grad_values = torch.matmul(window_weights.transpose(-1, -2), grad_num) if needs[4 + i + 1] else None
+            grad_window_scores = torch.matmul(grad_num, values.transpose(-1, -2)).mul_(window_weights)
+            grad_q.add_(torch.matmul(grad_window_scores, keys))
+            grad_keys = torch.matmul(grad_window_scores.transpose(-1, -2), q) if needs[4 + i] else None
+            grad_window += [grad_keys, grad_values, None]
+        return (grad_q, None, grad_cache, None, *grad_window)
+
+
 def vq_attention_unchecked(
     q: Tensor,
     k: Tensor,
@@ -160,68 +234,60 @@ def vq_attention_unchecked(
     block = min(block_size, length)
     blocks = -(-length // block)
     codebook = codebook.to(compute)
+    # Without the straight-through estimator a key gives the same output and the same gradients whether it
+    # enters by the exact window or by the cache, so the window keeps only what the cache cannot hold: the
+    # current block of a causal query (non-causal: nothing). With it, the window is blocks g - 1 and g.
+    if straight_through:
+        window = 2
+    else:
+        window = 1 if causal else 0
 
     valid = torch.ones(batch, length, dtype=torch.bool, device=device) if key_padding_mask is None \
         else ~key_padding_mask
     valid = F.pad(valid, (0, blocks * block - length)).view(batch, 1, blocks, block)
-    q = _blocks(q.to(compute), blocks, block)
-    v = _blocks(zero_padded(v, key_padding_mask).to(compute), blocks, block)
-    quantized = codewords(codebook, codes)
-    if straight_through:  # the argument: the estimator itself is written out (its name is taken)
-        k = zero_padded(k, key_padding_mask).to(compute)
-        quantized = k + (quantized - k).detach()
-    keys = _blocks(quantized, blocks, block)
-    codes = _blocks(codes, blocks, block)
-
-    # Values carry a column of ones (of valid flags for the cache), so that one product gives the softmax
-    # numerator and its denominator together.
+    # Values carry a column of ones (of valid flags), so that one product gives the softmax numerator and its
+    # denominator together.
     width = v.shape[-1]
+    v = _blocks(zero_padded(v, key_padding_mask).to(compute), blocks, block)
     v = torch.cat([v, valid.to(compute).expand(batch, heads, blocks, block).unsqueeze(-1)], dim=-1)
-    q = q * scale
+    q = _blocks(q.to(compute) * scale, blocks, block)
+    code_blocks = _blocks(codes, blocks, block)
 
-    # The exact window: blocks g - 1 and g, one key at a time. (batch, heads, blocks, block, 2 block)
-    window_keys = torch.cat([_previous(keys, 1), keys], dim=3)
-    window_values = torch.cat([_previous(v, 1), v], dim=3)
-    window_valid = torch.cat([_previous(valid, 1), valid], dim=3)[:, :, :, None, :]
-    if causal:
-        own = torch.ones(block, block, dtype=torch.bool, device=device).tril()
-        window_valid = window_valid & torch.cat([own.new_ones(block, block), own], dim=1)
-    window_bias = torch.zeros(window_valid.shape, dtype=compute, device=device).masked_fill(~window_valid, -math.inf)
-    window_scores = torch.matmul(q, window_keys.transpose(-1, -2)) + window_bias
-
-    # The cache: per codeword of every block outside the window, the sum of its values and (last column) how
-    # many keys it stands for. (batch, heads, blocks, S, e + 1)
+    # The cache: per codeword, the sum of the values (and, last column, the number) of the keys outside the
+    # window. (batch, heads, blocks, S, e + 1), or one for all blocks (batch, heads, 1, S, e + 1).
     per_block = v.new_zeros(batch, heads, blocks, size, width + 1)
-    per_block = per_block.scatter_add(3, codes.unsqueeze(-1).expand(-1, -1, -1, -1, width + 1), v)
+    per_block = per_block.scatter_add(3, code_blocks.unsqueeze(-1).expand(-1, -1, -1, -1, width + 1), v)
     if causal:
-        # Block g reads blocks 0 .. g - 2: running sums, one block at a time (cumsum along a middle dim is
-        # several times slower on CPU).
-        # unbind: one backward node for all the slices (indexing them one by one would make one full-size
-        # gradient per slice).
-        slices = per_block.unbind(dim=2)
-        running, cache = torch.zeros_like(slices[0]), []
-        for g in range(blocks):
-            if g >= 2:
-                running = running + slices[g - 2]
-            cache.append(running)
-        cache = torch.stack(cache, dim=2)
+        cache = lagged_prefix_sums(per_block, window)
+    elif window == 0:
+        cache = per_block.sum(dim=2, keepdim=True)
     else:
         cache = per_block.sum(dim=2, keepdim=True) - per_block - _previous(per_block, 1)
-    present = cache[..., width] > 0.5  # counts are whole numbers; the sums of other blocks may round
-    cache_bias = torch.zeros(present.shape, dtype=compute, device=device).masked_fill(~present, -math.inf)
-    # One product per head over all positions (a per-block product would copy the codebook for every block).
-    cache_scores = torch.matmul(q.view(batch, heads, blocks * block, dim), codebook.transpose(-1, -2)[None])
-    cache_scores = cache_scores.view(batch, heads, blocks, block, size) + cache_bias.unsqueeze(3)
-
-    # Masks enter as additive biases and the shift (a constant for the gradient) is subtracted in place:
-    # every pass over the (N x S) scores counts, forward and backward.
     with torch.no_grad():
-        shift = torch.maximum(window_scores.amax(-1, keepdim=True), cache_scores.amax(-1, keepdim=True))
-        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    both = torch.matmul(window_scores.sub_(shift).exp_(), window_values) \
-        + torch.matmul(cache_scores.sub_(shift).exp_(), cache)
-    numerator, denominator = both[..., :width], both[..., width:]
-    out = numerator / torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+        present = cache[..., width] > 0.5  # counts are whole numbers; the sums of other blocks may round
+        cache_bias = torch.zeros(present.shape, dtype=compute, device=device).masked_fill_(~present, -math.inf)
+
+    # The exact window, key by key: the current block (causally masked when causal) and, with the
+    # straight-through estimator, the previous one. Each part: keys, values, an additive bias (masks).
+    parts: List[Optional[Tensor]] = []
+    if window:
+        quantized = _blocks(codewords(codebook, codes), blocks, block)
+        if straight_through:  # the argument: the estimator itself is written out (its name is taken)
+            keys = _blocks(zero_padded(k, key_padding_mask).to(compute), blocks, block)
+            keys = keys + (quantized - keys).detach()
+        else:
+            keys = quantized
+        padding = torch.zeros(valid.shape, dtype=compute, device=device).masked_fill_(~valid, -math.inf)
+        own_bias = padding.unsqueeze(3)  # (batch, 1, blocks, 1, block)
+        if causal:
+            own_bias = own_bias.masked_fill(torch.ones(block, block, dtype=torch.bool, device=device).triu(1),
+                                            -math.inf)
+        parts += [keys, v, own_bias]
+        if window == 2:  # block 0 has no previous block: its keys there are all masked
+            previous_padding = F.pad(padding, (0, 0, 1, 0), value=-math.inf)[:, :, :blocks]
+            parts += [_previous(keys, 1), _previous(v, 1), previous_padding.unsqueeze(3)]
+    queries = q if cache.shape[2] == blocks else q.view(batch, heads, 1, blocks * block, dim)
+    out = _SoftmaxOverCacheAndWindow.apply(queries, codebook, cache, cache_bias, *parts)
     return out.reshape(batch, heads, blocks * block, -1)[:, :, :length].to(dtype)
 
 

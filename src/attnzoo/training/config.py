@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Optional
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
+from ..models.config import BLOCKS
 from .nat import check_decoding_settings
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
@@ -36,6 +37,8 @@ class TrainConfig:
             among them; the task's own default otherwise).
         mechanism, mechanism_options: the attention of every self-attention slot and its options. A mechanism
             whose option must equal the sequence length (``length_option``) gets the task's length by default.
+        block, block_options: "attention" (attention + feed-forward layers), or "gau" / "flash" (every layer a
+            gated attention unit, with ``block_options`` such as ``chunk_size``; ``mechanism`` stays softmax).
         dim, depth, heads, ff_dim, dropout, positional, pooling: the model (pooling for classification only).
         batch_size, steps: sequences per step and optimiser steps in all.
         lr, warmup_steps, min_lr_ratio: AdamW's peak learning rate, reached linearly over ``warmup_steps``
@@ -69,6 +72,8 @@ class TrainConfig:
     task_options: Dict[str, Any] = field(default_factory=dict)
     mechanism: str = "softmax"
     mechanism_options: Dict[str, Any] = field(default_factory=dict)
+    block: str = "attention"
+    block_options: Dict[str, Any] = field(default_factory=dict)
     dim: int = 64
     depth: int = 2
     heads: int = 4
@@ -104,7 +109,7 @@ class TrainConfig:
             raise TypeError(f"task must be a task name, got {self.task!r}")
         if not isinstance(self.mechanism, str) or not self.mechanism:
             raise TypeError(f"mechanism must be a mechanism name, got {self.mechanism!r}")
-        for name in ("task_options", "mechanism_options"):
+        for name in ("task_options", "mechanism_options", "block_options"):
             value = getattr(self, name)
             if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
                 raise TypeError(f"{name} must be a dict of option names to values, got {value!r}")
@@ -122,6 +127,13 @@ class TrainConfig:
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("positional", self.positional, POSITIONALS)
+        check_choice("block", self.block, BLOCKS)
+        if self.block == "attention" and self.block_options:
+            raise ValueError("block_options given but block is 'attention': they are options of a gated unit "
+                             "(block gau or flash)")
+        if self.block != "attention" and (self.mechanism != "softmax" or self.mechanism_options):
+            raise ValueError(f"block {self.block!r} replaces every attention by a gated unit with its own attention: "
+                             f"leave mechanism and mechanism_options at their defaults")
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("scheduled_sampling", self.scheduled_sampling, SCHEDULED_SAMPLING)
         check_choice("sampling_decay", self.sampling_decay, SAMPLING_DECAYS)
@@ -142,6 +154,11 @@ class TrainConfig:
             raise ValueError(f"copy_mechanism is built for autoregressive decoding; decoding is {self.decoding!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
+
+    @property
+    def model_label(self) -> str:
+        """What the model attends with, for messages: the mechanism, or the gated unit of ``block``."""
+        return self.mechanism if self.block == "attention" else self.block
 
     @property
     def warmup(self) -> int:

@@ -474,7 +474,7 @@ def train(
 
         train_split = task.split("train")
         redraws = any(isinstance(m, RandomFeatureMap) and m.redraw_interval is not None for m in model.modules())
-        bar = _progress_bar(progress and main, config.steps, start, f"{config.mechanism} on {task.name}")
+        bar = _progress_bar(progress and main, config.steps, start, f"{config.model_label} on {task.name}")
         began, tokens_seen, smoothed = time.perf_counter(), 0, None
         evaluating = 0.0  # seconds spent evaluating, left out of the training throughput
         model.train()
@@ -605,8 +605,8 @@ def evaluate_checkpoint(
     model, task, config = load_trained(path)
     metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
                        decoding=decoding)
-    report = {"task": task.name, "mechanism": config.mechanism, "split": split, "metrics": metrics,
-              "baseline": task.baseline(), "config": config.as_dict()}
+    report = {"task": task.name, "mechanism": config.mechanism, "block": config.block, "split": split,
+              "metrics": metrics, "baseline": task.baseline(), "config": config.as_dict()}
     if task.kind == "seq2seq":
         report["decoder"] = decoding.describe()
     return report

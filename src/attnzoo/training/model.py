@@ -56,7 +56,8 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
 def build_model(config: TrainConfig, task: Task) -> nn.Module:
     """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
     ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
-    on each side), every self-attention slot using ``config.mechanism``.
+    on each side), every self-attention slot using ``config.mechanism``, or every layer a gated unit of
+    ``config.block`` (not for seq2seq).
 
     Raises :class:`~attnzoo.UnsupportedOptionError` when the mechanism cannot serve the task."""
     if task.kind != "seq2seq" and config.scheduled_sampling != "none":
@@ -77,6 +78,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if copy_map is not None and not bool((copy_map >= 0).any()):
         raise UnsupportedOptionError(f"copy_mechanism needs a task whose source and target share tokens; "
                                      f"{task.name}'s vocabularies share none, so there is nothing to copy")
+    if config.block != "attention" and task.kind == "seq2seq":
+        raise ValueError(f"block {config.block!r} cannot train on {task.name}: its model, a Seq2SeqTransformer, has "
+                         f"no gated units (block options exist for classify, tag and lm tasks)")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
@@ -85,6 +89,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         positional=config.positional, max_length=task.seq_len, self_attention=config.mechanism,
         self_attention_options=mechanism_options_for(config, task),
     )
+    if config.block != "attention":  # gated units in place of attention + feed-forward (softmax, no options)
+        common.update(block=config.block, block_options=dict(config.block_options), self_attention_options=None)
     if task.kind == "classify":
         return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling, **common)
     if task.kind == "tag":
