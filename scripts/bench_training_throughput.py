@@ -2,14 +2,20 @@
 torch.nn.TransformerEncoder with a causal mask (dim 256, 4 layers, 4 heads, N=1024, batch 8, AdamW steps),
 interleaved in one process so that both see the same machine load; medians of the repeats.
 
-Usage: python scripts/bench_training_throughput.py [--steps 5] [--repeats 5] [--length 1024]
+Usage: python scripts/bench_training_throughput.py [--steps 5] [--repeats 5] [--length 1024] [--threads N]
+       [--output results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +64,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the figures to this JSON file")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ours = LanguageModel(VOCAB, DIM, HEADS, DEPTH, ff_dim=4 * DIM, activation="gelu")
     theirs = TorchLanguageModel()
@@ -77,6 +87,17 @@ def main() -> None:
         print(f"{name:8s} {median * tokens_per_step:9.0f} tokens/s  ({median:.3f} steps/s, median of {args.repeats})")
     ratio = statistics.median(rates["attnzoo"]) / statistics.median(rates["torch"])
     print(f"attnzoo / torch throughput: {ratio:.3f}")
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({
+            "command": " ".join(["python", *sys.argv]), "threads": torch.get_num_threads(),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                        "load_average_1min": os.getloadavg()[0]},
+            "batch": args.batch, "length": args.length, "steps_per_repeat": args.steps,
+            "steps_per_second": rates, "tokens_per_second_median":
+                {name: statistics.median(values) * tokens_per_step for name, values in rates.items()},
+            "attnzoo_over_torch": ratio,
+        }, indent=2) + "\n")
 
 
 if __name__ == "__main__":
