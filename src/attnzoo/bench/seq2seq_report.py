@@ -157,8 +157,9 @@ def _measured(label: str, measure: Callable[[], Any], progress: Optional[Callabl
 def _cell_missing(cells: Dict[str, Dict[str, Any]], *names: str) -> Optional[str]:
     """Why a measurement over ``names`` cannot run (a cell that did not finish), else None."""
     for name in names:
-        if cells[name].get("status") != "ok":
-            return f"run {name} {cells[name].get('status', 'missing')}: {cells[name].get('reason', '')}".strip()
+        row = cells.get(name, {})
+        if row.get("status") != "ok":
+            return f"run {name} {row.get('status', 'missing')}: {row.get('reason', '')}".strip(" :")
     return None
 
 
@@ -168,7 +169,7 @@ def measure(config: ReportConfig, output: Path, cells: Dict[str, Dict[str, Any]]
     from .seq2seq_eval import compare_at_nat, compare_decoders, copy_breakdown, cross_attention_map
 
     plan = MEASURE[config.budget]
-    cell = {name: output / "cells" / name for name in CELLS}
+    cell = {name: output / "cells" / name for name in cells}
 
     def guarded(label: str, names: Sequence[str], run: Callable[[], Any]) -> Dict[str, Any]:
         missing = _cell_missing(cells, *names)
@@ -189,7 +190,7 @@ def measure(config: ReportConfig, output: Path, cells: Dict[str, Dict[str, Any]]
     for _, name in COPY_ROWS:
         sections["copy"][name] = guarded(f"names and numbers of {name}", (name,),
                                          lambda name=name: copy_breakdown(cell[name], "test"))
-    sections["guide_curves"] = {name: validation_curve(cell[name], "guide_loss")
+    sections["guide_curves"] = {name: validation_curve(output / "cells" / name, "guide_loss")
                                 for name in ("g2p-at", "g2p-token", "g2p-two-pass", "g2p-guided")}
     return sections
 
@@ -243,7 +244,7 @@ def run_report(config: ReportConfig, output: Path, argv: Sequence[str],
             "jobs": config.jobs, "guide_threshold": GUIDE_THRESHOLD, "measure": MEASURE[config.budget],
             "settings": {task: config.train_config(name).as_dict()
                          for task, name in (("reverse", "reverse-at"), ("g2p", "g2p-at"),
-                                            ("copy-names", "copy-names-plain"))},
+                                            ("copy-names", "copy-names-plain")) if name in CELLS},
             "cells": cells, "sections": sections}
     write_report(data, output)
     return data
@@ -270,9 +271,6 @@ def _cell_test(data: Dict[str, Any], name: str) -> Optional[Dict[str, float]]:
     return row.get("test") if row.get("status") == "ok" else None
 
 
-def _cell_reason(data: Dict[str, Any], name: str) -> str:
-    row = data["cells"].get(name, {})
-    return f"run {name} {row.get('status', 'missing')}: {row.get('reason', '')}".strip()
 
 
 def nat_table(section: Dict[str, Any]) -> List[str]:
@@ -302,7 +300,7 @@ def sampling_table(data: Dict[str, Any]) -> List[str]:
     rows = []
     for label, name in SAMPLING_ROWS:
         test = _cell_test(data, name)
-        rows.append(_unavailable(label, _cell_reason(data, name), len(header)) if test is None else
+        rows.append(_unavailable(label, _cell_missing(data["cells"], name), len(header)) if test is None else
                     [label, f"{test['exact_match']:.3f}", f"{test['token_error_rate']:.4f}", f"{test['bleu']:.1f}"])
     return _table(header, rows)
 
@@ -314,7 +312,7 @@ def copy_table(data: Dict[str, Any]) -> List[str]:
     for label, name in COPY_ROWS:
         test = _cell_test(data, name)
         if test is None:
-            rows.append(_unavailable(label, _cell_reason(data, name), len(header)))
+            rows.append(_unavailable(label, _cell_missing(data["cells"], name), len(header)))
             continue
         breakdown = data["sections"]["copy"][name]
         names, numbers = (("-", "-") if breakdown["status"] != "ok" else
@@ -332,7 +330,7 @@ def guide_table(data: Dict[str, Any]) -> List[str]:
     for label, name in GUIDE_ROWS:
         test = _cell_test(data, name)
         if test is None:
-            rows.append(_unavailable(label, _cell_reason(data, name), len(header)))
+            rows.append(_unavailable(label, _cell_missing(data["cells"], name), len(header)))
             continue
         curve = data["sections"]["guide_curves"].get(name, [])
         step = first_step_under(curve, threshold)
