@@ -50,6 +50,17 @@ BUDGETS: Dict[str, Dict[str, Dict[str, Any]]] = {
 CELL_TIMEOUT_S = {"quick": 600.0, "full": 7200.0}
 
 
+def check_cell_settings(jobs: Any, threads: Any, cell_timeout_s: Any) -> None:
+    """How cells are run: ``--jobs`` at once, ``--threads`` each (None: the default), ``--cell-timeout`` seconds
+    at most (None: the budget's); a bad value is an error naming the option."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads must be an integer >= 1, got {threads!r}")
+    if cell_timeout_s is not None and not (cell_timeout_s > 0 and math.isfinite(cell_timeout_s)):
+        raise ValueError(f"--cell-timeout must be a positive number of seconds, got {cell_timeout_s!r}")
+
+
 @dataclass
 class LraConfig:
     """What ``attnzoo lra`` runs: a budget, the mechanisms (default all) and tasks (default all)."""
@@ -70,13 +81,7 @@ class LraConfig:
             unknown = [name for name in chosen or [] if name not in valid]
             if unknown:
                 raise ValueError(f"{label}: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
-        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
-            raise ValueError(f"--jobs must be an integer >= 1, got {self.jobs!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
-        if self.cell_timeout_s is not None and not (self.cell_timeout_s > 0 and math.isfinite(self.cell_timeout_s)):
-            raise ValueError(f"--cell-timeout must be a positive number of seconds, got {self.cell_timeout_s!r}")
+        check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
         for task in self.task_names:
             self.train_config(task, "softmax")  # every override must make a valid config
 

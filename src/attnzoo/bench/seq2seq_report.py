@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import platform
 import traceback
@@ -28,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..training import TrainConfig
-from .lra import CELL_JSON, run_cells
+from .lra import CELL_JSON, check_cell_settings, run_cells
 
 REPORT_JSON, REPORT_MD, SETTINGS_JSON = "seq2seq-report.json", "seq2seq-report.md", "seq2seq-report-settings.json"
 GUIDE_CURVES_PNG, ATTENTION_PNG = "guide-loss-over-steps.png", "cross-attention-maps.png"
@@ -98,13 +97,7 @@ class ReportConfig:
     def validate(self) -> None:
         if self.budget not in BUDGETS:
             raise ValueError(f"--budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
-        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
-            raise ValueError(f"--jobs must be an integer >= 1, got {self.jobs!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
-        if self.cell_timeout_s is not None and not (self.cell_timeout_s > 0 and math.isfinite(self.cell_timeout_s)):
-            raise ValueError(f"--cell-timeout must be a positive number of seconds, got {self.cell_timeout_s!r}")
+        check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
         for name in CELLS:
             self.train_config(name)  # every override must make a valid config
 
@@ -295,43 +288,40 @@ def nat_table(section: Dict[str, Any]) -> List[str]:
     return _table(header, rows)
 
 
+def _run_rows(data: Dict[str, Any], runs: Sequence[Tuple[str, str]], width: int,
+              fill: Callable[[str, str, Dict[str, float]], List[str]]) -> List[List[str]]:
+    """One row per (label, run): ``fill(label, run, its test metrics)``, or why the run has none."""
+    return [fill(label, name, test) if test is not None else
+            _unavailable(label, _cell_missing(data["cells"], name) or "no test metrics", width)
+            for label, name in runs for test in [_cell_test(data, name)]]
+
+
 def sampling_table(data: Dict[str, Any]) -> List[str]:
     header = ["training", "exact match (word accuracy)", "token error rate (PER)", "BLEU"]
-    rows = []
-    for label, name in SAMPLING_ROWS:
-        test = _cell_test(data, name)
-        rows.append(_unavailable(label, _cell_missing(data["cells"], name), len(header)) if test is None else
-                    [label, f"{test['exact_match']:.3f}", f"{test['token_error_rate']:.4f}", f"{test['bleu']:.1f}"])
-    return _table(header, rows)
+    return _table(header, _run_rows(data, SAMPLING_ROWS, len(header), lambda label, _, test: [
+        label, f"{test['exact_match']:.3f}", f"{test['token_error_rate']:.4f}", f"{test['bleu']:.1f}"]))
 
 
 def copy_table(data: Dict[str, Any]) -> List[str]:
     header = ["copy mechanism", "exact match", "rare tokens reproduced (rare_token_recall)", "names", "numbers",
               "parameters"]
-    rows = []
-    for label, name in COPY_ROWS:
-        test = _cell_test(data, name)
-        if test is None:
-            rows.append(_unavailable(label, _cell_missing(data["cells"], name), len(header)))
-            continue
-        breakdown = data["sections"]["copy"][name]
-        names, numbers = (("-", "-") if breakdown["status"] != "ok" else
+
+    def fill(label: str, name: str, test: Dict[str, float]) -> List[str]:
+        breakdown = data["sections"]["copy"].get(name, {"status": "missing", "reason": "not measured"})
+        names, numbers = ((f"not available ({breakdown['reason']})", "-") if breakdown["status"] != "ok" else
                           (f"{breakdown['result']['names']:.3f}", f"{breakdown['result']['numbers']:.3f}"))
-        rows.append([label, f"{test['exact_match']:.3f}", f"{test['rare_token_recall']:.3f}", names, numbers,
-                     f"{data['cells'][name]['parameters']:,}"])
-    return _table(header, rows)
+        return [label, f"{test['exact_match']:.3f}", f"{test['rare_token_recall']:.3f}", names, numbers,
+                f"{data['cells'][name]['parameters']:,}"]
+
+    return _table(header, _run_rows(data, COPY_ROWS, len(header), fill))
 
 
 def guide_table(data: Dict[str, Any]) -> List[str]:
     threshold = data["guide_threshold"]
     header = ["training", "word accuracy", "PER", "BLEU", "final guide loss (test)",
               f"first validation step with guide loss < {threshold:g}"]
-    rows = []
-    for label, name in GUIDE_ROWS:
-        test = _cell_test(data, name)
-        if test is None:
-            rows.append(_unavailable(label, _cell_missing(data["cells"], name), len(header)))
-            continue
+
+    def fill(label: str, name: str, test: Dict[str, float]) -> List[str]:
         curve = data["sections"]["guide_curves"].get(name, [])
         step = first_step_under(curve, threshold)
         if step is not None:
@@ -341,9 +331,10 @@ def guide_table(data: Dict[str, Any]) -> List[str]:
             reached = f"never (lowest {lowest[1]:.3f} at step {lowest[0]})"
         else:
             reached = "never (no validation rows)"
-        rows.append([label, f"{test['exact_match']:.3f}", f"{test['token_error_rate']:.4f}", f"{test['bleu']:.1f}",
-                     f"{test['guide_loss']:.3f}", reached])
-    return _table(header, rows)
+        return [label, f"{test['exact_match']:.3f}", f"{test['token_error_rate']:.4f}", f"{test['bleu']:.1f}",
+                f"{test['guide_loss']:.3f}", reached]
+
+    return _table(header, _run_rows(data, GUIDE_ROWS, len(header), fill))
 
 
 def decoders_table(section: Dict[str, Any]) -> List[str]:
