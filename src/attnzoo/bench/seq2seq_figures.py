@@ -45,14 +45,15 @@ def plot_attention_maps(maps: List[Tuple[str, Dict[str, Any]]], path: Path) -> N
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
-    fig, axes = plt.subplots(1, len(maps), figsize=(4.2 * len(maps), 4.2), squeeze=False)
-    for ax, (label, attention) in zip(axes[0], maps):
+    fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps), 4.6), squeeze=False)
+    for column, (ax, (label, attention)) in enumerate(zip(axes[0], maps)):
         image = ax.imshow(attention["weights"], cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
         ax.set_xticks(range(len(attention["source"])), attention["source"], fontsize=8)
         ax.set_yticks(range(len(attention["target"])), attention["target"], fontsize=8)
         ax.set_xlabel("source (letters)")
-        ax.set_ylabel("target (predicted phoneme)")
-        ax.set_title(label, fontsize=10)
+        if column == 0:  # the rows are the same tokens in every panel
+            ax.set_ylabel("target (the phoneme each step predicts)")
+        ax.set_title(label, fontsize=9)
     fig.colorbar(image, ax=list(axes[0]), shrink=0.8, label="weight (mean over heads and layers)")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -403,7 +403,7 @@ def write_report(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
               "g2p-two-pass": "scheduled sampling, two-pass", "g2p-guided": "guide loss 1.0"}
     plot_guide_curves({labels[name]: curve for name, curve in data["sections"]["guide_curves"].items()},
                       data["guide_threshold"], paths["guide_curves"], "g2p: how fast the cross-attention becomes diagonal")
-    maps = [(f"{label} (test word {entry['result']['index']})", entry["result"])
+    maps = [(f"{label}\n(test word {entry['result']['index']}, teacher-forced)", entry["result"])
             for label, name in GUIDE_ROWS
             for entry in [data["sections"]["attention"][name]] if entry["status"] == "ok"]
     plot_attention_maps(maps, paths["attention"])
