@@ -151,3 +151,19 @@ def test_the_command_end_to_end_on_a_tiny_budget(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
     again = json.loads((output / report.REPORT_JSON).read_text())
     assert again["cells"] == data["cells"]
+
+
+def test_the_full_budget_makes_valid_configs_bigger_than_the_quick_one():
+    report.ReportConfig(budget="full").validate()
+    for name in report.CELLS:
+        quick, full = report.ReportConfig().train_config(name), report.ReportConfig(budget="full").train_config(name)
+        assert full.steps > quick.steps and full.dim >= quick.dim
+
+
+def test_a_yes_no_field_reaches_the_train_command_as_a_flag(tmp_path):
+    from attnzoo.bench.lra import _train_command
+
+    with_copy = _train_command(report.ReportConfig().train_config("copy-names-copy"), tmp_path, False, 1)
+    without = _train_command(report.ReportConfig().train_config("copy-names-plain"), tmp_path, False, 1)
+    assert "--copy-mechanism" in with_copy and "True" not in with_copy
+    assert "--copy-mechanism" not in without
