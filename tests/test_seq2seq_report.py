@@ -167,3 +167,10 @@ def test_a_yes_no_field_reaches_the_train_command_as_a_flag(tmp_path):
     without = _train_command(report.ReportConfig().train_config("copy-names-plain"), tmp_path, False, 1)
     assert "--copy-mechanism" in with_copy and "True" not in with_copy
     assert "--copy-mechanism" not in without
+
+
+@pytest.mark.parametrize("argv, option", [(["--jobs", "0"], "--jobs"), (["--budget", "full", "--steps", "0"], "steps")])
+def test_the_command_refuses_bad_options_naming_them_before_training(argv, option, tmp_path, capsys):
+    assert main(["seq2seq-report", *argv, "--output", str(tmp_path / "out")]) == 2
+    assert option in capsys.readouterr().err
+    assert not (tmp_path / "out" / "cells").exists()

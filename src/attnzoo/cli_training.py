@@ -488,10 +488,10 @@ def _add_seq2seq_report_command(commands: Any) -> None:
                     "the figures. Rerunning the same command continues: finished runs are kept, interrupted ones "
                     "resume from their checkpoint.")
     report.add_argument("--budget", choices=["quick", "full"], default="quick",
-                        help="quick: tiny models, about half an hour on 2 cores with --jobs 2 (default); full: longer")
+                        help="quick: tiny models, about 15 minutes on 2 busy cores with --jobs 2 (default); full: longer")
     report.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
-    report.add_argument("--threads", type=int, help="torch threads per run and for the measurements (default 1 "
-                                                    "with --jobs > 1)")
+    report.add_argument("--threads", type=int, help="torch threads per training run (default: torch's choice; 1 "
+                                                    "with --jobs > 1) and for the measurements (default 1)")
     report.add_argument("--cell-timeout", type=float, metavar="SECONDS", help="wall-clock limit per training run")
     report.add_argument("--output", default="seq2seq-report", metavar="DIR", help="default seq2seq-report/")
     report.add_argument("--quiet", action="store_true", help="no progress")
