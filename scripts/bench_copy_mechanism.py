@@ -14,9 +14,9 @@ from typing import Callable, List, Optional
 
 import torch
 
+from attnzoo.bench.seq2seq_eval import greedy_outputs
 from attnzoo.tasks import load
 from attnzoo.training import TrainConfig, build_model
-from attnzoo.training.seq2seq import greedy_outputs
 
 
 def elapsed(run: Callable[[], None]) -> float:

@@ -1,6 +1,7 @@
 """Names and numbers apart: the share of each that a model trained on ``copy-names`` reproduces (docs/seq2seq.md,
-"Copy mechanism"). ``attnzoo eval`` reports both together as ``rare_token_recall``; this splits them, because
-the held-out names never occur in a training target while every number does.
+"Copy mechanism"; :func:`attnzoo.bench.seq2seq_eval.copy_breakdown`). ``attnzoo eval`` reports both together
+as ``rare_token_recall``; this splits them, because the held-out names never occur in a training target while
+every number does.
 
     PYTHONPATH=src python scripts/copy_names_breakdown.py runs/copy-names-copy runs/copy-names-nocopy
 """
@@ -13,23 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from attnzoo.training import load_trained
-from attnzoo.training.seq2seq import greedy_outputs, rare_token_recall, strip_output
-
-
-def breakdown(path: str, split: str, batch_size: int) -> dict:
-    """{"names": share, "numbers": share, "rare": share} of the run at ``path`` on ``split``."""
-    model, task, config = load_trained(path)
-    data = task.split(split)
-    predictions: List[List[int]] = []
-    with torch.no_grad():
-        for start in range(0, len(data), batch_size):
-            index = torch.arange(start, min(start + batch_size, len(data)))
-            predictions += greedy_outputs(model, task, data.inputs[index], data.padding_mask[index])
-    references = [strip_output(row.tolist(), task.eos_id) for row in data.targets]
-    return {"run": path, "copy_mechanism": config.copy_mechanism, "steps": config.steps, "split": split,
-            **{kind: round(rare_token_recall(predictions, references, ids), 4)
-               for kind, ids in (("names", task.name_ids), ("numbers", task.number_ids), ("rare", task.rare_ids))}}
+from attnzoo.bench.seq2seq_eval import copy_breakdown
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -41,7 +26,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for path in args.runs:
-        print(json.dumps(breakdown(path, args.split, args.batch_size)))
+        print(json.dumps(copy_breakdown(path, args.split, args.batch_size)))
     return 0
 
 

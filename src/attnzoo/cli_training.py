@@ -456,3 +456,51 @@ def add_training_commands(commands: Any) -> None:
     lra_output.add_argument("--quiet", action="store_true", help="no progress and no table")
     lra_output.add_argument("--json", action="store_true", help="print lra.json to stdout")
     lra.set_defaults(run=lra_command)
+    _add_seq2seq_report_command(commands)
+
+
+def seq2seq_report_command(args: argparse.Namespace) -> int:
+    from .bench.seq2seq_report import REPORT_MD, ReportConfig, run_report
+
+    overrides: Dict[str, Any] = {}
+    if args.steps is not None:  # a quick check of the command itself, not a report
+        overrides.update(steps=args.steps, eval_interval=max(args.steps // 2, 1))
+    if args.task_options:
+        overrides["task_options"] = {k: v for options in args.task_options for k, v in options.items()}
+    config = ReportConfig(budget=args.budget, jobs=args.jobs, threads=args.threads,
+                          cell_timeout_s=args.cell_timeout, overrides=overrides)
+    output = Path(args.output)
+    try:
+        config.validate()
+        progress = None if args.quiet else (lambda line: print(f"seq2seq-report: {line}", file=sys.stderr,
+                                                                flush=True))
+        run_report(config, output, ["attnzoo", "seq2seq-report", *args.raw_argv], progress)
+    except (TypeError, ValueError) as error:
+        return _usage_error("seq2seq-report", _name_option(str(error)))
+    except KeyboardInterrupt:
+        print("attnzoo seq2seq-report: interrupted; finished runs are kept: run the same command to continue",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if not args.quiet:
+        print(f"wrote {REPORT_MD}, seq2seq-report.json and the figures to {output}/")
+    return EXIT_OK
+
+
+def _add_seq2seq_report_command(commands: Any) -> None:
+    report = commands.add_parser(
+        "seq2seq-report", help="the seq2seq comparisons (AT/NAT, scheduled sampling, copy, guide loss, beam)",
+        description="Train every comparison of docs/seq2seq.md at one budget, each run an `attnzoo train` process "
+                    "under OUTPUT/cells/, then measure them and write seq2seq-report.md, seq2seq-report.json and "
+                    "the figures. Rerunning the same command continues: finished runs are kept, interrupted ones "
+                    "resume from their checkpoint.")
+    report.add_argument("--budget", choices=["quick", "full"], default="quick",
+                        help="quick: tiny models, about 15 minutes on 2 busy cores with --jobs 2 (default); full: longer")
+    report.add_argument("--jobs", type=int, default=1, help="runs trained at once, each in its own process")
+    report.add_argument("--threads", type=int, help="torch threads per training run (default: torch's choice; 1 "
+                                                    "with --jobs > 1) and for the measurements (default 1)")
+    report.add_argument("--cell-timeout", type=float, metavar="SECONDS", help="wall-clock limit per training run")
+    report.add_argument("--output", default="seq2seq-report", metavar="DIR", help="default seq2seq-report/")
+    report.add_argument("--quiet", action="store_true", help="no progress")
+    report.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # checks of the command itself
+    report.add_argument("--task-options", type=parse_options, action="append", help=argparse.SUPPRESS)
+    report.set_defaults(run=seq2seq_report_command)

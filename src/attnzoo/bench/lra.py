@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..mechanisms import available as mechanisms_available
 from ..tasks import available as tasks_available, load as load_task
@@ -50,6 +50,17 @@ BUDGETS: Dict[str, Dict[str, Dict[str, Any]]] = {
 CELL_TIMEOUT_S = {"quick": 600.0, "full": 7200.0}
 
 
+def check_cell_settings(jobs: Any, threads: Any, cell_timeout_s: Any) -> None:
+    """How cells are run: ``--jobs`` at once, ``--threads`` each (None: the default), ``--cell-timeout`` seconds
+    at most (None: the budget's); a bad value is an error naming the option."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads must be an integer >= 1, got {threads!r}")
+    if cell_timeout_s is not None and not (cell_timeout_s > 0 and math.isfinite(cell_timeout_s)):
+        raise ValueError(f"--cell-timeout must be a positive number of seconds, got {cell_timeout_s!r}")
+
+
 @dataclass
 class LraConfig:
     """What ``attnzoo lra`` runs: a budget, the mechanisms (default all) and tasks (default all)."""
@@ -70,13 +81,7 @@ class LraConfig:
             unknown = [name for name in chosen or [] if name not in valid]
             if unknown:
                 raise ValueError(f"{label}: unknown {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
-        if isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1:
-            raise ValueError(f"--jobs must be an integer >= 1, got {self.jobs!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ValueError(f"--threads must be an integer >= 1, got {self.threads!r}")
-        if self.cell_timeout_s is not None and not (self.cell_timeout_s > 0 and math.isfinite(self.cell_timeout_s)):
-            raise ValueError(f"--cell-timeout must be a positive number of seconds, got {self.cell_timeout_s!r}")
+        check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
         for task in self.task_names:
             self.train_config(task, "softmax")  # every override must make a valid config
 
@@ -114,6 +119,9 @@ def _train_command(config: TrainConfig, cell: Path, resume: bool, threads: Optio
         for key, value in config.as_dict().items():
             if key in ("task", "mechanism", "task_options", "mechanism_options") or value == getattr(defaults, key):
                 continue
+            if isinstance(value, bool):  # a yes/no field is a flag (--copy-mechanism), given only when True
+                command += ["--" + key.replace("_", "-")] if value else []
+                continue
             command += ["--" + key.replace("_", "-"), str(value)]
     if threads:
         command += ["--threads", str(threads)]
@@ -146,6 +154,21 @@ def run_cell(config: TrainConfig, cell: Path, timeout_s: float, threads: Optiona
             "test": result["test"], "validation": result["validation"], "baseline": result["baseline"],
             "tokens_per_second": result["tokens_per_second"], "peak_memory_mib": result.get("peak_memory_mib"),
             "parameters": result["parameters"], "train_seconds": result["train_seconds"]}
+
+
+def run_cells(trainings: Sequence[Tuple[Any, TrainConfig, Path]], timeout_s: float, threads: Optional[int],
+              jobs: int) -> Iterator[Tuple[Any, Path, Dict[str, Any]]]:
+    """Train ``(key, config, cell directory)`` runs ``jobs`` at a time, each by :func:`run_cell` in its own
+    process; yields ``(key, cell directory, row)`` as each finishes. Every process gets ``threads`` torch
+    threads (1 by default when several run together: small models gain more from a core each than from two
+    threads sharing both)."""
+    threads = threads or (1 if jobs > 1 else None)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_cell, config, cell, timeout_s, threads): (key, cell)
+                   for key, config, cell in trainings}
+        for future in as_completed(futures):
+            key, cell = futures[future]
+            yield key, cell, future.result()
 
 
 def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
@@ -190,17 +213,12 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
                     continue
             if progress is not None:
                 progress(f"{task_name} / {mechanism}: {cells[task_name][mechanism]['status']}")
-    # Cells run `jobs` at a time, each in its own process with `threads` torch threads (1 by default when
-    # several run together: small models gain more from a core each than from two threads sharing both).
-    threads = config.threads or (1 if config.jobs > 1 else None)
-    with ThreadPoolExecutor(max_workers=config.jobs) as pool:
-        futures = {pool.submit(run_cell, train_config, cell_dir, timeout, threads): (task_name, mechanism, cell_dir)
-                   for task_name, mechanism, train_config, cell_dir in pending}
-        for future in as_completed(futures):
-            task_name, mechanism, cell_dir = futures[future]
-            _finish(cells, cell_dir / CELL_JSON, task_name, mechanism, future.result())
-            if progress is not None:
-                progress(f"{task_name} / {mechanism}: {cells[task_name][mechanism]['status']}")
+    trainings = [((task_name, mechanism), train_config, cell_dir)
+                 for task_name, mechanism, train_config, cell_dir in pending]
+    for (task_name, mechanism), cell_dir, row in run_cells(trainings, timeout, config.threads, config.jobs):
+        _finish(cells, cell_dir / CELL_JSON, task_name, mechanism, row)
+        if progress is not None:
+            progress(f"{task_name} / {mechanism}: {cells[task_name][mechanism]['status']}")
     cells = {task: {m: cells[task][m] for m in mechanisms} for task in tasks}  # in the order asked for
     data = collect(config, tasks, mechanisms, cells, baselines, metrics, argv)
     write_lra(data, output)
