@@ -581,3 +581,13 @@ def test_every_causal_mechanism_trains_a_language_model(name):
     later[:, 5:] = (later[:, 5:] + 1) % VOCAB
     with torch.no_grad():
         torch.testing.assert_close(model(later)[:, :5], logits.detach()[:, :5], atol=1e-10, rtol=0)
+
+
+def test_a_source_longer_than_max_length_is_refused_whatever_the_positions():
+    for positional in ("sinusoidal", "rotary", "learned"):
+        model = Seq2SeqTransformer(VOCAB, VOCAB, 16, 2, positional=positional, max_length=6)
+        model(tokens(1, 6), tokens(1, 3))  # up to max_length: fine
+        with pytest.raises(ValueError, match="src has 7 positions, more than this model's max_length 6"):
+            model(tokens(1, 7), tokens(1, 3))
+        with pytest.raises(ValueError, match="max_length"):
+            model.prefill(tokens(1, 7), tokens(1, 1))

@@ -396,7 +396,7 @@ class Seq2SeqTransformer(nn.Module):
         dim, heads, encoder_depth, decoder_depth: width, heads and the two stack depths.
         ff_dim, activation, norm_first, dropout, positional, max_length, layer_norm_eps, ff_chunks, reversible:
             as for :class:`LanguageModel` (the positional kind applies to both sides; ``reversible`` makes both
-            stacks reversible).
+            stacks reversible). A source longer than ``max_length`` is refused, whatever the positions.
         encoder_self_attention, decoder_self_attention, cross_attention (+ ``*_options``): the mechanism
             of each attention slot, e.g. an approximate encoder with exact cross-attention.
         copy_mechanism: a pointer-generator output (See et al. 2017, :mod:`attnzoo.models.pointer`): the
@@ -460,6 +460,9 @@ class Seq2SeqTransformer(nn.Module):
             raise UnsupportedOptionError(
                 f"copy_mechanism=True: the copy mechanism is built for autoregressive decoding, got decoding={decoding!r}")
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
+        if max_length is not None:
+            check_positive_int("max_length", max_length)
+        self.max_length = max_length
         self.decoding = decoding
         self.nat = build_nat_parts(decoding, length, max_target_length, dim=dim, positional=positional,
                                    reversible=reversible)
@@ -521,6 +524,10 @@ class Seq2SeqTransformer(nn.Module):
     def encode(self, src: Tensor, *, src_padding_mask: Optional[Tensor] = None) -> Tensor:
         """Source ids (batch, seq_src) -> memory (batch, seq_src, dim)."""
         check_tokens("src", src, self.src_vocab_size)
+        if self.max_length is not None and src.shape[1] > self.max_length:
+            # Sinusoidal positions would go on past it silently; a model is only trained up to max_length.
+            raise ValueError(f"src has {src.shape[1]} positions, more than this model's max_length "
+                             f"{self.max_length}")
         check_padding_mask("src_padding_mask", src_padding_mask, src)
         return self.encoder(self.src_embedding(src), key_padding_mask=src_padding_mask)
 
