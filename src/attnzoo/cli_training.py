@@ -227,7 +227,7 @@ def train_command(args: argparse.Namespace) -> int:
                 raise ValueError(_name_option(str(error))) from None
             decoding = _decoder_settings(args, config.task)
             if output is None:
-                output = f"runs/{config.task}-{config.mechanism if config.block == 'attention' else config.block}"
+                output = f"runs/{config.task}-{config.model_label}"
             _check_buildable(config)
             if Path(output, "checkpoints").exists():
                 raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
@@ -322,7 +322,8 @@ def eval_command(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return EXIT_OK
     metrics, baseline = report["metrics"], report["baseline"]
-    print(f"{report['mechanism'] if report['block'] == 'attention' else report['block']} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
+    model = report["mechanism"] if report["block"] == "attention" else report["block"]  # as TrainConfig.model_label
+    print(f"{model} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
     print("  baseline: " + ", ".join(f"{k} {v:.4f}" for k, v in baseline.items()))
     if "decoder" in report:
         print(f"  decoder:  {report['decoder']}")

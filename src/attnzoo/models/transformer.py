@@ -458,7 +458,8 @@ class Seq2SeqTransformer(nn.Module):
             raise ValueError("copy_map is only used with copy_mechanism=True")
         if copy_mechanism and decoding != "autoregressive":
             raise UnsupportedOptionError(
-                f"copy_mechanism=True: the copy mechanism is built for autoregressive decoding, got decoding={decoding!r}")
+                "copy_mechanism=True: the copy mechanism is built for autoregressive decoding, "
+                f"got decoding={decoding!r}")
         self.src_vocab_size, self.tgt_vocab_size = src_vocab_size, tgt_vocab_size
         if max_length is not None:
             check_positive_int("max_length", max_length)
@@ -570,7 +571,8 @@ class Seq2SeqTransformer(nn.Module):
             if self.pointer is not None:
                 raise UnsupportedOptionError(
                     "cross_attention_mask: the copy mechanism's own attention reads every source position")
-            hidden_sources = cross_attention_mask if src_padding_mask is None else src_padding_mask | cross_attention_mask
+            hidden_sources = (cross_attention_mask if src_padding_mask is None
+                              else src_padding_mask | cross_attention_mask)
         x, tokens = self._embed_target(tgt)
         hidden, state = self.decoder.prefill(x, memory, memory_padding_mask=hidden_sources)
         state = replace(state, memory_padding_mask=src_padding_mask)

@@ -512,11 +512,9 @@ def train(
                     optimizer.zero_grad(set_to_none=True)
                     schedule.step()
                     step += 1
-                    if parallel is None:
-                        tokens_seen += int(inputs.numel() if mask is None else (~mask).sum())
-                    else:  # the global batch's metrics, and whether any rank has been interrupted by now
+                    tokens_seen += _tokens(train_split, whole)  # the global batch's, on every rank
+                    if parallel is not None:  # the global batch's metrics, and whether any rank is interrupted
                         tally, stopping = _reduced(parallel, tally, interrupts.requested is not None)
-                        tokens_seen += _tokens(train_split, whole)
                     elapsed = time.perf_counter() - began - evaluating
                     metrics = tally.metrics(task)
                     smoothed = metrics["loss"] if smoothed is None else 0.9 * smoothed + 0.1 * metrics["loss"]
