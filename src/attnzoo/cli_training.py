@@ -38,7 +38,7 @@ DECODER_OPTIONS = {
     "--monotonic-behind": "behind",
 }
 # Switches: on when given (store_const True), otherwise None ("not given").
-TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism"}
+TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift"}
 OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--mechanism-options",
                        task_options="--task-options", block_options="--block-options")
@@ -416,6 +416,9 @@ def add_training_commands(commands: Any) -> None:
             train.add_argument(option, dest=field, type=numeric.get(option, int), help=f"default {default}")
     train.add_argument("--copy-mechanism", dest="copy_mechanism", action="store_const", const=True,
                        help="seq2seq: a pointer-generator output that can copy source tokens (See et al. 2017)")
+    train.add_argument("--token-shift", dest="token_shift", action="store_const", const=True,
+                       help="half of each position's embedding features come from the token before it "
+                            "(RWKV's token shift); not for seq2seq tasks")
     train.add_argument("--output", metavar="DIR", help="run directory (default runs/TASK-MECHANISM)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint "
                                                        "(its settings are kept; options given must match)")

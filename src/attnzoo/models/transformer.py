@@ -66,15 +66,26 @@ class TokenEmbedding(nn.Module):
 
     ``positional`` is one of "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none"; the last two
     add nothing here ("rotary" acts inside attention, see :attr:`rotary`).
+
+    ``token_shift=True``: the last ``dim // 2`` features of each position hold the embedding features of the
+    token *before* it (zeros at the first position and after a padded one) instead of its own, as in RWKV's
+    token shift and x-transformers' ``shift_tokens``. The first layer then sees each token beside its
+    predecessor, so a value can be bound to the key before it without first learning a previous-token
+    attention head: the step on which small models trained on associative recall otherwise stall. It looks
+    only backwards, so causal models stay causal.
     """
 
     def __init__(
-        self, vocab_size: int, dim: int, positional: str, max_length: Optional[int], dropout: float
+        self, vocab_size: int, dim: int, positional: str, max_length: Optional[int], dropout: float,
+        token_shift: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("dim", dim)
         check_probability("dropout", dropout)
+        self.token_shift = check_bool("token_shift", token_shift)
+        if token_shift and dim < 2:
+            raise ValueError(f"token_shift needs dim >= 2 (half the features are shifted), got dim={dim}")
         self.vocab_size = vocab_size
         self.positional = check_choice("positional", positional, POSITIONAL_KINDS)
         self.embedding = nn.Embedding(vocab_size, dim)
@@ -91,9 +102,24 @@ class TokenEmbedding(nn.Module):
     def rotary(self) -> bool:
         return self.positional == "rotary"
 
-    def embed_tokens(self, tokens: Tensor) -> Tensor:
-        """(batch, seq) token ids -> (batch, seq, dim), without positions."""
-        return self.embedding(tokens)
+    def embed_tokens(
+        self, tokens: Tensor, padding_mask: Optional[Tensor] = None, previous: Optional[Tensor] = None
+    ) -> Tensor:
+        """(batch, seq) token ids -> (batch, seq, dim), without positions.
+
+        With ``token_shift``: ``padding_mask`` (batch, seq), True = padding, keeps a padded token's features
+        out of the position after it; ``previous`` (batch,) ids are the tokens before ``tokens[:, 0]``
+        (incremental decoding; None: nothing comes before)."""
+        embedded = self.embedding(tokens)
+        if not self.token_shift:
+            return embedded
+        shifted = embedded.shape[-1] // 2
+        before = embedded[:, :-1, -shifted:]
+        if padding_mask is not None:
+            before = before.masked_fill(padding_mask[:, :-1, None], 0.0)
+        first = (embedded.new_zeros(embedded.shape[0], 1, shifted) if previous is None
+                 else self.embedding(previous)[:, None, -shifted:])
+        return torch.cat([embedded[..., :-shifted], torch.cat([first, before], dim=1)], dim=-1)
 
     def add_positions(self, x: Tensor, start: int = 0) -> Tensor:
         """Add the encoding of positions start..start+seq-1 to x (batch, seq, dim), then dropout."""
@@ -101,8 +127,11 @@ class TokenEmbedding(nn.Module):
             x = self.position(x, start=start)
         return self.dropout(x)
 
-    def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
-        return self.add_positions(self.embed_tokens(tokens), start)
+    def forward(
+        self, tokens: Tensor, start: int = 0, *, padding_mask: Optional[Tensor] = None,
+        previous: Optional[Tensor] = None,
+    ) -> Tensor:
+        return self.add_positions(self.embed_tokens(tokens, padding_mask, previous), start)
 
 
 # -- stacks --------------------------------------------------------------------------------------------------
@@ -188,11 +217,15 @@ class Encoder(_LayerStack):
 @dataclass
 class DecoderState:
     """Decoding state of a :class:`Decoder`: one :class:`LayerState` per layer, the next position, and the
-    memory's padding mask (batch, seq_mem) or None. Reorder beams with :func:`attnzoo.state.select_batch`."""
+    memory's padding mask (batch, seq_mem) or None. Reorder beams with :func:`attnzoo.state.select_batch`.
+
+    ``last_tokens`` (batch,): the last token fed, kept by a :class:`LanguageModel` with ``token_shift`` (its
+    next embedding needs it); None otherwise."""
 
     layers: List[LayerState]
     position: int
     memory_padding_mask: Optional[Tensor] = None
+    last_tokens: Optional[Tensor] = None
 
 
 class Decoder(_LayerStack):
@@ -317,6 +350,8 @@ class LanguageModel(nn.Module):
             units in their place (Hua et al. 2022): "gau" (quadratic) or "flash" (mixed chunk attention, linear
             time, constant-size decoding state); see :class:`BlockConfig` and :mod:`attnzoo.models.gau`. A unit
             has about half the parameters of an attention + feed-forward layer, so ``depth`` counts units.
+        token_shift: half of each position's embedding features come from the token before it (see
+            :class:`TokenEmbedding`); the decoding state then keeps the last token.
 
     Decoding: ``logits, state = model.prefill(prompt)`` then ``logits_t, state = model.step(token_t, state)``;
     see :mod:`attnzoo.decoding` for greedy, sampling and beam search.
@@ -342,11 +377,12 @@ class LanguageModel(nn.Module):
         reversible: bool = False,
         block: str = "attention",
         block_options: Optional[Dict[str, Any]] = None,
+        token_shift: bool = False,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
         self.vocab_size = vocab_size
-        self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout)
+        self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout, token_shift)
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
@@ -360,19 +396,27 @@ class LanguageModel(nn.Module):
         """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, vocab)."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
-        return self.head(self.decoder(self.embedding(tokens), padding_mask=padding_mask))
+        x = self.embedding(tokens, padding_mask=padding_mask)
+        return self.head(self.decoder(x, padding_mask=padding_mask))
+
+    def _keep_last(self, state: DecoderState, tokens: Tensor) -> DecoderState:
+        return replace(state, last_tokens=tokens[:, -1]) if self.embedding.token_shift else state
 
     def prefill(self, tokens: Tensor) -> Tuple[Tensor, DecoderState]:
         """Run a prompt (batch, seq); returns its logits (batch, seq, vocab) and the decoding state."""
         check_tokens("tokens", tokens, self.vocab_size)
         hidden, state = self.decoder.prefill(self.embedding(tokens))
-        return self.head(hidden), state
+        return self.head(hidden), self._keep_last(state, tokens)
 
     def step(self, token_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
         """Feed one token per sequence, token_t (batch,); returns the next logits (batch, vocab) and the state."""
         _check_step_token(token_t, state, self.vocab_size)
-        hidden, state = self.decoder.step(self.embedding(token_t[:, None], start=state.position), state)
-        return self.head(hidden[:, 0]), state
+        if self.embedding.token_shift and (state.last_tokens is None or state.last_tokens.shape != token_t.shape):
+            raise ValueError("state does not hold the last token of each sequence that token_shift needs (shape "
+                             f"{tuple(token_t.shape)}): pass the state this model's prefill or step returned")
+        x_t = self.embedding(token_t[:, None], start=state.position, previous=state.last_tokens)
+        hidden, state = self.decoder.step(x_t, state)
+        return self.head(hidden[:, 0]), self._keep_last(state, token_t[:, None])
 
 
 @dataclass
@@ -697,6 +741,7 @@ class SequenceClassifier(nn.Module):
         reversible: bool = False,
         block: str = "attention",
         block_options: Optional[Dict[str, Any]] = None,
+        token_shift: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
@@ -705,7 +750,7 @@ class SequenceClassifier(nn.Module):
         self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
         use_cls = pooling == "cls"
         positions = None if max_length is None else max_length + int(use_cls)
-        self.embedding = TokenEmbedding(vocab_size, dim, positional, positions, dropout)
+        self.embedding = TokenEmbedding(vocab_size, dim, positional, positions, dropout, token_shift)
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02) if use_cls else None
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
@@ -720,7 +765,7 @@ class SequenceClassifier(nn.Module):
         """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, classes)."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
-        x = self.embedding.embed_tokens(tokens)
+        x = self.embedding.embed_tokens(tokens, padding_mask)
         if self.cls is not None:
             x = torch.cat([self.cls.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
             if padding_mask is not None:
@@ -760,12 +805,13 @@ class SequenceTagger(nn.Module):
         reversible: bool = False,
         block: str = "attention",
         block_options: Optional[Dict[str, Any]] = None,
+        token_shift: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
         check_bool("reversible", reversible)
         self.vocab_size = vocab_size
-        self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout)
+        self.embedding = TokenEmbedding(vocab_size, dim, positional, max_length, dropout, token_shift)
         config = BlockConfig(
             dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
             layer_norm_eps=layer_norm_eps, rotary=self.embedding.rotary, ff_chunks=ff_chunks,
@@ -780,4 +826,5 @@ class SequenceTagger(nn.Module):
         (batch, seq, num_classes)."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
-        return self.head(self.encoder(self.embedding(tokens), key_padding_mask=padding_mask))
+        x = self.embedding(tokens, padding_mask=padding_mask)
+        return self.head(self.encoder(x, key_padding_mask=padding_mask))

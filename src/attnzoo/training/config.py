@@ -40,6 +40,8 @@ class TrainConfig:
         block, block_options: "attention" (attention + feed-forward layers), or "gau" / "flash" (every layer a
             gated attention unit, with ``block_options`` such as ``chunk_size``; ``mechanism`` stays softmax).
         dim, depth, heads, ff_dim, dropout, positional, pooling: the model (pooling for classification only).
+        token_shift: half of each position's embedding features come from the token before it
+            (:class:`~attnzoo.models.TokenEmbedding`); not for seq2seq tasks.
         batch_size, steps: sequences per step and optimiser steps in all.
         lr, warmup_steps, min_lr_ratio: AdamW's peak learning rate, reached linearly over ``warmup_steps``
             (None: a tenth of ``steps``), then cosine decay down to ``min_lr_ratio * lr`` at the last step.
@@ -81,6 +83,7 @@ class TrainConfig:
     dropout: float = 0.0
     positional: str = "sinusoidal"
     pooling: str = "mean"
+    token_shift: bool = False
     batch_size: int = 32
     steps: int = 500
     lr: float = 1e-3
@@ -143,6 +146,7 @@ class TrainConfig:
         check_number("guide_loss", self.guide_loss, minimum=0.0)
         check_number("guide_width", self.guide_width, minimum=0.0, exclusive_minimum=True)
         check_bool("copy_mechanism", self.copy_mechanism)
+        check_bool("token_shift", self.token_shift)
         if self.copy_mechanism and self.label_smoothing > 0:
             # Smoothing spreads mass over every output, but the extended ids a source does not hold have
             # probability 0 under the copy mixture: their log is -inf.

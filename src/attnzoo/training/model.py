@@ -81,6 +81,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if config.block != "attention" and task.kind == "seq2seq":
         raise ValueError(f"block {config.block!r} cannot train on {task.name}: its model, a Seq2SeqTransformer, has "
                          f"no gated units (block options exist for classify, tag and lm tasks)")
+    if config.token_shift and task.kind == "seq2seq":
+        raise ValueError(f"token_shift cannot train on {task.name}: its model, a Seq2SeqTransformer, has no token "
+                         f"shift (it exists for classify, tag and lm tasks)")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
@@ -92,11 +95,12 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if config.block != "attention":  # gated units in place of attention + feed-forward (softmax, no options)
         common.update(block=config.block, block_options=dict(config.block_options), self_attention_options=None)
     if task.kind == "classify":
-        return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling, **common)
+        return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling,
+                                  token_shift=config.token_shift, **common)
     if task.kind == "tag":
-        return SequenceTagger(task.vocab_size, task.num_classes, **common)
+        return SequenceTagger(task.vocab_size, task.num_classes, token_shift=config.token_shift, **common)
     if task.kind == "lm":
-        return LanguageModel(task.vocab_size, **common)
+        return LanguageModel(task.vocab_size, token_shift=config.token_shift, **common)
     if task.kind == "seq2seq":
         # The mechanism serves both self-attention slots; cross-attention stays exact softmax.
         options = common.pop("self_attention_options")
