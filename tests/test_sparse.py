@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 from attnzoo.functional.blocksparse import (
+    DENSE_SHARE,
     BigBirdPattern,
     DilatedPattern,
     FixedPattern,
@@ -19,7 +20,9 @@ from attnzoo.functional.blocksparse import (
     StridedPattern,
     blocksparse_attention,
     blocksparse_attention_reference,
+    blocksparse_attention_unchecked,
     blocksparse_plan,
+    blockwise_logits,
     pattern_dense_mask,
 )
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
@@ -249,3 +252,55 @@ def test_registered_as_own_attention():
     for name in ("local", "strided", "longformer", "bigbird"):
         assert name in attnzoo.available()
         assert attnzoo.capabilities(name).kind == "own"
+
+
+# -- short sequences: one dense masked pass ------------------------------------------------------------------
+DENSE_CASES = [
+    ("local", {"window": 5, "block_size": 4}),
+    ("strided", {"pattern": "strided", "stride": 4, "block_size": 4}),
+    ("strided", {"pattern": "fixed", "stride": 4, "summary": 2, "block_size": 4}),
+    ("strided", {"pattern": "dilated", "stride": 3, "block_size": 4}),
+    ("bigbird", {"block_size": 4, "max_seq_len": 16}),
+]
+
+
+@pytest.mark.parametrize("name, options, causal", [
+    (name, options, causal) for name, options in DENSE_CASES for causal in (False, True)
+    if attnzoo.capabilities(name).causal or not causal
+])
+def test_dense_plan_and_blocks_give_the_reference(name, options, causal):
+    """A plan with a dense mask (short sequences) and the blockwise plan of the same call both equal the
+    float64 reference, key padding included, gradients too."""
+    m = build_mechanism(name, 2, 4, **options).double()
+    length = 16
+    q, k, v = qkv(2, 2, length, 4)
+    mask = torch.zeros(2, length, dtype=torch.bool)
+    mask[0, 11:] = True
+    expected = m.reference(q, k, v, causal, mask)
+    dense = blocksparse_plan(m.pattern(), length, causal, torch.device("cpu"))
+    blocks = blocksparse_plan(m.pattern(), length, causal, torch.device("cpu"), dense_when_cheaper=False)
+    assert dense.dense is not None and blocks.dense is None
+    grads = []
+    for plan in (dense, blocks):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = blocksparse_attention_unchecked(*inputs, m.pattern(), causal, mask, None, plan)
+        torch.testing.assert_close(out[~mask[:, None, :, None].expand_as(out)],
+                                   expected[~mask[:, None, :, None].expand_as(out)], atol=1e-10, rtol=1e-10)
+        out[~mask[:, None, :, None].expand_as(out)].sum().backward()
+        grads.append([t.grad for t in inputs])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_the_dense_pass_is_chosen_only_when_the_blocks_cover_half_the_logits():
+    cpu = torch.device("cpu")
+    for n in (256, 1024, 4096):
+        plan = blocksparse_plan(LocalPattern(128, 64), n, False, cpu)
+        assert (plan.dense is not None) == (blockwise_logits(plan) >= DENSE_SHARE * n * n)
+    assert blocksparse_plan(LocalPattern(128, 64), 256, False, cpu).dense is not None   # 1.25 N^2 in blocks
+    assert blocksparse_plan(LocalPattern(128, 64), 4096, False, cpu).dense is None      # 0.08 N^2
+    # The mechanisms take it: at N = 256 their plan is dense, and the output is the reference's.
+    m = build_mechanism("strided", 2, 4).double()
+    q, k, v = qkv(1, 2, 256, 4)
+    assert m.plan(256, True, cpu).dense is not None
+    torch.testing.assert_close(m(q, k, v, True), m.reference(q, k, v, True), atol=1e-10, rtol=1e-10)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from attnzoo import tasks
-from attnzoo.tasks.pathfinder import DIRECTIONS, generate_pathfinder
+from attnzoo.tasks.pathfinder import DIRECTIONS, generate_pathfinder, marker_distance_accuracy
 
 MARKER = 255  # the documented marker value; strokes are never 255
 
@@ -128,3 +128,20 @@ def test_impossible_geometry_is_refused_naming_the_options():
         tasks.load("pathfinder", size=7)
     with pytest.raises(ValueError, match="^num_distractors must be an integer >= 0"):
         tasks.load("pathfinder", num_distractors=-1)
+
+
+def test_marker_distance_gives_the_label_away_only_on_short_curves():
+    """At the defaults the markers' distance says next to nothing about the label (the generator's design);
+    short curves on a small image leak it, which docs/tasks.md states for the quick lra setting."""
+    def shortcut(**options):
+        made = generate_pathfinder(2000, rng=np.random.default_rng(1), **{
+            **dict(size=32, contour_length=9, segment_length=3, num_distractors=6, distractor_length=2), **options})
+        # The same number computed plainly: the best threshold on the Chebyshev distance of the two markers.
+        distance = [max(abs(int(a[0]) - int(b[0])), abs(int(a[1]) - int(b[1]))) for a, b in made.markers]
+        best = max(sum((d <= t) == (label == 1) for d, label in zip(distance, made.labels)) / len(distance)
+                   for t in range(max(distance) + 2))
+        assert marker_distance_accuracy(made) == pytest.approx(best)
+        return best
+
+    assert shortcut() < 0.56
+    assert shortcut(size=16, contour_length=3, segment_length=2, num_distractors=4) > 0.75

@@ -448,6 +448,9 @@ class BlockPlan(NamedTuple):
         order: (length,) the slot of each position when queries are permuted, else None.
         parts: the plans of the pattern's :meth:`BlockPattern.parts` (empty when it is laid out whole); the
             fields above then describe the first part.
+        dense: (1, 1, length, length) bool, the pattern's whole mask with causality, when the blocks would
+            compute at least :data:`DENSE_SHARE` of the dense logits (short sequences): the core then runs
+            one masked dense softmax instead, which gives the same output faster. None otherwise.
     """
 
     layout: BlockLayout
@@ -459,13 +462,40 @@ class BlockPlan(NamedTuple):
     full_rows: bool
     order: Optional[Tensor]
     parts: Tuple["BlockPlan", ...] = ()
+    dense: Optional[Tensor] = None
 
 
-def blocksparse_plan(pattern: BlockPattern, length: int, causal: bool, device: torch.device) -> BlockPlan:
-    """The input-independent part of a block-sparse call (layout, gather indices, element mask)."""
+DENSE_SHARE = 0.5
+"""A pattern whose blocks hold at least this share of the N x N logits runs as one dense masked softmax. On
+the CPU a fused dense pass beats the gathers of a nearly full block layout several times over (strided at
+N = 256: 0.07 s against 0.55 s forward and backward, docs/lra.md), while at a third of the logits the blocks
+already win or tie."""
+
+
+def blockwise_logits(plan: BlockPlan) -> int:
+    """How many logits the blocks of ``plan`` compute (every part, plus the dense rows of global queries)."""
+    return (sum(p.index.shape[0] * p.query_positions.shape[1] * p.index.shape[1] for p in plan.parts or (plan,))
+            + plan.layout.global_queries * plan.length)
+
+
+def blocksparse_plan(pattern: BlockPattern, length: int, causal: bool, device: torch.device, *,
+                     dense_when_cheaper: bool = True) -> BlockPlan:
+    """The input-independent part of a block-sparse call (layout, gather indices, element mask).
+    ``dense_when_cheaper``: fill :attr:`BlockPlan.dense` when the blocks would compute :data:`DENSE_SHARE`
+    of the dense logits or more (callers that run the blocks themselves say False)."""
+    plan = _block_plan(pattern, length, causal, device)
+    if dense_when_cheaper and blockwise_logits(plan) >= DENSE_SHARE * length * length:
+        allowed = pattern.dense(length, device)  # unchecked: under tracing the length is a traced size
+        if causal:
+            allowed = allowed & torch.ones_like(allowed).tril()
+        plan = plan._replace(dense=allowed.view(1, 1, *allowed.shape))
+    return plan
+
+
+def _block_plan(pattern: BlockPattern, length: int, causal: bool, device: torch.device) -> BlockPlan:
     parts = pattern.parts()
     if parts:
-        plans = tuple(blocksparse_plan(part, length, causal, device) for part in parts)
+        plans = tuple(_block_plan(part, length, causal, device) for part in parts)
         return plans[0]._replace(parts=plans)
     layout = pattern.layout(length, causal, device)
     bs = layout.block_size
@@ -579,12 +609,18 @@ def blocksparse_attention_unchecked(
     plan: Optional[BlockPlan] = None,
 ) -> Tensor:
     """:func:`blocksparse_attention` for callers that validated the arguments (the mechanisms). ``plan``: a
-    :func:`blocksparse_plan` of this pattern, length and causality to reuse (made here when None)."""
+    :func:`blocksparse_plan` of this pattern, length and causality to reuse; one with a ``dense`` mask runs as
+    a dense masked softmax. None: a blockwise plan is made here."""
     batch, heads, length, _ = q.shape
     if plan is None:
-        plan = blocksparse_plan(pattern, length, causal, q.device)
+        plan = blocksparse_plan(pattern, length, causal, q.device, dense_when_cheaper=False)
 
     k0, v0 = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
+    if plan.dense is not None:  # short sequence: one dense pass under the pattern's mask is faster
+        allowed = plan.dense
+        if key_padding_mask is not None:
+            allowed = allowed & ~key_padding_mask.view(batch, 1, 1, length)
+        return masked_sdpa(q, k0, v0, allowed, scale)
     if plan.parts:
         out = _merged_parts(q, k0, v0, plan.parts, key_padding_mask, scale)
     else:

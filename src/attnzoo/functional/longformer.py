@@ -104,7 +104,7 @@ def out_of_range(global_indices: Sequence[int], length: int) -> Tuple[int, ...]:
 
 def window_plan(window: int, block_size: int, length: int, causal: bool, device: torch.device) -> BlockPlan:
     """The block plan of the window part (reusable while the arguments stay the same)."""
-    return blocksparse_plan(LocalPattern(window, block_size), length, causal, device)
+    return blocksparse_plan(LocalPattern(window, block_size), length, causal, device, dense_when_cheaper=False)
 
 
 def _check_projections(projections: Optional[Projections], heads: int, dim: int, dim_v: int) -> None:

@@ -299,3 +299,11 @@ class Pathfinder(Task):
             f"x {self.segment_length} pixels, {self.num_distractors} distractors of {self.distractor_length} "
             f"segments; markers {MARKER_VALUE}, strokes {STROKE_LEVELS[0]}..{STROKE_LEVELS[1] - 1}; seed {self.seed}",
         ]
+
+
+def marker_distance_accuracy(made: PathfinderImages) -> float:
+    """The best accuracy a threshold on the two markers' distance (Chebyshev, in pixels) reaches on ``made``:
+    how much of the label a model could read without following any curve. Near 0.5 means no shortcut."""
+    distance = np.abs(made.markers[:, 0] - made.markers[:, 1]).max(axis=-1)
+    same = made.labels == 1
+    return max(float(((distance <= t) == same).mean()) for t in range(int(distance.max()) + 2))
