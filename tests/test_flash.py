@@ -21,6 +21,7 @@ from attnzoo.functional.flash import (
 from attnzoo.functional.softmax import softmax_attention_reference
 from attnzoo.models import BlockConfig, Decoder, GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from attnzoo.state import select_batch
+from decoding_helpers import incremental_logits
 
 VOCAB = 11
 
@@ -179,15 +180,6 @@ def language_model(block, **options):
 
 
 BLOCKS = [("gau", None), ("flash", {"chunk_size": 3}), ("flash", {"chunk_size": 4, "scores": "softmax"})]
-
-
-def incremental_logits(model, prompt_len, sequence):
-    logits, state = model.prefill(sequence[:, :prompt_len])
-    rows = [logits]
-    for t in range(prompt_len, sequence.shape[1]):
-        logits_t, state = model.step(sequence[:, t], state)
-        rows.append(logits_t[:, None])
-    return torch.cat(rows, dim=1)
 
 
 @pytest.mark.parametrize("block, options", BLOCKS)

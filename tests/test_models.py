@@ -21,6 +21,7 @@ from attnzoo import (
 )
 from attnzoo.models import AttentionSpec, BlockConfig, DecoderLayer, EncoderLayer
 from attnzoo.state import select_batch
+from decoding_helpers import incremental_logits
 
 VOCAB = 13
 
@@ -39,20 +40,6 @@ def seq2seq(**options):
     settings = dict(dim=16, heads=2, encoder_depth=2, decoder_depth=2, max_length=32)
     settings.update(options)
     return Seq2SeqTransformer(VOCAB, VOCAB + 4, **settings).double().eval()
-
-
-def incremental_logits(model, prompt_len, sequence, **prefill_args):
-    """Logits of every position computed by prefill over a prefix and then one step per token."""
-    if isinstance(model, Seq2SeqTransformer):
-        logits, state = model.prefill(prefill_args["src"], sequence[:, :prompt_len],
-                                      src_padding_mask=prefill_args.get("src_padding_mask"))
-    else:
-        logits, state = model.prefill(sequence[:, :prompt_len])
-    rows = [logits]
-    for t in range(prompt_len, sequence.shape[1]):
-        logits_t, state = model.step(sequence[:, t], state)
-        rows.append(logits_t[:, None])
-    return torch.cat(rows, dim=1)
 
 
 # -- incremental decoding == full forward --------------------------------------------------------------------

@@ -21,6 +21,7 @@ from attnzoo import (
     SequenceClassifier,
 )
 from attnzoo.models import BlockConfig, Decoder, Encoder
+from decoding_helpers import incremental_logits
 
 VOCAB = 13
 
@@ -194,12 +195,7 @@ def test_reversible_language_model_decodes_like_its_forward(mechanism):
     sequence = tokens(2, 9)
     full = model(sequence)
     for prompt_len in (1, 4):
-        logits, state = model.prefill(sequence[:, :prompt_len])
-        rows = [logits]
-        for t in range(prompt_len, sequence.shape[1]):
-            logits_t, state = model.step(sequence[:, t], state)
-            rows.append(logits_t[:, None])
-        torch.testing.assert_close(torch.cat(rows, dim=1), full, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(incremental_logits(model, prompt_len, sequence), full, atol=1e-10, rtol=1e-10)
 
 
 def test_reversible_seq2seq_decodes_like_its_forward():

@@ -11,6 +11,7 @@ from attnzoo.models import TokenEmbedding
 from attnzoo.state import select_batch
 from attnzoo.tasks import load
 from attnzoo.training import TrainConfig, build_model
+from decoding_helpers import incremental_logits
 
 VOCAB = 11
 
@@ -67,12 +68,7 @@ def test_language_model_with_token_shift_decodes_incrementally_like_forward(posi
     sequence = tokens(3, 9)
     full = model(sequence)
     for prompt_len in (1, 4):
-        logits, state = model.prefill(sequence[:, :prompt_len])
-        rows = [logits]
-        for t in range(prompt_len, sequence.shape[1]):
-            logits_t, state = model.step(sequence[:, t], state)
-            rows.append(logits_t[:, None])
-        torch.testing.assert_close(torch.cat(rows, dim=1), full, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(incremental_logits(model, prompt_len, sequence), full, atol=1e-10, rtol=1e-10)
 
 
 def test_beam_reordering_carries_the_last_token():
