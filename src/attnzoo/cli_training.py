@@ -454,7 +454,7 @@ def add_training_commands(commands: Any) -> None:
                                                           "(default 1; e.g. the number of cores)")
     lra.add_argument("--threads", type=int, help="torch threads per cell (default: torch's choice; 1 with --jobs > 1)")
     lra.add_argument("--cell-timeout", type=float, metavar="SECONDS",
-                     help="wall-clock limit per cell (quick: 600, full: 7200); a slower cell is reported as too slow")
+                     help="wall-clock limit per cell (quick: 1200, full: 7200); a slower cell is reported as too slow")
     lra.add_argument("--output", default="lra-results", metavar="DIR", help="default lra-results/")
     lra_output = lra.add_mutually_exclusive_group()
     lra_output.add_argument("--quiet", action="store_true", help="no progress and no table")
