@@ -136,13 +136,13 @@ def gau_attention_unchecked(
     allowed = allowed_mask(batch, q_len, k_len, causal, key_padding_mask, q.device)
     if scores == "softmax":
         return masked_sdpa(q, k, v, allowed).to(dtype)
-    weights = F.relu(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(dim)).square()
+    # The scale goes on q, not over the (q_len x k_len) scores: one pass fewer.
+    weights = F.relu(torch.matmul(q * (1.0 / math.sqrt(dim)), k.transpose(-1, -2))).square()
     if allowed is None:
         return (torch.matmul(weights, v) / k_len).to(dtype)
     allowed = allowed.expand(batch, 1, q_len, k_len)
-    weights = torch.where(allowed, weights, torch.zeros((), dtype=compute, device=q.device))
     visible = allowed.sum(-1, keepdim=True).clamp_min(1).to(compute)
-    return (torch.matmul(weights, v) / visible).to(dtype)
+    return (torch.matmul(weights.masked_fill(~allowed, 0.0), v) / visible).to(dtype)
 
 
 def gau_attention_reference(
@@ -265,9 +265,9 @@ def mixed_chunk_attention_unchecked(
         mask = allowed.expand(batch, heads, chunks, size, size).reshape(batch, heads * chunks, size, size)
         quadratic = masked_sdpa(flat(q_quad), flat(k_quad), flat(v), mask).view(batch, heads, chunks, size, width)
     else:
-        weights = F.relu(torch.matmul(q_quad, k_quad.transpose(-1, -2)) / math.sqrt(dim)).square()
-        weights = torch.where(allowed, weights, zero) / chunk_size
-        quadratic = torch.matmul(weights, v)
+        # The scale goes on q and 1/c on the output, not over the (size x size) scores: two passes fewer.
+        weights = F.relu(torch.matmul(q_quad * (1.0 / math.sqrt(dim)), k_quad.transpose(-1, -2))).square()
+        quadratic = torch.matmul(weights.masked_fill(~allowed, 0.0), v) / chunk_size
 
     # Linear attention across chunks, on one (dim x width) state per chunk.
     states = torch.matmul(k_lin.transpose(-1, -2), v)  # (batch, heads, chunks, dim, width)
