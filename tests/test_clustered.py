@@ -145,6 +145,41 @@ def test_clustering_groups_equal_codes_and_stays_in_range():
     assert torch.equal(cluster_queries(q[:, :, :5], planes, 7, 3), torch.arange(5).expand(2, 3, 5))
 
 
+def _lloyd_by_the_definition(q, planes, clusters, iterations):
+    """The module docstring's Hamming k-means written out per (batch, head), every iteration run: codes by the
+    hyperplane signs, centres started at the codes of queries floor(c N / C), assignment to the first nearest
+    centre by counting differing bits, centres moved to their members' bitwise majority (a tie gives 0, a
+    cluster with no member keeps its code)."""
+    batch, heads, length, _ = q.shape
+    out = torch.empty(batch, heads, length, dtype=torch.long)
+    for b in range(batch):
+        for h in range(heads):
+            codes = [tuple(bool(bit) for bit in row) for row in (q[b, h] @ planes > 0)]
+            centres = [codes[c * length // clusters] for c in range(clusters)]
+
+            def assign():
+                return [min(range(clusters), key=lambda c: (sum(x != y for x, y in zip(code, centres[c])), c))
+                        for code in codes]
+
+            for _ in range(iterations):
+                assignment = assign()
+                for c in range(clusters):
+                    members = [codes[i] for i in range(length) if assignment[i] == c]
+                    if members:
+                        centres[c] = tuple(2 * sum(column) > len(members) for column in zip(*members))
+            out[b, h] = torch.tensor(assign())
+    return out
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 4, 25])
+def test_clustering_equals_every_lloyd_iteration_run_by_the_definition(iterations):
+    """The batched k-means (which stops once the centres stop moving) equals the definition run for every
+    iteration; with 25 the centres have long settled, so this also checks the early stop changes nothing."""
+    q, _, _ = qkv(batch=2, heads=2, q_len=40, dim=6, seed=11)
+    planes = torch.randn(6, 10, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert torch.equal(cluster_queries(q, planes, 6, iterations), _lloyd_by_the_definition(q, planes, 6, iterations))
+
+
 def test_clustering_separates_well_separated_groups():
     """Four far-apart groups, laid out contiguously so that the evenly spaced starts hit each: k-means puts
     every group in a cluster of its own."""

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "attnzoo"
 
 # Lowest first. A module may import from its own layer or any layer below.
 LAYERS = [
-    {"_validation", "_dtypes", "state"},
+    {"_validation", "_dtypes", "_malloc", "state"},
     {"functional"},
     {"feature_maps"},
     {"mechanisms"},

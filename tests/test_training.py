@@ -312,6 +312,17 @@ def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, 
         lra.BUDGETS["quick"] = original
 
 
+def test_lra_quick_validates_once_at_the_end_and_full_five_times():
+    from attnzoo.bench.lra import LraConfig
+
+    for budget, evaluations in (("quick", 1), ("full", 5)):
+        for task in ("listops", "recall"):
+            config = LraConfig(budget=budget).train_config(task, "softmax")
+            assert config.eval_interval * evaluations == config.steps
+    assert LraConfig(budget="quick", overrides={"steps": 7}).train_config("listops", "softmax").eval_interval == 7
+    assert LraConfig(budget="quick", overrides={"eval_interval": 2}).train_config("listops", "softmax").eval_interval == 2
+
+
 # -- gated units (--block) -----------------------------------------------------------------------------------
 FLASH = {"chunk_size": 8, "shared_dim": 8, "expansion_dim": 24}
 

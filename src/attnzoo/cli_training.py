@@ -15,6 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from ._malloc import keep_freed_memory
+
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 
 # Command-line option -> TrainConfig field, for every training setting (all default to None: "not given").
@@ -245,6 +247,7 @@ def train_command(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # each step reuses the last one's pages instead of faulting in fresh ones
     command = ["attnzoo", "train", *args.raw_argv]
     parallel = start_from_environment()
     main = parallel is None or parallel.is_main

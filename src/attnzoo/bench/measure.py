@@ -7,7 +7,6 @@ processes. An attention callable has the signature ``fn(q, k, v, causal) -> out`
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import re
@@ -19,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._malloc import fix_malloc_threshold  # noqa: F401  (re-exported: the memory benchmarks call it)
 from ..functional.softmax import softmax_attention
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
@@ -174,25 +174,6 @@ def relative_error(out: Tensor, reference: Tensor) -> float:
 
 
 # -- peak memory ---------------------------------------------------------------------------------------------
-_M_MMAP_THRESHOLD = -3
-
-
-def fix_malloc_threshold(threshold: int = 4096) -> bool:
-    """Make glibc map every block of ``threshold`` bytes or more on its own, and unmap it when freed.
-
-    By default glibc raises its mmap threshold after large frees and then keeps freed tensors in the heap,
-    so the resident size stops following live memory and peaks depend on what ran before. A fixed small
-    threshold (which also switches the adjustment off) makes resident size track live tensors to the
-    page. It slows allocation down, so only memory measurements use it, never timings. Returns False where
-    glibc's ``mallopt`` is unavailable.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
-
-
 def _status_kib(field_name: str) -> Optional[int]:
     try:
         with open("/proc/self/status") as handle:

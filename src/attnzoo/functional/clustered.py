@@ -12,8 +12,9 @@ k-means under the Hamming distance: centroids start at the codes of C evenly spa
 0; a cluster left without members keeps its code). A last assignment gives the clusters. The whole thing is
 discrete and batched over (batch, heads): Hamming distances are one matrix product of 0/1 codes (exact
 integers in floating point), the majority one product with a 0/1 membership matrix; the only Python loop is
-over the Lloyd iterations. With at least as many clusters as queries every query is its own cluster (k-means
-would be pointless): the output is then exact softmax attention.
+over the Lloyd iterations, which stops early once no centroid moves (a fixed point: the rest would repeat
+it). With at least as many clusters as queries every query is its own cluster (k-means would be pointless):
+the output is then exact softmax attention.
 
 Gradients: the assignments are not differentiated (argmin), but the centroids are means of their member
 queries, so gradients reach q through them, as in the paper.
@@ -156,7 +157,12 @@ def cluster_queries_unchecked(
             votes.index_add_(0, (assignment + offsets).flatten(), votes_of)
             votes = votes.view(batch, heads, count, -1)
             majority = torch.where(votes[..., :-1] > 0, one, -one)  # a tie gives bit 0
-            centers = torch.where(votes[..., -1:] > 0, majority, centers)  # a cluster with no member stays
+            moved = torch.where(votes[..., -1:] > 0, majority, centers)  # a cluster with no member stays
+            if torch.equal(moved, centers):
+                # A fixed point: the same centres give the same assignment, so every later iteration would
+                # repeat this one. Stopping here returns exactly what all the iterations would.
+                break
+            centers = moved
         return _nearest(codes, centers)
 
 
