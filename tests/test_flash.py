@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo import Encoder, LanguageModel, SequenceClassifier, SequenceTagger
 from attnzoo.functional.flash import (
+    squared_relu_attention,
     gau_attention,
     gau_attention_reference,
     mixed_chunk_attention,
@@ -333,3 +334,31 @@ def test_flash_trains_a_language_model_one_step():
     loss.backward()
     assert math.isfinite(loss.item())
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# -- the fused squared-ReLU core ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mask", ["none", "causal", "broadcast padding"])
+def test_squared_relu_attention_and_its_backward_match_autograd_on_the_formula(mask):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 2, 7, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    allowed = None
+    if mask == "causal":
+        allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+    elif mask == "broadcast padding":
+        allowed = torch.rand(2, 1, 2, 1, 7, generator=g) > 0.3
+    grad = torch.randn(2, 3, 2, 7, 5, generator=g, dtype=torch.float64)
+    results = []
+    for fused in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if fused:
+            out = squared_relu_attention(*leaves, allowed)
+        else:
+            weights = F.relu(leaves[0] @ leaves[1].transpose(-1, -2)) ** 2
+            if allowed is not None:
+                weights = torch.where(allowed, weights, torch.zeros(()))
+            out = weights @ leaves[2]
+        (out * grad).sum().backward()
+        results.append((out.detach(), *(x.grad for x in leaves)))
+    for fused, plain in zip(*results):
+        torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    assert results[0][1].abs().sum() > 0 and results[0][3].abs().sum() > 0

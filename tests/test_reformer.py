@@ -75,23 +75,25 @@ def test_one_bucket_with_padding_matches_dense_attention_over_the_unpadded_keys(
 
 # -- fast path against the reference, at several chunks and rounds --------------------------------------------
 @pytest.mark.parametrize("causal", [False, True])
-def test_fast_path_and_gradients_match_the_reference_over_many_chunks(causal):
-    q, k, v = qkv(n=37, seed=4)
-    padding = torch.zeros(2, 37, dtype=torch.bool)
+@pytest.mark.parametrize("n, bucket_size", [(37, 4), (10, 16)])  # many chunks; one bucket (one round computed)
+def test_fast_path_and_gradients_match_the_reference_over_many_chunks(causal, n, bucket_size):
+    q, k, v = qkv(n=n, seed=4)
+    padding = torch.zeros(2, n, dtype=torch.bool)
     padding[1, :3] = True
-    padding[1, 20:25] = True
+    padding[1, 6:8] = True
     key = torch.tensor(lsh_hash_key(5))
-    weights = torch.randn(2, 2, 37, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    weights = torch.randn(2, 2, n, 8, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     results = []
     for attend in (lsh_attention, lsh_attention_reference):
         leaves = [q.clone().requires_grad_(), v.clone().requires_grad_()]
-        out = attend(*leaves, key, bucket_size=4, n_hashes=3, causal=causal, key_padding_mask=padding)
+        out = attend(*leaves, key, bucket_size=bucket_size, n_hashes=3, causal=causal, key_padding_mask=padding)
         (out * weights).sum().backward()
         results.append((out.detach(), leaves[0].grad, leaves[1].grad))
     for fast, slow in zip(*results):
         torch.testing.assert_close(fast, slow)
     # float32 buckets agree with float64 ones here, so the float32 result is the float64 one within rounding.
-    out32 = lsh_attention(q.float(), v.float(), key, bucket_size=4, n_hashes=3, causal=causal, key_padding_mask=padding)
+    out32 = lsh_attention(q.float(), v.float(), key, bucket_size=bucket_size, n_hashes=3, causal=causal,
+                          key_padding_mask=padding)
     torch.testing.assert_close(out32.double(), results[1][0], rtol=1e-4, atol=1e-5)
 
 

@@ -89,6 +89,45 @@ def rotate_reference(x: Tensor, start: int = 0, base: float = ROTARY_BASE) -> Te
     return torch.stack([turned.real, turned.imag], dim=-1).flatten(-2)
 
 
+class _SquaredReluAttention(torch.autograd.Function):
+    """``(relu(q k^T)^2, zero where blocked) @ v`` over the last two dims, with a hand-written backward.
+
+    The (q_len x k_len) weights are the largest tensors of GAU and FLASH. Autograd keeps the scores, their
+    ReLU, its square and the masked copy, and its backward makes a pass over the matrix for each of those
+    steps. Here the forward makes the ReLU and the mask in place on the scores and keeps only that ``r``;
+    the backward squares it again for ``dV = (r^2)^T dO`` and forms ``dS = 2 r (dO V^T)`` in place, using
+    that the derivative of ``relu(s)^2`` is ``2 relu(s)`` (zero where blocked, since r is zero there)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, blocked: Optional[Tensor]) -> Tensor:  # type: ignore[override]
+        r = torch.matmul(q, k.transpose(-1, -2)).relu_()
+        if blocked is not None:
+            r.masked_fill_(blocked, 0.0)
+        ctx.save_for_backward(q, k, v, r)
+        return torch.matmul(r.square(), v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        q, k, v, r = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_v = torch.matmul(r.square().transpose(-1, -2), grad_out) if needs[2] else None
+        grad_q = grad_k = None
+        if needs[0] or needs[1]:
+            half = torch.matmul(grad_out, v.transpose(-1, -2)).mul_(r)  # dS / 2
+            grad_q = torch.matmul(half, k).mul_(2.0) if needs[0] else None
+            grad_k = torch.matmul(half.transpose(-1, -2), q).mul_(2.0) if needs[1] else None
+        return grad_q, grad_k, grad_v, None
+
+
+def squared_relu_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor] = None) -> Tensor:
+    """``(relu(q k^T)^2 masked to allowed) @ v``, unnormalised and unscaled (fold the scale into q).
+
+    q (..., q_len, d), k (..., k_len, d), v (..., k_len, d_v) -> (..., q_len, d_v); ``allowed``: bool,
+    broadcastable to (..., q_len, k_len), True where a query sees a key (None: every key)."""
+    return _SquaredReluAttention.apply(q, k, v, None if allowed is None else ~allowed)
+
+
 def _check_common(causal: bool, scores: str) -> None:
     check_bool("causal", causal)
     check_choice("scores", scores, SCORES)
@@ -137,12 +176,11 @@ def gau_attention_unchecked(
     if scores == "softmax":
         return masked_sdpa(q, k, v, allowed).to(dtype)
     # The scale goes on q, not over the (q_len x k_len) scores: one pass fewer.
-    weights = F.relu(torch.matmul(q * (1.0 / math.sqrt(dim)), k.transpose(-1, -2))).square()
+    out = squared_relu_attention(q * (1.0 / math.sqrt(dim)), k, v, allowed)
     if allowed is None:
-        return (torch.matmul(weights, v) / k_len).to(dtype)
-    allowed = allowed.expand(batch, 1, q_len, k_len)
-    visible = allowed.sum(-1, keepdim=True).clamp_min(1).to(compute)
-    return (torch.matmul(weights.masked_fill(~allowed, 0.0), v) / visible).to(dtype)
+        return (out / k_len).to(dtype)
+    visible = allowed.expand(batch, 1, q_len, k_len).sum(-1, keepdim=True).clamp_min(1).to(compute)
+    return (out / visible).to(dtype)
 
 
 def gau_attention_reference(
@@ -265,9 +303,8 @@ def mixed_chunk_attention_unchecked(
         mask = allowed.expand(batch, heads, chunks, size, size).reshape(batch, heads * chunks, size, size)
         quadratic = masked_sdpa(flat(q_quad), flat(k_quad), flat(v), mask).view(batch, heads, chunks, size, width)
     else:
-        # The scale goes on q and 1/c on the output, not over the (size x size) scores: two passes fewer.
-        weights = F.relu(torch.matmul(q_quad * (1.0 / math.sqrt(dim)), k_quad.transpose(-1, -2))).square()
-        quadratic = torch.matmul(weights.masked_fill(~allowed, 0.0), v) / chunk_size
+        # relu(s / sqrt(d))^2 / c = relu(s / sqrt(d c))^2: both scales go on q, none over the (size x size) scores.
+        quadratic = squared_relu_attention(q_quad * (1.0 / math.sqrt(dim * chunk_size)), k_quad, v, allowed)
 
     # Linear attention across chunks, on one (dim x width) state per chunk.
     states = torch.matmul(k_lin.transpose(-1, -2), v)  # (batch, heads, chunks, dim, width)

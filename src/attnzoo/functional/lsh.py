@@ -373,6 +373,10 @@ def lsh_attention_unchecked(
     dv = v.shape[3]
     size = bucket_size
     n_buckets = lsh_bucket_count(n, size)
+    if n_buckets == 1:
+        # One bucket: every round sorts the positions alike and computes the same output with the same
+        # normaliser, so their log-sum-exp weighted mean is that output. One round computes it.
+        n_hashes = 1
     chunks = -(-n // size)
     slots = (chunks + 1) * size  # per round: a dummy chunk, the sorted positions, dummies to a whole chunk
     tail = slots - size - n
