@@ -158,9 +158,10 @@ def cluster_queries_unchecked(
             votes = votes.view(batch, heads, count, -1)
             majority = torch.where(votes[..., :-1] > 0, one, -one)  # a tie gives bit 0
             moved = torch.where(votes[..., -1:] > 0, majority, centers)  # a cluster with no member stays
-            if torch.equal(moved, centers):
+            if not torch.compiler.is_compiling() and torch.equal(moved, centers):
                 # A fixed point: the same centres give the same assignment, so every later iteration would
-                # repeat this one. Stopping here returns exactly what all the iterations would.
+                # repeat this one. Stopping here returns exactly what all the iterations would. (A compiled
+                # graph has no data-dependent exit, so it runs them all.)
                 break
             centers = moved
         return _nearest(codes, centers)
