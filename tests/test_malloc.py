@@ -21,6 +21,8 @@ if setting == "keep":
     assert keep_freed_memory()
 elif setting == "fixed":
     assert fix_malloc_threshold()
+elif setting == "keep, then fixed":
+    assert keep_freed_memory() and fix_malloc_threshold()
 elements = 16 * 2**20  # 64 MiB of float32: 16384 pages of 4 KiB
 for _ in range(3):
     torch.ones(elements)
@@ -41,6 +43,7 @@ def test_keep_freed_memory_reuses_the_pages_of_a_freed_tensor():
     pages = 16 * 2**20 * 4 // 4096
     assert _faults("default") > pages // 2  # glibc maps a block this large afresh: every page faults again
     assert _faults("fixed") > pages // 2
+    assert _faults("keep, then fixed") > pages // 2  # the memory benchmarks' setting undoes training's
     assert _faults("keep") < pages // 20
 
 

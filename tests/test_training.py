@@ -312,13 +312,13 @@ def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, 
         lra.BUDGETS["quick"] = original
 
 
-def test_lra_quick_validates_once_at_the_end_and_full_five_times():
+def test_lra_quick_validates_once_at_the_end_on_a_few_batches_and_full_five_times_on_all():
     from attnzoo.bench.lra import LraConfig
 
-    for budget, evaluations in (("quick", 1), ("full", 5)):
+    for budget, evaluations, batches in (("quick", 1, 4), ("full", 5, None)):
         for task in ("listops", "recall"):
             config = LraConfig(budget=budget).train_config(task, "softmax")
-            assert config.eval_interval * evaluations == config.steps
+            assert config.eval_interval * evaluations == config.steps and config.eval_batches == batches
     assert LraConfig(budget="quick", overrides={"steps": 7}).train_config("listops", "softmax").eval_interval == 7
     assert LraConfig(budget="quick", overrides={"eval_interval": 2}).train_config("listops", "softmax").eval_interval == 2
 

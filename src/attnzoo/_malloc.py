@@ -25,6 +25,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1  # mallopt takes a C int
+_DEFAULT_MMAP_MAX = 65536  # glibc's default: mmap allowed again after keep_freed_memory switched it off
 
 
 def _mallopt(*settings: tuple) -> bool:
@@ -50,7 +51,7 @@ def fix_malloc_threshold(threshold: int = 4096) -> bool:
     By default glibc raises its mmap threshold after large frees and then keeps freed tensors in the heap,
     so the resident size stops following live memory and peaks depend on what ran before. A fixed small
     threshold (which also switches the adjustment off) makes resident size track live tensors to the
-    page. It slows allocation down, so only memory measurements use it, never timings. Returns False where
-    glibc's ``mallopt`` is unavailable.
+    page. It slows allocation down, so only memory measurements use it, never timings. It undoes
+    :func:`keep_freed_memory`'s switching off of mmap. Returns False where glibc's ``mallopt`` is unavailable.
     """
-    return _mallopt((_M_MMAP_THRESHOLD, threshold))
+    return _mallopt((_M_MMAP_MAX, _DEFAULT_MMAP_MAX), (_M_MMAP_THRESHOLD, threshold))

@@ -15,8 +15,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ._malloc import keep_freed_memory
-
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
 
 # Command-line option -> TrainConfig field, for every training setting (all default to None: "not given").
@@ -198,7 +196,7 @@ def _decoder_settings(args: argparse.Namespace, task: Optional[str]) -> Any:
 def train_command(args: argparse.Namespace) -> int:
     from .mechanisms import UnsupportedOptionError, available
     from .tasks import available as tasks_available
-    from .training import CheckpointError, TrainConfig, train
+    from .training import CheckpointError, TrainConfig, keep_freed_memory, train
     from .training.checkpoint import find_checkpoint, read_config
     from .training.distributed import data_parallel_reasons, launched_by_torchrun, start_from_environment, stop
 

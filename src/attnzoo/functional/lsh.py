@@ -314,8 +314,11 @@ class _ChunkAttention(torch.autograd.Function):
         for mask in blocked:
             scores.masked_fill_(mask, -math.inf)
         scores.diagonal(offset=size, dim1=1, dim2=2).fill_(SELF_LOGIT)
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # finite: the self logit is always there
-        probabilities = scores.sub_(lse).exp_()
+        largest = scores.amax(dim=-1, keepdim=True)  # finite: the self logit is always there
+        probabilities = torch.softmax(scores, dim=-1)  # one fused pass, where logsumexp, sub and exp take four
+        del scores
+        # The log-sum-exp from the largest probability, exp(largest - lse) >= 1 / (2 size): no precision lost.
+        lse = largest - probabilities.amax(dim=-1, keepdim=True).log()
         out = torch.bmm(probabilities, _windows(vs, size))
         ctx.size = size
         ctx.save_for_backward(xs, ks, vs, probabilities, out, *blocked)
@@ -330,10 +333,10 @@ class _ChunkAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dscores = torch.bmm(grad_out, _windows(vs, size).transpose(1, 2))
-        dscores.sub_((grad_out * out).sum(dim=-1, keepdim=True))
+        shift = (grad_out * out).sum(dim=-1, keepdim=True)  # one pass over the scores for both row terms
         if grad_lse is not None:
-            dscores.add_(grad_lse.unsqueeze(-1))
-        dscores.mul_(probabilities)
+            shift = shift - grad_lse.unsqueeze(-1)
+        dscores.sub_(shift).mul_(probabilities)
         for mask in blocked:
             dscores.masked_fill_(mask, 0.0)
         dscores.diagonal(offset=size, dim1=1, dim2=2).zero_()
