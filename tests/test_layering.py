@@ -18,13 +18,14 @@ LAYERS = [
     {"feature_maps"},
     {"mechanisms"},
     {"positional", "attention"},
-    {"distributed"},
+    {"distributed", "parallel"},  # parallel: sequence parallelism (sequence.py) and data parallelism (data.py)
     {"tasks"},  # training data; imports only _validation (test_tasks_import_only_validation)
     {"models"},
     {"decoding"},
-    {"swap", "hf"},
+    {"swap", "hf", "dropin"},  # dropin: torch.nn swapping (swap.py) and Hugging Face (hf.py)
     {"training"},
-    {"bench"},
+    {"bench"},  # the kernel benchmark behind attnzoo compare
+    {"experiments"},  # training experiments: attnzoo lra, the seq2seq report, their cell runner
     {"cli", "cli_training"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
