@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import attnzoo
-from attnzoo.distributed import assert_replicated, sequence_parallel_attention, sequence_parallel_self_attention
+from attnzoo.parallel.sequence import assert_replicated, sequence_parallel_attention, sequence_parallel_self_attention
 
 
 def part(x, lengths, rank, dim):

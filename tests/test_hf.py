@@ -1,4 +1,4 @@
-"""attnzoo.hf: transformers models (built from tiny configs, random weights, nothing downloaded) run attnzoo
+"""attnzoo.dropin.hf: transformers models (built from tiny configs, random weights, nothing downloaded) run attnzoo
 through transformers' attention-function registry; softmax reproduces them, generate() keeps working, and a
 refused swap leaves the model as it was. Skipped without the optional extra (pip install "attnzoo[hf]")."""
 
@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason='transformers is an optional extra: pip install "attnzoo[hf]"')
 
 from attnzoo import UnsupportedOptionError  # noqa: E402
-from attnzoo.hf import IMPLEMENTATION, MECHANISM_ATTRIBUTE, use_attnzoo  # noqa: E402
+from attnzoo.dropin.hf import IMPLEMENTATION, MECHANISM_ATTRIBUTE, use_attnzoo  # noqa: E402
 
 VOCAB = 50
 

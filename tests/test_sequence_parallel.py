@@ -12,7 +12,7 @@ import torch
 
 import attnzoo
 from attnzoo import UnsupportedOptionError
-from attnzoo.distributed import sequence_parallel_attention, sequence_parallel_reasons
+from attnzoo.parallel.sequence import sequence_parallel_attention, sequence_parallel_reasons
 from attnzoo.functional.linear import kernel_attention_reference
 from attnzoo.functional.state_scan import (
     combine,

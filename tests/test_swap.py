@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from attnzoo import MultiHeadAttention, UnsupportedOptionError
-from attnzoo.swap import SwappedAttention, swap_attention, translate_masks
+from attnzoo.dropin import SwappedAttention, swap_attention, translate_masks
 
 DIM, HEADS, FF = 16, 4, 24
 

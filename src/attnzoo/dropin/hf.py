@@ -11,15 +11,17 @@ and KV cache run as before; the mechanism replaces what happens between them:
   and the attention function turns it into attnzoo's ``key_padding_mask``; causality comes from the attention
   module (``is_causal``: GPT-2 and Llama yes, a BERT encoder no), aligned bottom-right as the cache needs;
 * grouped-query attention (fewer key/value heads, Llama) repeats the key/value heads for the mechanism;
-* ``softmax`` takes the module's own ``scaling``, so a model on ``softmax`` gives the outputs it gave before;
+* an exact mechanism (``Capabilities.kind == "exact"``, ``softmax``) with a ``scale`` option takes the module's
+  own ``scaling``, so a model on ``softmax`` gives the outputs it gave before;
 * ``generate()`` keeps working: each step's queries attend to the keys and values in ``transformers``' KV cache
   (cross-attention in attnzoo's terms, causal and bottom-right aligned). Mechanisms without cross-attention but
-  with a causal recurrence (``retention``, ``gla``) run the step as the last rows of a causal pass over the
-  cached keys (zero queries before them, whose rows are dropped): exact, O(context) per step. attnzoo's own
-  constant-size recurrent state does not fit ``transformers``' cache of keys and values and is not used here.
+  with a causal kernelized recurrence (a ``KernelizedMechanism``, such as ``retention`` and ``gla``) run the step
+  as the last rows of a causal pass over the cached keys (zero queries before them, whose rows are dropped):
+  exact, O(context) per step. attnzoo's own constant-size recurrent state does not fit ``transformers``' cache of
+  keys and values and is not used here.
 
 Dropout: ``transformers`` passes attention-probability dropout in training; attnzoo applies it to the attention
-output (only softmax forms probabilities), as :mod:`attnzoo.swap` does.
+output (only exact attention forms probabilities), as :mod:`attnzoo.dropin.swap` does.
 
 ``transformers`` is an optional extra: ``pip install "attnzoo[hf]"``.
 """
@@ -33,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .mechanisms.base import Mechanism, UnsupportedOptionError, build_mechanism, mechanism_class
-from .mechanisms.kernelized import KernelizedMechanism
+from ..mechanisms.base import Mechanism, UnsupportedOptionError, build_mechanism, mechanism_class, mechanism_options
+from ..mechanisms.kernelized import KernelizedMechanism
 
 IMPLEMENTATION = "attnzoo"
 """The name under which the attention and mask functions are registered in ``transformers``."""
@@ -46,7 +48,7 @@ def _transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as error:  # pragma: no cover - exercised only without the extra
-        raise ImportError('attnzoo.hf needs transformers: pip install "attnzoo[hf]"') from error
+        raise ImportError('attnzoo.dropin.hf needs transformers: pip install "attnzoo[hf]"') from error
     return transformers
 
 
@@ -84,7 +86,7 @@ def attention_forward(
     mechanism = getattr(module, MECHANISM_ATTRIBUTE, None)
     if not isinstance(mechanism, Mechanism):
         raise RuntimeError(
-            f"{type(module).__name__} has no attnzoo mechanism: call attnzoo.hf.use_attnzoo(model, mechanism) "
+            f"{type(module).__name__} has no attnzoo mechanism: call attnzoo.dropin.hf.use_attnzoo(model, mechanism) "
             f"on the model rather than setting attn_implementation={IMPLEMENTATION!r} by hand"
         )
     groups = query.shape[1] // key.shape[1]
@@ -96,7 +98,7 @@ def attention_forward(
         if attention_mask.dim() != 2:
             raise UnsupportedOptionError(
                 f"attention_mask of shape {tuple(attention_mask.shape)}: attnzoo takes the 2-D padding mask "
-                f"(batch, seq); a custom 4-D mask is an arbitrary mask that only softmax attention honours"
+                f"(batch, seq); a custom 4-D mask is an arbitrary bias on the logits, which it does not take here"
             )
         padding = ~attention_mask[:, -k_len:].to(torch.bool)
     causal = bool(getattr(module, "is_causal", False))
@@ -172,7 +174,8 @@ def use_attnzoo(model: nn.Module, mechanism: str, **options: Any) -> HFSwapRepor
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported architecture.
         mechanism: a name from :func:`attnzoo.available`.
-        **options: the mechanism's options. ``softmax`` defaults ``scale`` to each module's own scaling.
+        **options: the mechanism's options. An exact mechanism's ``scale`` defaults to each module's own
+            scaling.
 
     Raises (the model left exactly as it was): TypeError for a model that is not a ``PreTrainedModel``;
     ValueError for an architecture without supported attention modules, or with cross-attention; errors for an
@@ -195,13 +198,15 @@ def use_attnzoo(model: nn.Module, mechanism: str, **options: Any) -> HFSwapRepor
     config = model.config
     if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__}: cross-attention (add_cross_attention / encoder-decoder) is not "
-                         f"supported by attnzoo.hf; self-attention models only")
+                         f"supported by attnzoo.dropin.hf; self-attention models only")
+    # An exact mechanism's logit scale is the module's own, so that it gives the outputs the model gave before.
+    takes_scaling = cls.capabilities.exact and "scale" in mechanism_options(mechanism)
     # Build (and so validate) every mechanism before touching the model.
     built = []
     for path, module, kind in found:
         heads, head_dim = _heads(module, kind)
         module_options = dict(options)
-        if mechanism == "softmax" and "scale" not in module_options:
+        if takes_scaling and "scale" not in module_options:
             module_options["scale"] = float(module.scaling)
         instance = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **module_options)
         if getattr(module, "is_causal", False) and not instance.capabilities.causal:

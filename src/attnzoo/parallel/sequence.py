@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
-from .functional.state_scan import exclusive_state_scan, finish_part, part_terms, rescale_keys
-from .mechanisms.base import Mechanism, UnsupportedOptionError
-from .mechanisms.kernelized import KernelizedMechanism
+from ..attention import MultiHeadAttention
+from ..functional.state_scan import exclusive_state_scan, finish_part, part_terms, rescale_keys
+from ..mechanisms.base import Mechanism, UnsupportedOptionError, available, mechanism_class
+from ..mechanisms.kernelized import KernelizedMechanism
 
 
 def _require_group(group: Optional[dist.ProcessGroup]) -> None:
@@ -84,13 +84,22 @@ class _PrefixAcrossRanks(torch.autograd.Function):
         return grads[earlier.shape[0] - 1], None, None, None, None
 
 
+def sequence_parallel_mechanisms() -> List[str]:
+    """The registered mechanisms that can run sequence-parallel (with their default options): the causal
+    kernelized ones (``KernelizedMechanism`` subclasses declaring ``causal``)."""
+    return [
+        name for name in available()
+        if issubclass(mechanism_class(name), KernelizedMechanism) and mechanism_class(name).capabilities.causal
+    ]
+
+
 def sequence_parallel_reasons(mechanism: Mechanism) -> List[str]:
     """Why ``mechanism`` cannot run sequence-parallel (empty when it can): it must be a causal kernelized
-    mechanism (``linear``, ``performer``, ``rfa``, ``retention``, ``gla``), whose causal form is a recurrence
-    with a constant-size state."""
+    mechanism (a ``KernelizedMechanism``, such as ``linear``, ``performer``, ``rfa``, ``retention``, ``gla``),
+    whose causal form is a recurrence with a constant-size state."""
     if not isinstance(mechanism, KernelizedMechanism):
         return [f"{mechanism.name} has no constant-size causal state to pass between ranks: sequence parallelism "
-                f"covers the causal kernelized mechanisms (linear, performer, rfa, retention, gla)"]
+                f"covers the causal kernelized mechanisms ({', '.join(sequence_parallel_mechanisms())})"]
     if not mechanism.capabilities.causal:
         return [f"{mechanism.name} with {mechanism.capabilities.limited_by} is non-causal: sequence parallelism "
                 f"splits the causal recurrence"]
@@ -205,6 +214,7 @@ def assert_replicated(module: nn.Module, group: Optional[dist.ProcessGroup] = No
 __all__ = [
     "assert_replicated",
     "sequence_parallel_attention",
+    "sequence_parallel_mechanisms",
     "sequence_parallel_reasons",
     "sequence_parallel_self_attention",
 ]
