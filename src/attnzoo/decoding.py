@@ -311,7 +311,16 @@ def beam_search(
         logits, state = step(new_tokens, state)
         log_probs = logits.to(score_dtype).log_softmax(dim=-1)
 
-    # Beams still live at the end stop at the length limit.
+    _end_live_beams(ended, beam_scores, generated, length_penalty)
+    return _collect(ended, prompt, beams, eos_id, score_dtype)
+
+
+def _end_live_beams(
+    ended: List[List[_Hypothesis]], beam_scores: Tensor, generated: Tensor, length_penalty: float
+) -> None:
+    """Beams still live at the end stop at the length limit: each one with a finite score (batch, beams) joins
+    its batch element's ended hypotheses, with every token of ``generated`` (batch * beams, length)."""
+    batch, beams = beam_scores.shape
     final_scores = beam_scores.cpu()
     for b in range(batch):
         for j in range(beams):
@@ -319,7 +328,6 @@ def beam_search(
             if raw != float("-inf"):
                 length = generated.shape[1]
                 ended[b].append(_Hypothesis(_normalized(raw, length, length_penalty), generated[b * beams + j]))
-    return _collect(ended, prompt, beams, eos_id, score_dtype)
 
 
 def _cannot_improve(
