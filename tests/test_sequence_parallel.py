@@ -286,3 +286,17 @@ def test_an_unsupported_mechanism_is_refused_before_communicating():
         finally:
             dist.destroy_process_group()
             store.unlink(missing_ok=True)
+
+
+def test_the_supported_mechanisms_are_read_from_the_registry():
+    """The causal kernelized mechanisms, each accepted as it is built by default; the refusal lists them."""
+    from attnzoo.parallel.sequence import sequence_parallel_mechanisms
+
+    supported = sequence_parallel_mechanisms()
+    assert set(supported) == {"linear", "performer", "rfa", "retention", "gla"}
+    for name in supported:
+        assert sequence_parallel_reasons(attnzoo.build_mechanism(name, heads=2, head_dim=4)) == [], name
+    refusal = sequence_parallel_reasons(attnzoo.build_mechanism("softmax", heads=2, head_dim=4))
+    assert len(refusal) == 1 and all(name in refusal[0] for name in supported)
+    shrunk = attnzoo.build_mechanism("performer", heads=2, head_dim=4, shrinkage=True)
+    assert "non-causal" in sequence_parallel_reasons(shrunk)[0]

@@ -397,3 +397,28 @@ def test_adapter_validates_its_arguments():
     with pytest.raises(TypeError, match="MultiHeadAttention"):
         SwappedAttention(nn.Linear(2, 2), batch_first=True)
     assert isinstance(attention.attention, MultiHeadAttention)
+
+
+def test_what_only_exact_attention_does_is_read_from_the_instances_kind():
+    """softmax with quiet=True is no longer exact softmax attention: like any other mechanism it refuses an
+    arbitrary mask and the weights, and the refusal names the mechanisms that take them."""
+    from attnzoo.dropin.swapped import exact_mechanisms
+
+    assert "softmax" in exact_mechanisms() and "performer" not in exact_mechanisms()
+    model = encoder()
+    swap_attention(model, "softmax", quiet=True)
+    attention = model.layers[0].self_attn
+    x = randn(2, 6, DIM)
+    with pytest.raises(UnsupportedOptionError, match="attn_mask.*mechanism='softmax' takes any mask"):
+        attention(x, x, x, attn_mask=arbitrary_bool(6, 6), need_weights=False)
+    with pytest.raises(UnsupportedOptionError, match="need_weights"):
+        attention(x, x, x)
+    exact = encoder()
+    swap_attention(exact, "softmax")
+    out, weights = exact.layers[0].self_attn(x, x, x, attn_mask=arbitrary_bool(6, 6))
+    assert weights.shape == (2, 6, 6) and torch.isfinite(out).all()
+
+
+def test_add_zero_attn_is_refused_pointing_to_quiet_attention():
+    with pytest.raises(ValueError, match="add_zero_attn.*mechanism='softmax' with quiet=True is the closest"):
+        swap_attention(nn.ModuleList([nn.MultiheadAttention(DIM, HEADS, add_zero_attn=True)]), "linear")
