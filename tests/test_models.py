@@ -780,3 +780,19 @@ def test_the_mechanism_name_check_can_fail(tmp_path):
     assert _mechanisms_named(path, {"performer", "linear"}) == {"performer", "linear"}
     path.write_text('"""Works with "performer" (a docstring)."""\nname = "softmax"\n')
     assert _mechanisms_named(path, {"performer", "linear"}) == set()
+
+
+def test_the_old_module_paths_and_exports_keep_working():
+    """Split by role, the models are still importable by the names and paths they had."""
+    from attnzoo.models import transformer
+
+    before = {"AttentionFusion", "AttentionSpec", "BlockConfig", "CopyDecoderState", "CopyMemory", "DecoderLayer",
+              "EncoderLayer", "FeedForward", "GatedAttentionUnit", "GatedDecoderLayer", "GatedEncoderLayer",
+              "LayerState", "Decoder", "DecoderState", "Encoder", "LanguageModel", "PointerGenerator",
+              "ReversibleDecoder", "ReversibleEncoder", "Seq2SeqTransformer", "SequenceClassifier", "SequenceTagger",
+              "TokenEmbedding"}
+    assert before <= set(attnzoo.models.__all__)
+    for name in ("CopyDecoderState", "Decoder", "DecoderState", "Encoder", "LanguageModel", "Seq2SeqTransformer",
+                 "SequenceClassifier", "SequenceTagger", "TokenEmbedding"):
+        assert getattr(transformer, name) is getattr(attnzoo.models, name), name
+    assert callable(transformer.check_tokens) and callable(transformer.check_padding_mask)

@@ -18,6 +18,7 @@ from .config import AttentionSpec, BlockConfig, attention_slot
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
 
+StackT = TypeVar("StackT", bound="_LayerStack")
 
 
 class _LayerStack(nn.Module):
