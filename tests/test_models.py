@@ -4,6 +4,7 @@ mechanism options, pooling, clear errors for bad input, and one checked BlockCon
 import ast
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from attnzoo import (
     SequenceClassifier,
     SequenceTagger,
 )
-from attnzoo.models import AttentionSpec, BlockConfig, DecoderLayer, EncoderLayer
+from attnzoo.models import AttentionSpec, BlockConfig, DecoderLayer, EncoderLayer, ModelConfig, ReversibleDecoder
+from attnzoo.models.gau import UNIT_MECHANISMS
 from attnzoo.state import select_batch
 from decoding_helpers import incremental_logits
 
@@ -578,3 +580,219 @@ def test_a_source_longer_than_max_length_is_refused_whatever_the_positions():
             model(tokens(1, 7), tokens(1, 3))
         with pytest.raises(ValueError, match="max_length"):
             model.prefill(tokens(1, 7), tokens(1, 1))
+
+
+# -- one ModelConfig behind the token models -----------------------------------------------------------------
+MODEL_OPTIONS = dict(dim=16, heads=2, depth=2, ff_dim=24, activation="swiglu", dropout=0.1, positional="learned",
+                     max_length=12, self_attention="linear", layer_norm_eps=1e-6, ff_chunks=2, token_shift=True)
+
+
+def _same_parameters(ours, theirs):
+    ours, theirs = ours.state_dict(), theirs.state_dict()
+    return list(ours) == list(theirs) and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+@pytest.mark.parametrize("model", ["LanguageModel", "SequenceClassifier", "SequenceTagger"])
+def test_token_models_built_from_a_model_config_equal_those_built_from_keywords(model):
+    config = ModelConfig(VOCAB, **MODEL_OPTIONS)
+    build_from_keywords = {
+        "LanguageModel": lambda: LanguageModel(VOCAB, **MODEL_OPTIONS),
+        "SequenceClassifier": lambda: SequenceClassifier(VOCAB, 3, **MODEL_OPTIONS, pooling="cls"),
+        "SequenceTagger": lambda: SequenceTagger(VOCAB, 3, **MODEL_OPTIONS),
+    }[model]
+    build_from_config = {
+        "LanguageModel": lambda: LanguageModel.from_config(config),
+        "SequenceClassifier": lambda: SequenceClassifier.from_config(config, 3, pooling="cls"),
+        "SequenceTagger": lambda: SequenceTagger.from_config(config, 3),
+    }[model]
+    torch.manual_seed(0)
+    from_keywords = build_from_keywords()
+    torch.manual_seed(0)
+    from_config = build_from_config()
+    assert type(from_config).__name__ == model
+    assert from_keywords.config == from_config.config == config
+    assert _same_parameters(from_config, from_keywords)
+    assert from_config.config.block_config == BlockConfig(
+        16, 2, ff_dim=24, activation="swiglu", dropout=0.1, layer_norm_eps=1e-6, ff_chunks=2,
+        self_attention=AttentionSpec("linear"))
+    sequence = tokens(2, 6)
+    from_config.eval(), from_keywords.eval()
+    torch.testing.assert_close(from_config(sequence), from_keywords(sequence), atol=0, rtol=0)
+
+
+def test_model_config_makes_rotary_layers_and_reversible_stacks():
+    config = ModelConfig(VOCAB, dim=16, heads=2, positional="rotary", reversible=True)
+    assert config.block_config.rotary
+    assert isinstance(LanguageModel.from_config(config).decoder, ReversibleDecoder)
+    assert replace(config, positional="none").block_config.rotary is False
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: ModelConfig(0), ValueError, "vocab_size"),
+        (lambda: ModelConfig(VOCAB, dim=16, heads=3), ValueError, "dim=16 is not divisible by heads=3"),
+        (lambda: ModelConfig(VOCAB, depth=0), ValueError, "depth"),
+        (lambda: ModelConfig(VOCAB, positional="alibi"), ValueError, "positional"),
+        (lambda: ModelConfig(VOCAB, positional="learned"), ValueError, "max_length"),
+        (lambda: ModelConfig(VOCAB, max_length=0), ValueError, "max_length"),
+        (lambda: ModelConfig(VOCAB, self_attention="nonesuch"), ValueError, "self_attention"),
+        (lambda: ModelConfig(VOCAB, self_attention_options=["scale"]), TypeError, "self_attention_options"),
+        (lambda: ModelConfig(VOCAB, token_shift="yes"), TypeError, "token_shift"),
+        (lambda: ModelConfig(VOCAB, reversible=1), TypeError, "reversible"),
+        (lambda: ModelConfig(VOCAB, reversible=True, norm_first=False), ValueError, "norm_first=True"),
+        (lambda: ModelConfig(VOCAB, dim=16, heads=2, reversible=True, block="gau"), ValueError,
+         "reversible=True needs block='attention'"),
+        (lambda: LanguageModel.from_config(BlockConfig(16, 2)), TypeError, "config must be a ModelConfig"),
+        (lambda: SequenceTagger.from_config(ModelConfig(VOCAB), 0), ValueError, "num_classes"),
+        (lambda: SequenceClassifier.from_config(ModelConfig(VOCAB), 3, pooling="max"), ValueError, "pooling"),
+    ],
+)
+def test_model_config_checks_every_option_naming_it(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_model_config_is_frozen():
+    config = ModelConfig(VOCAB)
+    with pytest.raises(AttributeError):
+        config.dim = 32
+
+
+# -- the gated block "flash" is now "flash_gau" --------------------------------------------------------------
+@pytest.mark.parametrize("build", [
+    lambda: BlockConfig(16, 2, block="flash"),
+    lambda: ModelConfig(VOCAB, dim=16, heads=2, block="flash"),
+    lambda: LanguageModel(VOCAB, 16, 2, 1, block="flash", block_options={"chunk_size": 4}),
+    lambda: Encoder(16, 2, 1, block="flash"),
+])
+def test_the_old_block_name_flash_is_refused_naming_the_new_one(build):
+    with pytest.raises(ValueError, match="block 'flash' was renamed 'flash_gau'"):
+        build()
+
+
+def test_flash_gau_blocks_build_their_own_mechanism():
+    model = LanguageModel(VOCAB, 16, 2, 1, block="flash_gau", block_options={"chunk_size": 4})
+    assert model.decoder.layers[0].attention.name == UNIT_MECHANISMS["flash_gau"]
+    assert set(UNIT_MECHANISMS) == set(attnzoo.models.config.BLOCKS) - {"attention"}
+    assert set(UNIT_MECHANISMS.values()) <= set(attnzoo.available())
+
+
+# -- the modules of attnzoo.models ---------------------------------------------------------------------------
+MODELS_PACKAGE = Path(attnzoo.models.__file__).resolve().parent
+
+
+def _model_imports(sources):
+    """{module: set of the modules of the same package it imports}, parsed from {module name: source}; a
+    relative import ("from .x import y", "from . import x") or an absolute one ("attnzoo.models.x"), at module
+    level or inside a function. "from . import name" of a name that is no module is an import of __init__."""
+    graph = {}
+    for module, source in sources.items():
+        imported = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                imported.update(name.split(".")[0] if name.split(".")[0] in sources else "__init__" for name in names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attnzoo.models."):
+                imported.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                imported.update(a.name.split(".")[2] for a in node.names if a.name.startswith("attnzoo.models."))
+        graph[module] = imported - {module}
+    return graph
+
+
+def _import_cycles(graph):
+    """Every cycle of the import graph, each as a list of modules from one back to itself (depth-first)."""
+    cycles, finished = [], set()
+
+    def visit(module, path):
+        if module in path:
+            cycles.append(path[path.index(module):] + [module])
+            return
+        if module in finished:
+            return
+        for imported in sorted(graph.get(module, ())):
+            visit(imported, path + [module])
+        finished.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return cycles
+
+
+def test_no_two_model_modules_import_each_other():
+    sources = {path.stem: path.read_text() for path in MODELS_PACKAGE.glob("*.py")}
+    graph = _model_imports(sources)
+    assert graph["reversible"] >= {"stacks"} and graph["language"] >= {"reversible", "stacks"}
+    assert _import_cycles(graph) == []
+
+
+def test_the_import_cycle_check_can_fail():
+    pair = {"a": "from .b import B", "b": "def f():\n    from .a import A", "c": "from attnzoo.models.d import D",
+            "d": "import attnzoo.models.c", "e": "from . import a"}
+    graph = _model_imports(pair)
+    assert graph == {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}, "e": {"a"}}
+    assert sorted(map(tuple, _import_cycles(graph))) == [("a", "b", "a"), ("c", "d", "c")]
+    assert _import_cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == [["x", "y", "z", "x"]]
+
+
+def _code_strings(source):
+    """The string constants of ``source`` that are not docstrings (a string standing alone as a statement),
+    f-string parts included."""
+    tree = ast.parse(source)
+    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+                  and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+# The gated blocks are the architectures their attention mechanisms were published with: their names are block
+# names too, and gau.py builds each block's mechanism (UNIT_MECHANISMS).
+GATED_BLOCK_FILES = {"config.py", "gau.py"}
+
+
+def _mechanisms_named(path, mechanisms):
+    """Registered mechanism names (other than the default softmax) that ``path`` uses as a whole string in code,
+    or whose own module it imports from mechanisms/ or functional/."""
+    source = path.read_text()
+    named = {text for text in _code_strings(source) if text in mechanisms}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            if len(parts) >= 2 and parts[-2] in ("mechanisms", "functional") and parts[-1] in mechanisms:
+                named.add(parts[-1])
+    return named
+
+
+def test_model_modules_name_no_mechanism_but_the_default_and_their_own_blocks():
+    mechanisms = set(attnzoo.available()) - {"softmax"}
+    for path in sorted(MODELS_PACKAGE.glob("*.py")):
+        named = _mechanisms_named(path, mechanisms)
+        if path.name in GATED_BLOCK_FILES:
+            named -= set(UNIT_MECHANISMS) | set(UNIT_MECHANISMS.values())
+        assert not named, f"models/{path.name} names the mechanisms {sorted(named)}: read a declaration instead"
+
+
+def test_the_mechanism_name_check_can_fail(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text('"""Works with "performer" (a docstring)."""\n'
+                    'if name == "performer":\n    pass\nfrom ..functional.linear import x\n')
+    assert _mechanisms_named(path, {"performer", "linear"}) == {"performer", "linear"}
+    path.write_text('"""Works with "performer" (a docstring)."""\nname = "softmax"\n')
+    assert _mechanisms_named(path, {"performer", "linear"}) == set()
+
+
+def test_the_old_module_paths_and_exports_keep_working():
+    """Split by role, the models are still importable by the names and paths they had."""
+    from attnzoo.models import transformer
+
+    before = {"AttentionFusion", "AttentionSpec", "BlockConfig", "CopyDecoderState", "CopyMemory", "DecoderLayer",
+              "EncoderLayer", "FeedForward", "GatedAttentionUnit", "GatedDecoderLayer", "GatedEncoderLayer",
+              "LayerState", "Decoder", "DecoderState", "Encoder", "LanguageModel", "PointerGenerator",
+              "ReversibleDecoder", "ReversibleEncoder", "Seq2SeqTransformer", "SequenceClassifier", "SequenceTagger",
+              "TokenEmbedding"}
+    assert before <= set(attnzoo.models.__all__)
+    for name in ("CopyDecoderState", "Decoder", "DecoderState", "Encoder", "LanguageModel", "Seq2SeqTransformer",
+                 "SequenceClassifier", "SequenceTagger", "TokenEmbedding"):
+        assert getattr(transformer, name) is getattr(attnzoo.models, name), name
+    assert callable(transformer.check_tokens) and callable(transformer.check_padding_mask)

@@ -1,22 +1,21 @@
-"""Transformer layers and models built on :class:`attnzoo.MultiHeadAttention`."""
+"""Transformer layers and models built on :class:`attnzoo.MultiHeadAttention`.
 
-from .config import AttentionSpec, BlockConfig
+By role: :mod:`.config` (BlockConfig, ModelConfig), :mod:`.layers` and :mod:`.gau` (one layer),
+:mod:`.stacks` and :mod:`.reversible` (stacks of layers), :mod:`.embeddings` and :mod:`.inputs`,
+:mod:`.language` (language model, classifier, tagger), :mod:`.seq2seq` (encoder-decoder) with its
+:mod:`.pointer`, :mod:`.nat`, :mod:`.cross_attention` and :mod:`.monotonic` options, :mod:`.fusion`.
+"""
+
+from .config import AttentionSpec, BlockConfig, ModelConfig
 from .fusion import AttentionFusion
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
 from .reversible import ReversibleDecoder, ReversibleEncoder
 from .pointer import CopyMemory, PointerGenerator
-from .transformer import (
-    CopyDecoderState,
-    Decoder,
-    DecoderState,
-    Encoder,
-    LanguageModel,
-    Seq2SeqTransformer,
-    SequenceClassifier,
-    SequenceTagger,
-    TokenEmbedding,
-)
+from .embeddings import TokenEmbedding
+from .language import LanguageModel, SequenceClassifier, SequenceTagger
+from .seq2seq import CopyDecoderState, Seq2SeqTransformer
+from .stacks import Decoder, DecoderState, Encoder
 
 __all__ = [
     "AttentionFusion",
@@ -35,6 +34,7 @@ __all__ = [
     "DecoderState",
     "Encoder",
     "LanguageModel",
+    "ModelConfig",
     "PointerGenerator",
     "ReversibleDecoder",
     "ReversibleEncoder",

@@ -1,49 +1,66 @@
-"""What a Transformer block is made of, checked once.
+"""What a Transformer block and a token model are made of, checked once.
 
 :class:`BlockConfig` holds the options that every encoder and decoder layer shares (width, heads, feed-forward,
 norm placement, dropout, rotary positions) and one :class:`AttentionSpec` per attention slot. The layers take a
 config; the stacks and models keep their keyword arguments and turn them into one config, so each option is
 checked here, by the shared helpers of :mod:`attnzoo._validation`, whichever constructor it was given to.
+:class:`ModelConfig` holds the options of a token model (:class:`~attnzoo.models.LanguageModel`,
+:class:`~attnzoo.models.SequenceClassifier`, :class:`~attnzoo.models.SequenceTagger`): its vocabulary,
+depth, positions and embedding, and the options of its layers, from which it makes their :class:`BlockConfig`.
 
 ``block`` chooses what a layer is: attention + feed-forward (``"attention"``, the default), or one gated
 attention unit (Hua et al. 2022) in their place, with quadratic attention (``"gau"``) or FLASH's mixed chunk
-attention (``"flash"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit_options`.
+attention (``"flash_gau"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit_options`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import available
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
-BLOCKS = ("attention", "gau", "flash")
+POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
+BLOCKS = ("attention", "gau", "flash_gau")
 """What a layer is: attention + feed-forward, or one gated attention unit with quadratic ("gau") or mixed chunk
-("flash") attention."""
+("flash_gau", FLASH) attention."""
+
+RENAMED_BLOCKS = {"flash": "flash_gau"}
+"""Old block names and their new ones: "flash" read as Dao et al.'s FlashAttention, which FLASH is not."""
 
 GATED_UNIT_OPTIONS = {"shared_dim": None, "expansion_dim": None, "scores": "relu2", "chunk_size": 256}
 """The options of a gated attention unit (``block_options``) with their defaults; ``chunk_size`` is FLASH's."""
+
+
+def check_block(block: object, choices: Sequence[str] = BLOCKS) -> str:
+    """``block`` if it is one of ``choices``; an old name is refused with its new one, anything else with the
+    valid names."""
+    if isinstance(block, str) and block in RENAMED_BLOCKS:
+        new = RENAMED_BLOCKS[block]
+        raise ValueError(f"block {block!r} was renamed {new!r} (FLASH's mixed chunk attention, Hua et al. 2022, "
+                         f"not FlashAttention): pass block={new!r}")
+    return check_choice("block", block, tuple(choices))
 
 
 def gated_unit_options(block: str, dim: int, rotary: bool, options: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """The checked options of a gated attention unit of width ``dim``, defaults filled in.
 
     Args:
-        block: "gau" or "flash".
+        block: "gau" or "flash_gau".
         options: any of
 
             * ``shared_dim``: s, the width of the shared projection Z the query and key forms are made from;
               ``min(128, dim)`` by default (the paper's 128), at most ``dim``.
             * ``expansion_dim``: e, the width of the gate U and the values V; ``2 * dim`` by default.
             * ``scores``: "relu2" (squared ReLU, the paper's) or "softmax".
-            * ``chunk_size``: FLASH's chunk length c (256 by default); ``block="flash"`` only.
+            * ``chunk_size``: FLASH's chunk length c (256 by default); ``block="flash_gau"`` only.
 
     Returns:
         All four options, ``shared_dim`` and ``expansion_dim`` resolved (``chunk_size`` None for "gau").
     """
-    check_choice("block", block, BLOCKS[1:])
+    check_block(block, BLOCKS[1:])
     given = dict(options or {})
     unknown = sorted(set(given) - set(GATED_UNIT_OPTIONS))
     if unknown:
@@ -52,7 +69,7 @@ def gated_unit_options(block: str, dim: int, rotary: bool, options: Optional[Map
             f"{', '.join(GATED_UNIT_OPTIONS)}"
         )
     if block == "gau" and "chunk_size" in given:
-        raise ValueError("block_options: chunk_size is an option of block='flash' (mixed chunk attention); "
+        raise ValueError("block_options: chunk_size is an option of block='flash_gau' (mixed chunk attention); "
                          "block='gau' attends over the whole sequence")
     resolved = {**GATED_UNIT_OPTIONS, **given}
     shared = check_number("shared_dim", resolved["shared_dim"], integer=True, minimum=1, optional=True)
@@ -66,7 +83,7 @@ def gated_unit_options(block: str, dim: int, rotary: bool, options: Optional[Map
     resolved["shared_dim"] = shared
     resolved["expansion_dim"] = 2 * dim if expansion is None else expansion
     check_choice("scores", resolved["scores"], ("relu2", "softmax"))
-    if block == "flash":
+    if block == "flash_gau":
         check_positive_int("chunk_size", resolved["chunk_size"])
     else:
         resolved["chunk_size"] = None
@@ -136,7 +153,7 @@ class BlockConfig:
             In training, the slices of a plain stack keep their activations for the backward pass; reversible
             stacks (``reversible=True``) also recompute and differentiate slice by slice.
         block: "attention" (attention + feed-forward), or one gated attention unit in their place: "gau"
-            (quadratic attention) or "flash" (mixed chunk attention). A gated unit is single-head and has its
+            (quadratic attention) or "flash_gau" (mixed chunk attention). A gated unit is single-head and has its
             own attention and gating, so ``self_attention`` (other than the default), ``self_attention_options``,
             ``cross_attention``, ``ff_dim``, ``activation`` (other than the default) and ``ff_chunks`` are refused
             with it, naming the option; ``heads`` only has to divide ``dim``. ``rotary`` rotates its query and
@@ -181,7 +198,7 @@ class BlockConfig:
         if self.memory_dim is not None and self.cross_attention is None:
             raise ValueError("memory_dim given but cross_attention=None (no memory to attend to)")
         check_positive_int("ff_chunks", self.ff_chunks)
-        check_choice("block", self.block, BLOCKS)
+        check_block(self.block)
         options = self.block_options
         if options is not None and not (isinstance(options, Mapping) and all(isinstance(key, str) for key in options)):
             raise TypeError(f"block_options must be a dict of options (names to values) or None, got "
@@ -189,7 +206,7 @@ class BlockConfig:
         if self.block == "attention":
             if options:
                 raise ValueError("block_options given but block='attention': they are options of a gated attention "
-                                 "unit (block='gau' or block='flash')")
+                                 "unit (block='gau' or block='flash_gau')")
             return
         self._check_gated_unit()
 
@@ -219,3 +236,92 @@ class BlockConfig:
         Worked out on each read rather than stored, so that ``dataclasses.replace(config, dim=...)`` follows
         the new width."""
         return 4 * self.dim if self.ff_dim is None else self.ff_dim
+
+
+def check_reversible(config: BlockConfig) -> None:
+    """Refuse, naming the option, a config whose layers a reversible stack cannot couple."""
+    if config.block != "attention":
+        raise ValueError(
+            f"reversible=True needs block='attention': its couplings pair each layer's attention and feed-forward "
+            f"branches, and a block={config.block!r} unit is one branch"
+        )
+    if not config.norm_first:
+        raise ValueError(
+            "reversible=True needs norm_first=True: a post-norm residual norm(x + f(x)) cannot be undone from its "
+            "output, which the reversible backward pass relies on"
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The options of a token model: :class:`~attnzoo.models.LanguageModel`,
+    :class:`~attnzoo.models.SequenceClassifier` and :class:`~attnzoo.models.SequenceTagger` (each has
+    ``from_config(config, ...)``; their keyword constructors make one of these).
+
+    Args:
+        vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
+        ff_dim, activation, norm_first, dropout, layer_norm_eps, ff_chunks, block, block_options: as for
+            :class:`BlockConfig`; ``block`` "gau" or "flash_gau" makes every layer a gated attention unit, and
+            ``depth`` then counts units.
+        positional: one of :data:`POSITIONAL_KINDS`: "sinusoidal", "learned" (needs ``max_length``), "rotary"
+            (rotates queries and keys in every self-attention) or "none".
+        max_length: the longest sequence, required by ``positional="learned"``; None: no limit.
+        self_attention, self_attention_options: mechanism name and options of every self-attention.
+        reversible: reversible stacks (:mod:`attnzoo.models.reversible`): pre-norm attention layers only.
+        token_shift: half of each position's embedding features come from the token before it (see
+            :class:`~attnzoo.models.TokenEmbedding`); needs ``dim >= 2``.
+
+    Every option is checked when the config is made, each error naming the option; :attr:`block_config` is the
+    checked :class:`BlockConfig` of the model's layers (``rotary`` when ``positional="rotary"``).
+    """
+
+    vocab_size: int
+    dim: int = 128
+    heads: int = 4
+    depth: int = 2
+    ff_dim: Optional[int] = None
+    activation: str = "gelu"
+    norm_first: bool = True
+    dropout: float = 0.0
+    positional: str = "sinusoidal"
+    max_length: Optional[int] = None
+    self_attention: str = "softmax"
+    self_attention_options: Optional[Mapping[str, Any]] = None
+    layer_norm_eps: float = 1e-5
+    ff_chunks: int = 1
+    reversible: bool = False
+    block: str = "attention"
+    block_options: Optional[Mapping[str, Any]] = None
+    token_shift: bool = False
+    block_config: BlockConfig = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # In the order the embedding, then the layers, then the stack used to check them.
+        check_positive_int("vocab_size", self.vocab_size)
+        check_positive_int("dim", self.dim)
+        check_probability("dropout", self.dropout)
+        if check_bool("token_shift", self.token_shift) and self.dim < 2:
+            raise ValueError(f"token_shift needs dim >= 2 (half the features are shifted), got dim={self.dim}")
+        check_choice("positional", self.positional, POSITIONAL_KINDS)
+        if self.positional == "learned" and self.max_length is None:
+            raise ValueError("positional='learned' needs max_length (the longest sequence), got None")
+        check_number("max_length", self.max_length, integer=True, minimum=1, optional=True)
+        layers = BlockConfig(
+            self.dim, self.heads, ff_dim=self.ff_dim, activation=self.activation, norm_first=self.norm_first,
+            dropout=self.dropout, layer_norm_eps=self.layer_norm_eps, rotary=self.positional == "rotary",
+            self_attention=AttentionSpec(self.self_attention, self.self_attention_options),
+            ff_chunks=self.ff_chunks, block=self.block, block_options=self.block_options,
+        )
+        check_positive_int("depth", self.depth)
+        if check_bool("reversible", self.reversible):
+            check_reversible(layers)
+        # A field worked out from the others (a frozen dataclass sets it through object.__setattr__).
+        object.__setattr__(self, "block_config", layers)
+
+
+def check_model_config(config: object) -> ModelConfig:
+    """``config`` if it is a :class:`ModelConfig` (what ``from_config`` of a token model takes)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, e.g. ModelConfig(vocab_size=256), got "
+                        f"{type(config).__name__}")
+    return config

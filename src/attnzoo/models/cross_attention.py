@@ -1,4 +1,4 @@
-"""The cross-attention weights of a :class:`~attnzoo.models.transformer.Seq2SeqTransformer`, seen from outside:
+"""The cross-attention weights of a :class:`~attnzoo.models.seq2seq.Seq2SeqTransformer`, seen from outside:
 recomputed from the queries and keys its softmax cross-attention receives, the attention itself untouched.
 
 Used by the guide loss of training (:mod:`attnzoo.training.seq2seq`) and by monotonic decoding
@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Tuple
 from torch import Tensor
 
 from ..mechanisms.base import UnsupportedOptionError
-from .transformer import Seq2SeqTransformer
+from .seq2seq import Seq2SeqTransformer
 
 
 class CrossAttentionWeights:

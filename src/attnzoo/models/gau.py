@@ -8,11 +8,11 @@ One unit takes the place of attention + feed-forward in a block, (batch, seq, di
     x + dropout((U * A V) W_out + b_out)
 
 The attention makes its query and key forms from Z by learned per-dimension scales and offsets (the paper's
-shared-projection trick, inside the ``gau`` and ``flash`` mechanisms of :mod:`attnzoo.mechanisms.flash`),
+shared-projection trick, inside the mechanism each block builds, :data:`UNIT_MECHANISMS`),
 rotated by their positions when the model uses rotary positions. ``block="gau"`` attends over the whole
-sequence with squared-ReLU scores scaled by the number of keys seen (quadratic time); ``block="flash"`` uses
+sequence with squared-ReLU scores scaled by the number of keys seen (quadratic time); ``block="flash_gau"`` uses
 mixed chunk attention: exact inside chunks of ``chunk_size`` positions, linear across them (linear time, and a
-decoding state of constant size). The exact scalings are in :mod:`attnzoo.functional.flash`.
+decoding state of constant size). The exact scalings are in the functional module of those mechanisms.
 
 With e = 2 * dim, a unit has about 6 dim^2 parameters, half of an attention + feed-forward block with
 ``ff_dim = 4 * dim`` (12 dim^2): two units stand in for one block, as in the paper.
@@ -30,10 +30,15 @@ from ..mechanisms import build_mechanism
 from .config import BlockConfig, gated_unit_options
 from .layers import LayerState, _Sublayer
 
+# block -> the attention mechanism its unit builds. Each gated block is the architecture that its mechanism was
+# published with (Hua et al. 2022: GAU, and FLASH's mixed chunk attention), so the block builds that mechanism
+# by name: the one place in this package where a mechanism other than the default is named.
+UNIT_MECHANISMS = {"gau": "gau", "flash_gau": "flash"}
+
 
 class GatedAttentionUnit(nn.Module):
     """One GAU or FLASH layer (see the module docstring), built from a :class:`BlockConfig` with
-    ``block="gau"`` or ``block="flash"``; ``causal`` for decoder stacks.
+    ``block="gau"`` or ``block="flash_gau"``; ``causal`` for decoder stacks.
 
     Args:
         config: the block's options; ``config.block_options`` holds the unit's own (``shared_dim``,
@@ -46,7 +51,7 @@ class GatedAttentionUnit(nn.Module):
         if not isinstance(config, BlockConfig):
             raise TypeError(f"config must be a BlockConfig, got {type(config).__name__}")
         if config.block == "attention":
-            raise ValueError("a GatedAttentionUnit needs a BlockConfig with block='gau' or block='flash'")
+            raise ValueError("a GatedAttentionUnit needs a BlockConfig with block='gau' or block='flash_gau'")
         self.config = config
         self.causal = causal
         options = gated_unit_options(config.block, config.dim, config.rotary, config.block_options)
@@ -54,9 +59,9 @@ class GatedAttentionUnit(nn.Module):
         self.block = _Sublayer(config)
         self.in_proj = nn.Linear(config.dim, 2 * self.expansion_dim + self.shared_dim)
         mechanism_options = {"scores": options["scores"], "rotary": config.rotary}
-        if config.block == "flash":
+        if options["chunk_size"] is not None:
             mechanism_options["chunk_size"] = options["chunk_size"]
-        self.attention = build_mechanism(config.block, 1, self.shared_dim, **mechanism_options)
+        self.attention = build_mechanism(UNIT_MECHANISMS[config.block], 1, self.shared_dim, **mechanism_options)
         self.out_proj = nn.Linear(self.expansion_dim, config.dim)
 
     def _gates(self, h: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -168,4 +173,4 @@ class GatedDecoderLayer(GatedAttentionUnit):
         return out, LayerState(attention_state)
 
 
-__all__ = ["GatedAttentionUnit", "GatedDecoderLayer", "GatedEncoderLayer"]
+__all__ = ["GatedAttentionUnit", "GatedDecoderLayer", "GatedEncoderLayer", "UNIT_MECHANISMS"]

@@ -1,4 +1,4 @@
-"""Monotonic cross-attention at inference for a :class:`~attnzoo.models.transformer.Seq2SeqTransformer`.
+"""Monotonic cross-attention at inference for a :class:`~attnzoo.models.seq2seq.Seq2SeqTransformer`.
 
 An explicit option of incremental decoding (``monotonic=MonotonicInference(...)`` in :mod:`attnzoo.decoding`):
 every decoding step's cross-attention, in every decoder layer, sees only a window of the source around a
@@ -33,7 +33,8 @@ from .._validation import check_number, check_positive_int
 from ..functional.monotonic import advance_focus, initial_focus, monotonic_window_mask
 from ..mechanisms.base import UnsupportedOptionError
 from .cross_attention import CrossAttentionWeights
-from .transformer import DecoderState, Seq2SeqTransformer
+from .seq2seq import Seq2SeqTransformer
+from .stacks import DecoderState
 
 
 @dataclass(frozen=True)

@@ -25,14 +25,15 @@ A post-norm residual ``norm(x + f(x))`` cannot be undone, so reversible stacks n
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor, nn
 
-from .config import BlockConfig
+from .._validation import check_bool
+from .config import BlockConfig, check_reversible
 from .layers import DecoderLayer, LayerState, _Sublayer
-from .transformer import Decoder, DecoderState, Encoder
+from .stacks import Decoder, DecoderState, Encoder
 
 # A branch of a coupling: the stream it reads (batch, seq, dim) and the extra tensor inputs of the stack (the
 # memory of cross-attention, or nothing) -> what it adds to the other stream (batch, seq, dim).
@@ -193,19 +194,6 @@ def reversible_streams(
     return (y1 + y2) / 2
 
 
-def _check_pre_norm(config: BlockConfig) -> None:
-    if config.block != "attention":
-        raise ValueError(
-            f"reversible=True needs block='attention': its couplings pair each layer's attention and feed-forward "
-            f"branches, and a block={config.block!r} unit is one branch"
-        )
-    if not config.norm_first:
-        raise ValueError(
-            "reversible=True needs norm_first=True: a post-norm residual norm(x + f(x)) cannot be undone from its "
-            "output, which the reversible backward pass relies on"
-        )
-
-
 # -- stacks --------------------------------------------------------------------------------------------------
 class ReversibleEncoder(Encoder):
     """A reversible stack of :class:`EncoderLayer` (see the module docstring), (batch, seq, dim) -> (batch, seq, dim).
@@ -222,7 +210,7 @@ class ReversibleEncoder(Encoder):
 
     @classmethod
     def _check_config(cls, config: BlockConfig) -> None:
-        _check_pre_norm(config)
+        check_reversible(config)
 
     def couplings(self, *, key_padding_mask: Optional[Tensor] = None) -> List[Coupling]:
         """The couplings of the stack's forward pass, two per layer."""
@@ -260,7 +248,7 @@ class ReversibleDecoder(Decoder):
 
     @classmethod
     def _check_config(cls, config: BlockConfig) -> None:
-        _check_pre_norm(config)
+        check_reversible(config)
 
     @staticmethod
     def _layer_couplings(
@@ -364,4 +352,17 @@ class ReversibleDecoder(Decoder):
         return out, DecoderState(states, state.position + 1, state.memory_padding_mask)
 
 
-__all__ = ["Coupling", "ReversibleDecoder", "ReversibleEncoder", "reversible_streams"]
+# -- the choice of a model's stacks ------------------------------------------------------------------------
+def encoder_class(reversible: bool) -> Type[Encoder]:
+    """The encoder stack of a model built with this ``reversible`` option: :class:`ReversibleEncoder` or
+    :class:`~attnzoo.models.Encoder`."""
+    return ReversibleEncoder if check_bool("reversible", reversible) else Encoder
+
+
+def decoder_class(reversible: bool) -> Type[Decoder]:
+    """The decoder stack of a model built with this ``reversible`` option: :class:`ReversibleDecoder` or
+    :class:`~attnzoo.models.Decoder`."""
+    return ReversibleDecoder if check_bool("reversible", reversible) else Decoder
+
+
+__all__ = ["Coupling", "ReversibleDecoder", "ReversibleEncoder", "decoder_class", "encoder_class", "reversible_streams"]

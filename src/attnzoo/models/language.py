@@ -1,0 +1,282 @@
+"""The token models on one token sequence: a decoder-only language model, a sequence classifier and a sequence
+tagger, each built from one :class:`~attnzoo.models.config.ModelConfig`.
+
+They run: token embedding -> positional encoding -> a stack of layers -> final norm (pre-norm only) -> head.
+``Model.from_config(config, ...)`` builds one from a config; the keyword constructors take the config's fields
+as arguments and make the config, so both check every option in one place. Padding masks are (batch, seq) bool
+tensors, True marking padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from .._validation import check_choice, check_positive_int
+from .config import ModelConfig, check_model_config
+from .embeddings import TokenEmbedding
+from .inputs import check_padding_mask, check_tokens
+from .nat import mean_over_positions
+from .reversible import decoder_class, encoder_class
+from .stacks import DecoderState
+
+POOLING_KINDS = ("mean", "cls")
+
+TokenModelT = TypeVar("TokenModelT", bound=nn.Module)
+
+
+def _blank(cls: Type[TokenModelT]) -> TokenModelT:
+    """An instance of ``cls`` with only ``nn.Module``'s own set-up done, for ``from_config`` to build on; it
+    skips the keyword constructor, whose only work is to make the config that ``from_config`` is given."""
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    return model
+
+
+def _embedding(config: ModelConfig, max_length: Optional[int]) -> TokenEmbedding:
+    return TokenEmbedding(config.vocab_size, config.dim, config.positional, max_length, config.dropout,
+                          config.token_shift)
+
+
+class LanguageModel(nn.Module):
+    """Decoder-only (GPT-style) language model: tokens (batch, seq) -> next-token logits (batch, seq, vocab).
+
+    Args: the fields of :class:`~attnzoo.models.config.ModelConfig`, in particular:
+        vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
+        ff_dim, activation, norm_first, dropout, layer_norm_eps, ff_chunks: as for :class:`BlockConfig`.
+        positional: "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none".
+        max_length: the longest sequence, required by ``positional="learned"``.
+        self_attention, self_attention_options: mechanism name and options of every self-attention.
+        reversible: a :class:`~attnzoo.models.reversible.ReversibleDecoder` (Kitaev et al. 2020) instead of a
+            :class:`Decoder`: the same layers coupled reversibly, so training keeps the activations of one
+            branch instead of every layer's (pre-norm only). Decoding works the same way.
+        block, block_options: "attention" (attention + feed-forward layers, the default), or gated attention
+            units in their place (Hua et al. 2022): "gau" (quadratic) or "flash_gau" (mixed chunk attention,
+            linear time, constant-size decoding state); see :class:`BlockConfig` and :mod:`attnzoo.models.gau`.
+            A unit has about half the parameters of an attention + feed-forward layer, so ``depth`` counts units.
+        token_shift: half of each position's embedding features come from the token before it (see
+            :class:`TokenEmbedding`); the decoding state then keeps the last token.
+
+    ``LanguageModel.from_config(config)`` builds one from a :class:`ModelConfig`; ``model.config`` is its config.
+
+    Decoding: ``logits, state = model.prefill(prompt)`` then ``logits_t, state = model.step(token_t, state)``;
+    see :mod:`attnzoo.decoding` for greedy, sampling and beam search.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        dim: int = 128,
+        heads: int = 4,
+        depth: int = 2,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
+        token_shift: bool = False,
+    ) -> None:
+        super().__init__()
+        self._build(ModelConfig(
+            vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
+            dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
+            self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
+            reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
+        ))
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "LanguageModel":
+        """The language model of ``config``."""
+        model = _blank(cls)
+        model._build(check_model_config(config))
+        return model
+
+    def _build(self, config: ModelConfig) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embedding = _embedding(config, config.max_length)
+        self.decoder = decoder_class(config.reversible).from_config(config.block_config, config.depth)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, vocab)."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        check_padding_mask("padding_mask", padding_mask, tokens)
+        x = self.embedding(tokens, padding_mask=padding_mask)
+        return self.head(self.decoder(x, padding_mask=padding_mask))
+
+    def _keep_last(self, state: DecoderState, tokens: Tensor) -> DecoderState:
+        return replace(state, last_tokens=tokens[:, -1]) if self.embedding.token_shift else state
+
+    def prefill(self, tokens: Tensor) -> Tuple[Tensor, DecoderState]:
+        """Run a prompt (batch, seq); returns its logits (batch, seq, vocab) and the decoding state."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        hidden, state = self.decoder.prefill(self.embedding(tokens))
+        return self.head(hidden), self._keep_last(state, tokens)
+
+    def step(self, token_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
+        """Feed one token per sequence, token_t (batch,); returns the next logits (batch, vocab) and the state."""
+        check_tokens("token_t", token_t, self.vocab_size, rank=1)
+        if not isinstance(state, DecoderState):
+            raise TypeError(f"state must be the DecoderState returned by prefill or step, got {type(state).__name__}")
+        if self.embedding.token_shift and (state.last_tokens is None or state.last_tokens.shape != token_t.shape):
+            raise ValueError("state does not hold the last token of each sequence that token_shift needs (shape "
+                             f"{tuple(token_t.shape)}): pass the state this model's prefill or step returned")
+        x_t = self.embedding(token_t[:, None], start=state.position, previous=state.last_tokens)
+        hidden, state = self.decoder.step(x_t, state)
+        return self.head(hidden[:, 0]), self._keep_last(state, token_t[:, None])
+
+
+class SequenceClassifier(nn.Module):
+    """Encoder-only classifier: tokens (batch, seq) -> class logits (batch, num_classes).
+
+    ``pooling="mean"`` averages the final vectors of the non-padding positions; ``pooling="cls"`` prepends a
+    learned classification vector (at position 0) and reads its final vector. With ``positional="learned"``,
+    ``max_length`` counts the tokens only. Other arguments as for :class:`LanguageModel` (``reversible``: a
+    :class:`~attnzoo.models.reversible.ReversibleEncoder`; ``block``: bidirectional gated units).
+    ``SequenceClassifier.from_config(config, num_classes, pooling=...)`` builds one from a :class:`ModelConfig`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        dim: int = 128,
+        heads: int = 4,
+        depth: int = 2,
+        *,
+        pooling: str = "mean",
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
+        token_shift: bool = False,
+    ) -> None:
+        super().__init__()
+        check_positive_int("num_classes", num_classes)
+        self._build(ModelConfig(
+            vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
+            dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
+            self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
+            reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
+        ), num_classes, pooling)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, num_classes: int, *, pooling: str = "mean") -> "SequenceClassifier":
+        """The classifier of ``config`` into ``num_classes`` classes, pooling its positions by ``pooling``."""
+        model = _blank(cls)
+        model._build(check_model_config(config), check_positive_int("num_classes", num_classes), pooling)
+        return model
+
+    def _build(self, config: ModelConfig, num_classes: int, pooling: str) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
+        use_cls = pooling == "cls"
+        positions = None if config.max_length is None else config.max_length + int(use_cls)
+        self.embedding = _embedding(config, positions)
+        self.cls = nn.Parameter(torch.randn(1, 1, config.dim) * 0.02) if use_cls else None
+        self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
+        self.head = nn.Linear(config.dim, num_classes)
+
+    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, classes)."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        check_padding_mask("padding_mask", padding_mask, tokens)
+        x = self.embedding.embed_tokens(tokens, padding_mask)
+        if self.cls is not None:
+            x = torch.cat([self.cls.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
+            if padding_mask is not None:
+                padding_mask = torch.cat([padding_mask.new_zeros(x.shape[0], 1), padding_mask], dim=1)
+        hidden = self.encoder(self.embedding.add_positions(x), key_padding_mask=padding_mask)
+        if self.cls is not None:
+            return self.head(hidden[:, 0])
+        return self.head(mean_over_positions(hidden, padding_mask))
+
+
+class SequenceTagger(nn.Module):
+    """Encoder-only tagger: tokens (batch, seq) -> a label's logits at every position (batch, seq, num_classes).
+
+    The encoder is bidirectional (no causal mask), so every mechanism can serve it; padded positions are
+    masked as keys and their own logits are meaningless (leave them out of the loss). Used for per-position
+    tasks such as associative recall. Arguments as for :class:`SequenceClassifier`, without pooling;
+    ``SequenceTagger.from_config(config, num_classes)`` builds one from a :class:`ModelConfig`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        dim: int = 128,
+        heads: int = 4,
+        depth: int = 2,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        positional: str = "sinusoidal",
+        max_length: Optional[int] = None,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        reversible: bool = False,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
+        token_shift: bool = False,
+    ) -> None:
+        super().__init__()
+        check_positive_int("num_classes", num_classes)
+        self._build(ModelConfig(
+            vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
+            dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
+            self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
+            reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
+        ), num_classes)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, num_classes: int) -> "SequenceTagger":
+        """The tagger of ``config`` into ``num_classes`` labels per position."""
+        model = _blank(cls)
+        model._build(check_model_config(config), check_positive_int("num_classes", num_classes))
+        return model
+
+    def _build(self, config: ModelConfig, num_classes: int) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embedding = _embedding(config, config.max_length)
+        self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
+        self.head = nn.Linear(config.dim, num_classes)
+
+    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns
+        (batch, seq, num_classes)."""
+        check_tokens("tokens", tokens, self.vocab_size)
+        check_padding_mask("padding_mask", padding_mask, tokens)
+        x = self.embedding(tokens, padding_mask=padding_mask)
+        return self.head(self.encoder(x, key_padding_mask=padding_mask))
+
+
+__all__ = ["LanguageModel", "POOLING_KINDS", "SequenceClassifier", "SequenceTagger"]

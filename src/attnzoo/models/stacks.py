@@ -1,0 +1,200 @@
+"""Encoder and decoder stacks on vectors, (batch, seq, dim) -> (batch, seq, dim), built from one
+:class:`~attnzoo.models.config.BlockConfig`.
+
+Each stack holds ``depth`` layers of one kind, chosen by the config's ``block``: attention + feed-forward layers
+(:mod:`attnzoo.models.layers`) or gated attention units (:mod:`attnzoo.models.gau`). The reversible stacks of
+:mod:`attnzoo.models.reversible` are subclasses of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar
+
+from torch import Tensor, nn
+
+from .._validation import check_bool, check_positive_int
+from .config import AttentionSpec, BlockConfig, attention_slot
+from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
+from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
+
+StackT = TypeVar("StackT", bound="_LayerStack")
+
+
+class _LayerStack(nn.Module):
+    """``depth`` layers of ``layer_type`` built from one :class:`BlockConfig` (kept as ``config``), closed by a
+    layer norm in a pre-norm stack (post-norm layers already end with one)."""
+
+    layer_type: ClassVar[Type[_Block]]
+    gated_layer_type: ClassVar[Type[GatedAttentionUnit]]
+    """The layer of a stack whose config names a gated block (``block="gau"`` or ``block="flash_gau"``)."""
+
+    def __init__(self, config: BlockConfig, depth: int) -> None:
+        super().__init__()
+        check_positive_int("depth", depth)
+        self._check_config(config)
+        self.config = config
+        layer_type = self.layer_type if config.block == "attention" else self.gated_layer_type
+        self.layers = nn.ModuleList(layer_type(config) for _ in range(depth))
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+
+    @classmethod
+    def _check_config(cls, config: BlockConfig) -> None:
+        """Refuse a config this kind of stack cannot run (naming the option); every config by default."""
+
+    @classmethod
+    def from_config(cls: Type[StackT], config: BlockConfig, depth: int) -> StackT:
+        """The stack of ``depth`` layers built from ``config``, for callers that hold a config already
+        (the token models build theirs once from their own arguments)."""
+        # Skips the subclass's keyword constructor: all it does is make the config that is given here.
+        stack = cls.__new__(cls)
+        _LayerStack.__init__(stack, config, depth)
+        return stack
+
+
+class Encoder(_LayerStack):
+    """A stack of :class:`EncoderLayer` on vectors, (batch, seq, dim) -> (batch, seq, dim).
+
+    Like ``torch.nn.TransformerEncoder``: no embedding; with pre-norm a final layer norm closes the stack.
+    Arguments are the fields of :class:`BlockConfig` (``self_attention`` and ``self_attention_options`` for
+    its ``self_attention`` spec) plus ``depth``, the number of layers. ``Encoder.from_config(config, depth)``
+    builds one from a config.
+    """
+
+    layer_type = EncoderLayer
+    gated_layer_type = GatedEncoderLayer
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        depth: int,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        rotary: bool = False,
+        layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=rotary, ff_chunks=ff_chunks,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
+            block=block, block_options=block_options,
+        )
+        super().__init__(config, depth)
+
+    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding."""
+        for layer in self.layers:
+            x = layer(x, key_padding_mask=key_padding_mask)
+        return self.norm(x)
+
+
+@dataclass
+class DecoderState:
+    """Decoding state of a :class:`Decoder`: one :class:`LayerState` per layer, the next position, and the
+    memory's padding mask (batch, seq_mem) or None. Reorder beams with :func:`attnzoo.state.select_batch`.
+
+    ``last_tokens`` (batch,): the last token fed, kept by a :class:`LanguageModel` with ``token_shift`` (its
+    next embedding needs it); None otherwise."""
+
+    layers: List[LayerState]
+    position: int
+    memory_padding_mask: Optional[Tensor] = None
+    last_tokens: Optional[Tensor] = None
+
+
+class Decoder(_LayerStack):
+    """A stack of :class:`DecoderLayer` on vectors, (batch, seq, dim) -> (batch, seq, dim); causal.
+
+    Arguments are the fields of :class:`BlockConfig` (each attention slot as ``<slot>`` and
+    ``<slot>_options``) plus ``depth``; ``cross_attention=None`` gives a decoder-only stack (no memory).
+    ``Decoder.from_config(config, depth)`` builds one from a config. Incremental decoding: :meth:`prefill`,
+    then :meth:`step`.
+    """
+
+    layer_type = DecoderLayer
+    gated_layer_type = GatedDecoderLayer
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        depth: int,
+        *,
+        ff_dim: Optional[int] = None,
+        activation: str = "gelu",
+        norm_first: bool = True,
+        dropout: float = 0.0,
+        self_attention: str = "softmax",
+        self_attention_options: Optional[Dict[str, Any]] = None,
+        cross_attention: Optional[str] = "softmax",
+        cross_attention_options: Optional[Dict[str, Any]] = None,
+        memory_dim: Optional[int] = None,
+        rotary: bool = False,
+        layer_norm_eps: float = 1e-5,
+        ff_chunks: int = 1,
+        block: str = "attention",
+        block_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        config = BlockConfig(
+            dim, heads, ff_dim=ff_dim, activation=activation, norm_first=norm_first, dropout=dropout,
+            layer_norm_eps=layer_norm_eps, rotary=rotary, ff_chunks=ff_chunks,
+            self_attention=AttentionSpec(self_attention, self_attention_options),
+            cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
+            memory_dim=memory_dim, block=block, block_options=block_options,
+        )
+        super().__init__(config, depth)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Optional[Tensor] = None,
+        *,
+        padding_mask: Optional[Tensor] = None,
+        memory_padding_mask: Optional[Tensor] = None,
+        causal: bool = True,
+    ) -> Tensor:
+        """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim) or None without cross-attention;
+        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding.
+        ``causal=False``: bidirectional self-attention (non-autoregressive decoding)."""
+        if not check_bool("causal", causal) and self.config.block != "attention":
+            raise ValueError(f"causal=False needs attention layers; block={self.config.block!r} units are causal")
+        # Gated units take no causal argument (they are causal only, refused above).
+        bidirectional = {} if causal else {"causal": False}
+        for layer in self.layers:
+            x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask, **bidirectional)
+        return self.norm(x)
+
+    def prefill(
+        self, x: Tensor, memory: Optional[Tensor] = None, *, memory_padding_mask: Optional[Tensor] = None
+    ) -> Tuple[Tensor, DecoderState]:
+        """Causal pass over a prefix x (batch, seq, dim), projecting the memory once for the later steps.
+
+        Returns the output (batch, seq, dim) and the :class:`DecoderState` after the prefix.
+        """
+        states = []
+        for layer in self.layers:
+            x, layer_state = layer.prefill(x, layer.project_memory(memory), memory_padding_mask)
+            states.append(layer_state)
+        return self.norm(x), DecoderState(states, x.shape[1], memory_padding_mask)
+
+    def step(self, x_t: Tensor, state: DecoderState) -> Tuple[Tensor, DecoderState]:
+        """One position: x_t (batch, 1, dim) -> (batch, 1, dim) and the new state."""
+        if not isinstance(state, DecoderState):
+            raise TypeError(f"state must be the DecoderState returned by prefill or step, got {type(state).__name__}")
+        states = []
+        for layer, layer_state in zip(self.layers, state.layers):
+            x_t, layer_state = layer.step(x_t, layer_state, state.memory_padding_mask)
+            states.append(layer_state)
+        return self.norm(x_t), DecoderState(states, state.position + 1, state.memory_padding_mask)
+
+
+__all__ = ["Decoder", "DecoderState", "Encoder"]
