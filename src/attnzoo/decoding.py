@@ -27,7 +27,10 @@ from torch import Tensor
 from ._validation import check_positive_int
 from .models.monotonic import MonotonicInference, check_monotonic, monotonic_prefill, monotonic_step
 from .models.nat import check_lengths, predicted_lengths
-from .models.transformer import DecoderState, LanguageModel, Seq2SeqTransformer, check_padding_mask, check_tokens
+from .models.inputs import check_padding_mask, check_tokens
+from .models.language import LanguageModel
+from .models.seq2seq import Seq2SeqTransformer
+from .models.stacks import DecoderState
 from .state import select_batch
 
 Model = Union[LanguageModel, Seq2SeqTransformer]
