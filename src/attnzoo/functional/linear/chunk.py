@@ -15,11 +15,12 @@ Paths:
 
 * non-causal: ``phi_q @ (phi_k^T @ [v, 1])``, O(N m d) time, O(N (m + d) + m d) memory.
 * causal, chunked: within chunks of ``chunk_size`` positions the exact quadratic form, between chunks a
-  carried (m, d + 1) state; never an (N, m, d) prefix tensor. Without decay (:class:`.causal_chunks._CausalChunks`)
-  the chunks go a group of :data:`.causal_chunks.GROUP_ROWS` rows at a time (batched matmuls over the group's chunks), forward
-  in order and backward in reverse, and the backward recomputes a group's chunk scores and states from q, k,
-  v and the one state kept per group: training memory is the features, values, outputs and gradients plus
-  one group's working set, O(N (m + d) + GROUP_ROWS (chunk_size + m d / chunk_size)). With a decay, chunk
+  carried (m, d + 1) state; never an (N, m, d) prefix tensor. Without decay
+  (:class:`.causal_chunks._CausalChunks`) the chunks go a group of :data:`.causal_chunks.GROUP_ROWS` rows at a
+  time (batched matmuls over the group's chunks), forward in order and backward in reverse, and the backward
+  recomputes a group's chunk scores and states from q, k, v and the one state kept per group: training memory
+  is the features, values, outputs and gradients plus one group's working set,
+  O(N (m + d) + GROUP_ROWS (chunk_size + m d / chunk_size)). With a decay, chunk
   scores (batched over all chunks at once) and states (a short loop over chunks) cover the whole sequence,
   O(N (m + d) + (N / chunk_size) m d); the states take no more memory than the features once
   ``chunk_size >= d``.
