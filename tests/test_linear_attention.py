@@ -15,8 +15,8 @@ from attnzoo.functional import (
     linear_attention,
     linear_attention_reference,
 )
-import attnzoo.functional.linear as linear_module
-from attnzoo.functional.linear import _CausalChunks
+import attnzoo.functional.linear.causal_chunks as causal_chunks_module
+from attnzoo.functional.linear.causal_chunks import _CausalChunks
 
 
 def tensors(*shapes, seed=0, dtype=torch.float64):
@@ -183,8 +183,8 @@ def test_chunked_backward_recomputes_exactly(monkeypatch, batch_heads, length, c
     # keeps) from q, k, v and the state saved at the group's start, and carries the later chunks' gradient
     # across groups: several groups, several chunks per group, ragged last chunks, an initial state, and the
     # gradient of the outputs, of the final state, or of both (the unused one arrives as None).
-    monkeypatch.setattr(linear_module, "GROUP_ROWS", group_rows)
-    assert len(linear_module._groups(batch_heads[0] * batch_heads[1], length, chunk)) == n_groups
+    monkeypatch.setattr(causal_chunks_module, "GROUP_ROWS", group_rows)
+    assert len(causal_chunks_module._groups(batch_heads[0] * batch_heads[1], length, chunk)) == n_groups
     shapes = [(*batch_heads, length, 5), (*batch_heads, length, 5), (*batch_heads, length, 4), (*batch_heads, 5, 5)]
     q, k, v, initial = (t.requires_grad_() for t in tensors(*shapes, seed=6))
 
@@ -206,7 +206,7 @@ def test_chunked_backward_recomputes_exactly(monkeypatch, batch_heads, length, c
 def test_causal_groups_on_strided_inputs(monkeypatch, group_rows):
     # (batch, seq, heads, dim) inputs seen as (batch, heads, seq, dim): no group slice is a view, and groups
     # of one head's span, of whole sequences, or of everything must agree with the reference, gradients too.
-    monkeypatch.setattr(linear_module, "GROUP_ROWS", group_rows)
+    monkeypatch.setattr(causal_chunks_module, "GROUP_ROWS", group_rows)
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 13, 2, 3, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
     assert not q.is_contiguous()
@@ -223,7 +223,7 @@ def test_float32_chunk_states_keep_a_tiny_prefix_beside_a_large_own_term(monkeyp
     # is (tiny + 1) - 1, rounding noise of 1e-7, and those outputs were off by up to 1.4; an exclusive sum
     # proper keeps float32 within rounding of float64, forward and backward, whether the chunk states are
     # carried within one group or across groups of four chunks.
-    monkeypatch.setattr(linear_module, "GROUP_ROWS", group_rows)
+    monkeypatch.setattr(causal_chunks_module, "GROUP_ROWS", group_rows)
     g = torch.Generator().manual_seed(8)
     phi_q = torch.rand(1, 2, 64, 4, generator=g) + 0.5
     phi_k = 1e-12 * (torch.rand(1, 2, 64, 4, generator=g) + 0.5)

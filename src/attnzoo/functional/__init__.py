@@ -58,14 +58,8 @@ from .state_scan import (
     prefix_states_reference,
     split_causal_attention,
 )
-from .flash import (
-    gau_attention,
-    gau_attention_reference,
-    gau_attention_unchecked,
-    mixed_chunk_attention,
-    mixed_chunk_attention_reference,
-    mixed_chunk_attention_unchecked,
-)
+from .gau import gau_attention, gau_attention_reference, gau_attention_unchecked
+from .mixed_chunk import mixed_chunk_attention, mixed_chunk_attention_reference, mixed_chunk_attention_unchecked
 from .vq import quantize, vq_attention, vq_attention_reference, vq_attention_step, vq_attention_unchecked
 from .copy import (
     copy_weights,

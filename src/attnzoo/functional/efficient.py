@@ -53,7 +53,8 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_positive_int, check_qkv
-from .linear import _pad_seq, _with_ones, denominator_floor
+from .linear.inputs import _pad_seq, _with_ones
+from .linear.normalize import denominator_floor
 from .masks import allowed_mask, zero_padded
 
 DEFAULT_CHUNK_SIZE = 64

@@ -38,7 +38,8 @@ from .._validation import (
     check_positive_int,
     check_qkv,
 )
-from .blocksparse import BlockPlan, LocalPattern, _gather_keys, _gather_queries, _to_positions, blocksparse_plan
+from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan
+from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
 from .masks import zero_padded
 from .softmax import masked_sdpa, masked_softmax_reference
 

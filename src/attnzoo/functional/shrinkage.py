@@ -30,7 +30,9 @@ from torch import Tensor
 
 from .._validation import check_key_padding_mask
 from .._dtypes import working_dtype
-from .linear import _check_features, _prepare_keys, denominator_floor, normalize_output
+from .linear.checks import _check_features
+from .linear.inputs import _prepare_keys
+from .linear.normalize import denominator_floor, normalize_output
 
 
 def _check_halves(second_half: Tensor, nb_features: int) -> None:

@@ -36,7 +36,7 @@ independently (Sinkhorn in probability space, explicit loops, a dense N x N weig
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -460,73 +460,101 @@ def sinkhorn_attention_reference(
     """:func:`sinkhorn_attention` by explicit loops in float64: block summaries position by position, Sinkhorn
     in probability space, and the dense (seq x seq) matrix of the weights each query gives each value, built
     slot by slot. Same arguments; returns float64."""
-    batch, heads, n, dim = q.shape
+    batch, _, n, _ = q.shape
     q, k, v = q.double(), k.double(), v.double()
-    weight, bias = sort_weight.double(), sort_bias.double()
     keep = torch.ones(batch, n, dtype=torch.bool) if key_padding_mask is None else ~key_padding_mask.cpu()
     keep = keep.to(q.device)
     k, v = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
     q_clean = zero_padded(q, key_padding_mask)  # for summaries only: a padded query is no part of a block
     size = min(block_size, n)
-    count = -(-n // size)
-    starts = [i * size for i in range(count)]
+    blocks = [range(start, min(start + size, n)) for start in range(0, n, size)]
+    logits = _sort_logits_reference(q_clean, k, keep, sort_weight.double(), sort_bias.double(), blocks, causal)
+    permutation = sinkhorn_balance_reference(logits, iterations, temperature=temperature, causal=causal)
+    if sortcut is not None:
+        slots = [_sorted_slot_reference(permutation, k, keep, blocks, i, t)
+                 for i in range(min(sortcut, len(blocks))) for t in range(size)]
+        return _sortcut_weights_reference(q, slots) @ v
+    return _local_and_sorted_weights_reference(q, k, keep, permutation, blocks, size, causal) @ v
 
-    def positions(i: int) -> range:
-        return range(starts[i], min(starts[i] + size, n))
 
-    def masked_mean(x: Tensor, where: range) -> Tensor:
-        total, number = x.new_zeros(batch, heads, dim), x.new_zeros(batch, 1, 1)
-        for position in where:
-            flag = keep[:, position].double().view(batch, 1, 1)
-            total = total + flag * x[:, :, position]
-            number = number + flag
-        return total / number.clamp_min(1.0)
+def _masked_mean_reference(x: Tensor, where: range, keep: Tensor) -> Tensor:
+    """Mean of x (batch, heads, n, d) over the unpadded positions ``where`` (``keep`` (batch, n)), position by
+    position: (batch, heads, d), zero where none is kept."""
+    batch, heads, _, dim = x.shape
+    total, number = x.new_zeros(batch, heads, dim), x.new_zeros(batch, 1, 1)
+    for position in where:
+        flag = keep[:, position].double().view(batch, 1, 1)
+        total = total + flag * x[:, :, position]
+        number = number + flag
+    return total / number.clamp_min(1.0)
 
-    key_summaries = [masked_mean(k, positions(i)) for i in range(count)]
+
+def _sort_logits_reference(
+    q_clean: Tensor, k: Tensor, keep: Tensor, weight: Tensor, bias: Tensor, blocks: List[range], causal: bool
+) -> Tensor:
+    """(batch, heads, count, count) sorting logits: each block's query summary (causal: of the positions before
+    it), projected, dotted with every block's key summary, over sqrt(d)."""
+    batch, heads, _, dim = k.shape
+    count = len(blocks)
+    key_summaries = [_masked_mean_reference(k, block, keep) for block in blocks]
     if causal:
-        query_summaries = [masked_mean(q_clean, range(0, starts[i])) for i in range(count)]
+        query_summaries = [_masked_mean_reference(q_clean, range(0, block.start), keep) for block in blocks]
     else:
-        query_summaries = [masked_mean(q_clean, positions(i)) for i in range(count)]
-    logits = q.new_zeros(batch, heads, count, count)
+        query_summaries = [_masked_mean_reference(q_clean, block, keep) for block in blocks]
+    logits = k.new_zeros(batch, heads, count, count)
     for i in range(count):
         projected = torch.einsum("bhd,hde->bhe", query_summaries[i], weight) + bias
         for j in range(count):
             logits[:, :, i, j] = (projected * key_summaries[j]).sum(-1) / math.sqrt(dim)
-    permutation = sinkhorn_balance_reference(logits, iterations, temperature=temperature, causal=causal)
+    return logits
 
-    def sorted_slot(i: int, t: int) -> Tuple[Tensor, Tensor, Tensor]:
-        """Sorted block i, slot t: (key (B, H, d), the weight (B, H, n) it gives each position, whether any
-        block fills it (B, H))."""
-        mix = q.new_zeros(batch, heads, n)
-        for j in range(count):
-            position = starts[j] + t
-            if position < n:
-                mix[:, :, position] = permutation[:, :, i, j] * keep[:, position].double().view(batch, 1)
-        total = mix.sum(-1)
-        filled = total > 0
-        mix = mix / torch.where(filled, total, torch.ones_like(total))[..., None]
-        return torch.einsum("bhn,bhnd->bhd", mix, k), mix, filled
 
+def _sorted_slot_reference(
+    permutation: Tensor, k: Tensor, keep: Tensor, blocks: List[range], i: int, t: int
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Sorted block i, slot t: (key (B, H, d), the weight (B, H, n) it gives each position, whether any block
+    fills it (B, H))."""
+    batch, heads, n, _ = k.shape
+    mix = k.new_zeros(batch, heads, n)
+    for j, block in enumerate(blocks):
+        position = block.start + t
+        if position < n:
+            mix[:, :, position] = permutation[:, :, i, j] * keep[:, position].double().view(batch, 1)
+    total = mix.sum(-1)
+    filled = total > 0
+    mix = mix / torch.where(filled, total, torch.ones_like(total))[..., None]
+    return torch.einsum("bhn,bhnd->bhd", mix, k), mix, filled
+
+
+def _sortcut_weights_reference(q: Tensor, slots: List[Tuple[Tensor, Tensor, Tensor]]) -> Tensor:
+    """(batch, heads, n, n) weights of every query over the ``slots`` of the first sorted blocks alone."""
+    batch, heads, n, dim = q.shape
     dense = q.new_zeros(batch, heads, n, n)
     scale = 1.0 / math.sqrt(dim)
-    if sortcut is not None:
-        slots = [sorted_slot(i, t) for i in range(min(sortcut, count)) for t in range(size)]
-        for row in range(n):
-            logit_list = [(q[:, :, row] * key).sum(-1) * scale for key, _, _ in slots]
-            ok_list = [filled for _, _, filled in slots]
-            probabilities = masked_softmax_reference(torch.stack(logit_list, -1), torch.stack(ok_list, -1))
-            for s, (_, mix, _) in enumerate(slots):
-                dense[:, :, row] = dense[:, :, row] + probabilities[..., s : s + 1] * mix
-        return dense @ v
+    for row in range(n):
+        logit_list = [(q[:, :, row] * key).sum(-1) * scale for key, _, _ in slots]
+        ok_list = [filled for _, _, filled in slots]
+        probabilities = masked_softmax_reference(torch.stack(logit_list, -1), torch.stack(ok_list, -1))
+        for s, (_, mix, _) in enumerate(slots):
+            dense[:, :, row] = dense[:, :, row] + probabilities[..., s : s + 1] * mix
+    return dense
 
-    for i in range(count):
-        slots = [sorted_slot(i, t) for t in range(size)]
-        for row in positions(i):
+
+def _local_and_sorted_weights_reference(
+    q: Tensor, k: Tensor, keep: Tensor, permutation: Tensor, blocks: List[range], size: int, causal: bool
+) -> Tensor:
+    """(batch, heads, n, n) weights of every query over the slots of its own sorted block and the keys of its
+    local block (causal: those up to the query), one softmax over both."""
+    batch, heads, n, dim = q.shape
+    dense = q.new_zeros(batch, heads, n, n)
+    scale = 1.0 / math.sqrt(dim)
+    for i, local in enumerate(blocks):
+        slots = [_sorted_slot_reference(permutation, k, keep, blocks, i, t) for t in range(size)]
+        for row in local:
             logit_list, ok_list = [], []
             for key, _, filled in slots:
                 logit_list.append((q[:, :, row] * key).sum(-1) * scale)
                 ok_list.append(filled)
-            local = list(positions(i))
             for column in local:
                 logit_list.append((q[:, :, row] * k[:, :, column]).sum(-1) * scale)
                 visible = keep[:, column].view(batch, 1).expand(batch, heads)
@@ -538,6 +566,4 @@ def sinkhorn_attention_reference(
                 dense[:, :, row] = dense[:, :, row] + probabilities[..., s : s + 1] * mix
             for s, column in enumerate(local):
                 dense[:, :, row, column] = dense[:, :, row, column] + probabilities[..., size + s]
-    return dense @ v
-
-
+    return dense

@@ -38,16 +38,10 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from .._validation import check_floating, check_key_padding_mask, check_positive_int
-from .linear import (
-    _chunked_causal,
-    _check_features,
-    _check_log_decay,
-    _check_options,
-    _masked_keys,
-    _masked_log_decay,
-    _with_ones,
-    normalize_output,
-)
+from .linear.checks import _check_features, _check_log_decay, _check_options
+from .linear.chunk import _chunked_causal
+from .linear.inputs import _masked_keys, _masked_log_decay, _with_ones
+from .linear.normalize import normalize_output
 
 
 class PartTerms(NamedTuple):

@@ -25,7 +25,8 @@ from . import aft, efficient, fnet, linformer, nystrom, sinkhorn, synthesizer  #
 # Sparse and hashed families.
 from . import clustered, reformer, sparse  # noqa: E402,F401
 # Gated and quantized linear-time designs.
-from .flash import FlashAttention, GauAttention  # noqa: E402
+from .gau import GauAttention  # noqa: E402
+from .mixed_chunk import MixedChunkAttention  # noqa: E402
 from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 
 __all__ = [
@@ -50,8 +51,8 @@ __all__ = [
     "RandomFeatureAttention",
     "GatedLinearAttention",
     "RetentionAttention",
-    "FlashAttention",
     "GauAttention",
+    "MixedChunkAttention",
     "VQAttention",
     "auxiliary_loss",
     "update_codebooks",

@@ -422,7 +422,16 @@ def available() -> List[str]:
     return sorted(_REGISTRY)
 
 
+# Names no mechanism is registered under any more -> (the new name, what the mechanism is): refused with an
+# error that names the new one, so an old spelling never reads as merely unknown.
+_RENAMED: Dict[str, Tuple[str, str]] = {"flash": ("flash_gau", "FLASH mixed chunk attention, Hua et al. 2022")}
+
+
 def mechanism_class(name: str) -> Type[Mechanism]:
+    if isinstance(name, str) and name in _RENAMED and name not in _REGISTRY:
+        new_name, what = _RENAMED[name]
+        raise ValueError(f"mechanism {name!r} was renamed {new_name!r} ({what}); valid choices: "
+                         f"{', '.join(available())}")
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown mechanism {name!r}; valid choices: {', '.join(available())}")
     return _REGISTRY[name]

@@ -1,6 +1,7 @@
-"""GAU and FLASH (Hua et al. 2022): the functional cores against their definitions and references, the ``gau``
-and ``flash`` mechanisms beyond the conformance suite, and the gated attention unit as a block of the models
-(causal, padding, decoding equal to the full forward, gradcheck, clear errors for options that make no sense)."""
+"""GAU and FLASH (Hua et al. 2022): the functional cores against their definitions and references, the
+``gau`` and ``flash_gau`` mechanisms beyond the conformance suite (and the old name ``flash`` refused), and the
+gated attention unit as a block of the models (causal, padding, decoding equal to the full forward, gradcheck,
+clear errors for options that make no sense)."""
 
 import math
 
@@ -10,15 +11,14 @@ import torch.nn.functional as F
 
 import attnzoo
 from attnzoo import Encoder, LanguageModel, SequenceClassifier, SequenceTagger
-from attnzoo.functional.flash import (
-    squared_relu_attention,
+from attnzoo.functional.gau import (
     gau_attention,
     gau_attention_reference,
-    mixed_chunk_attention,
-    mixed_chunk_attention_reference,
     rotate,
     rotate_reference,
+    squared_relu_attention,
 )
+from attnzoo.functional.mixed_chunk import mixed_chunk_attention, mixed_chunk_attention_reference
 from attnzoo.functional.softmax import softmax_attention_reference
 from attnzoo.models import BlockConfig, Decoder, GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from attnzoo.state import select_batch
@@ -116,8 +116,8 @@ def test_mixed_chunk_attention_matches_its_reference(chunk_size, causal, scores)
         torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name, options", [("gau", {}), ("flash", {"chunk_size": 4}),
-                                           ("flash", {"chunk_size": 4, "rotary": True})])
+@pytest.mark.parametrize("name, options", [("gau", {}), ("flash_gau", {"chunk_size": 4}),
+                                           ("flash_gau", {"chunk_size": 4, "rotary": True})])
 @pytest.mark.parametrize("causal", [False, True])
 def test_padding_at_the_end_gives_what_the_sequence_gives_alone(name, options, causal):
     """A user batching sequences of several lengths gets for each what it gives alone: chunk boundaries, scales
@@ -131,8 +131,8 @@ def test_padding_at_the_end_gives_what_the_sequence_gives_alone(name, options, c
     torch.testing.assert_close(padded, alone, rtol=1e-12, atol=1e-12)
 
 
-def test_flash_decoding_state_has_a_constant_size():
-    mechanism = attnzoo.build_mechanism("flash", 2, 8, chunk_size=4).double()
+def test_flash_gau_decoding_state_has_a_constant_size():
+    mechanism = attnzoo.build_mechanism("flash_gau", 2, 8, chunk_size=4).double()
     q = randn(1, 2, 1, 8)
     state = None
     sizes = set()
@@ -142,8 +142,8 @@ def test_flash_decoding_state_has_a_constant_size():
     assert len(sizes) == 1
 
 
-def test_flash_handles_a_value_width_other_than_head_dim():
-    mechanism = attnzoo.build_mechanism("flash", 1, 4, chunk_size=3).double()
+def test_flash_gau_handles_a_value_width_other_than_head_dim():
+    mechanism = attnzoo.build_mechanism("flash_gau", 1, 4, chunk_size=3).double()
     q, k, v = randn(2, 1, 8, 4, seed=1), randn(2, 1, 8, 4, seed=2), randn(2, 1, 8, 6, seed=3)
     full = mechanism(q, k, v, causal=True)
     out, state = mechanism.prefill(q[:, :, :5], k[:, :, :5], v[:, :, :5])
@@ -156,9 +156,9 @@ def test_flash_handles_a_value_width_other_than_head_dim():
 
 
 @pytest.mark.parametrize("name, options, match", [
-    ("flash", {"chunk_size": 0}, "chunk_size"),
-    ("flash", {"chunk_size": 2.0}, "chunk_size"),
-    ("flash", {"scores": "relu"}, "scores"),
+    ("flash_gau", {"chunk_size": 0}, "chunk_size"),
+    ("flash_gau", {"chunk_size": 2.0}, "chunk_size"),
+    ("flash_gau", {"scores": "relu"}, "scores"),
     ("gau", {"scores": "sigmoid"}, "scores"),
     ("gau", {"rotary": "yes"}, "rotary"),
 ])
@@ -169,7 +169,26 @@ def test_bad_mechanism_options_raise_naming_them(name, options, match):
 
 def test_rotary_needs_an_even_head_dim():
     with pytest.raises(ValueError, match="rotary"):
-        attnzoo.build_mechanism("flash", 2, 7, rotary=True)
+        attnzoo.build_mechanism("flash_gau", 2, 7, rotary=True)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: attnzoo.build_mechanism("flash", 2, 8),
+    lambda: attnzoo.MultiHeadAttention(16, 2, mechanism="flash"),
+    lambda: attnzoo.capabilities("flash"),
+])
+def test_the_old_name_flash_is_refused_naming_the_new_one(call):
+    """The name "flash" reads as Dao et al.'s FlashAttention: it is refused with the same exception as an unknown
+    name (which the command line turns into a usage error), and the message names ``flash_gau``."""
+    assert "flash" not in attnzoo.available()
+    with pytest.raises(ValueError, match=r"mechanism 'flash' was renamed 'flash_gau' \(FLASH mixed chunk attention"):
+        call()
+    assert isinstance(attnzoo.build_mechanism("flash_gau", 2, 8), attnzoo.mechanisms.MixedChunkAttention)
+
+
+def test_a_name_never_registered_is_still_merely_unknown():
+    with pytest.raises(ValueError, match="unknown mechanism 'flashy'"):
+        attnzoo.build_mechanism("flashy", 2, 8)
 
 
 # -- the block --------------------------------------------------------------------------------------------------
