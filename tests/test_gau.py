@@ -199,7 +199,7 @@ def language_model(block, **options):
     return LanguageModel(VOCAB, **settings).double().eval()
 
 
-BLOCKS = [("gau", None), ("flash", {"chunk_size": 3}), ("flash", {"chunk_size": 4, "scores": "softmax"})]
+BLOCKS = [("gau", None), ("flash_gau", {"chunk_size": 3}), ("flash_gau", {"chunk_size": 4, "scores": "softmax"})]
 
 
 @pytest.mark.parametrize("block, options", BLOCKS)
@@ -240,7 +240,7 @@ def test_beam_search_and_greedy_decoding_run_on_gated_units(block, options):
 
 
 def test_decoding_state_follows_select_batch():
-    model = language_model("flash", block_options={"chunk_size": 3})
+    model = language_model("flash_gau", block_options={"chunk_size": 3})
     sequence = tokens(3, 8, seed=3)
     _, state = model.prefill(sequence[:, :5])
     index = torch.tensor([2, 0])
@@ -315,25 +315,25 @@ def test_the_default_block_is_unchanged():
 
 @pytest.mark.parametrize("build, error, match", [
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", self_attention="performer"), ValueError, "self_attention"),
-    (lambda: LanguageModel(VOCAB, 16, 2, block="flash", self_attention_options={"scale": 0.5}), ValueError,
+    (lambda: LanguageModel(VOCAB, 16, 2, block="flash_gau", self_attention_options={"scale": 0.5}), ValueError,
      "self_attention_options"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", ff_dim=32), ValueError, "ff_dim"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", activation="swiglu"), ValueError, "activation"),
-    (lambda: Encoder(16, 2, 1, block="flash", ff_chunks=2), ValueError, "ff_chunks"),
+    (lambda: Encoder(16, 2, 1, block="flash_gau", ff_chunks=2), ValueError, "ff_chunks"),
     (lambda: Decoder(16, 2, 1, block="gau"), ValueError, "cross_attention"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", reversible=True), ValueError, "reversible"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gated"), ValueError, "block"),
     (lambda: LanguageModel(VOCAB, 16, 2, block_options={"chunk_size": 4}), ValueError, "block_options"),
-    (lambda: LanguageModel(VOCAB, 16, 2, block="flash", block_options={"chunk": 4}), TypeError, "chunk"),
+    (lambda: LanguageModel(VOCAB, 16, 2, block="flash_gau", block_options={"chunk": 4}), TypeError, "chunk"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", block_options={"chunk_size": 4}), ValueError, "chunk_size"),
-    (lambda: LanguageModel(VOCAB, 16, 2, block="flash", block_options={"chunk_size": 0}), ValueError, "chunk_size"),
+    (lambda: LanguageModel(VOCAB, 16, 2, block="flash_gau", block_options={"chunk_size": 0}), ValueError, "chunk_size"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", block_options={"shared_dim": 32}), ValueError, "shared_dim"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", block_options={"expansion_dim": 1.5}), TypeError,
      "expansion_dim"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", block_options={"scores": "relu"}), ValueError, "scores"),
     (lambda: LanguageModel(VOCAB, 16, 2, block="gau", positional="rotary", block_options={"shared_dim": 5}),
      ValueError, "shared_dim"),
-    (lambda: BlockConfig(16, 2, block="flash", block_options=[("chunk_size", 4)]), TypeError, "block_options"),
+    (lambda: BlockConfig(16, 2, block="flash_gau", block_options=[("chunk_size", 4)]), TypeError, "block_options"),
 ])
 def test_options_that_make_no_sense_for_a_gated_unit_raise_naming_them(build, error, match):
     with pytest.raises(error, match=match):
@@ -341,13 +341,13 @@ def test_options_that_make_no_sense_for_a_gated_unit_raise_naming_them(build, er
 
 
 def test_a_gated_decoder_layer_refuses_memory():
-    layer = GatedDecoderLayer(BlockConfig(16, 2, block="flash"))
+    layer = GatedDecoderLayer(BlockConfig(16, 2, block="flash_gau"))
     with pytest.raises(ValueError, match="memory"):
         layer(torch.randn(1, 3, 16), torch.randn(1, 2, 16))
 
 
 def test_flash_trains_a_language_model_one_step():
-    model = LanguageModel(VOCAB, 16, 2, 2, block="flash", block_options={"chunk_size": 4}).double()
+    model = LanguageModel(VOCAB, 16, 2, 2, block="flash_gau", block_options={"chunk_size": 4}).double()
     sequence = tokens(2, 12, seed=7)
     loss = F.cross_entropy(model(sequence)[:, :-1].reshape(-1, VOCAB), sequence[:, 1:].reshape(-1))
     loss.backward()

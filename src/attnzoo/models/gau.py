@@ -33,7 +33,7 @@ from .layers import LayerState, _Sublayer
 # block -> the attention mechanism its unit builds. Each gated block is the architecture that its mechanism was
 # published with (Hua et al. 2022: GAU, and FLASH's mixed chunk attention), so the block builds that mechanism
 # by name: the one place in this package where a mechanism other than the default is named.
-UNIT_MECHANISMS = {"gau": "gau", "flash_gau": "flash"}
+UNIT_MECHANISMS = {"gau": "gau", "flash_gau": "flash_gau"}
 
 
 class GatedAttentionUnit(nn.Module):
