@@ -144,3 +144,144 @@ def test_refused_swaps_leave_the_model_as_it_was(build, mechanism, options, erro
 def test_a_plain_module_is_refused():
     with pytest.raises(TypeError, match="PreTrainedModel"):
         use_attnzoo(torch.nn.Linear(2, 2), "softmax")
+
+
+# -- static caches, save and load, scaling, compile, more architectures, attention weights ------------------------
+def mistral(window=4):
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=window, bos_token_id=1, eos_token_id=2)
+    return transformers.MistralForCausalLM(config).double().eval()
+
+
+def qwen2():
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      bos_token_id=1, eos_token_id=2)
+    return transformers.Qwen2ForCausalLM(config).double().eval()
+
+
+def swapped(build, mechanism, **options):
+    theirs = randomize(build())
+    ours = copy.deepcopy(theirs)
+    use_attnzoo(ours, mechanism, **options)
+    return theirs, ours
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("mechanism,options", [("softmax", {}), ("performer", {"nb_features": 16, "seed": 0})])
+def test_static_cache_generates_what_the_dynamic_cache_generates(build, mechanism, options):
+    """The static cache's unfilled slots are never attended to: with left padding too."""
+    theirs, ours = swapped(build, mechanism, **options)
+    ids, mask = batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    dynamic = ours.generate(ids, **kwargs)
+    assert torch.equal(ours.generate(ids, cache_implementation="static", **kwargs), dynamic)
+    if mechanism == "softmax":
+        assert torch.equal(dynamic, theirs.generate(ids, **kwargs))
+    # a step over an explicit StaticCache gives the full pass's logits
+    cache = transformers.StaticCache(config=ours.config, max_cache_len=20)
+    ours(ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+    step = ours(ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(step, ours(ids, attention_mask=mask).logits[:, -1], atol=1e-10, rtol=1e-8)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("mechanism,options", [("performer", {"nb_features": 16, "seed": 0}), ("gla", {})])
+def test_save_and_load_restore_the_mechanism_and_its_tensors(tmp_path, build, mechanism, options):
+    from attnzoo.dropin.hf import from_pretrained
+
+    _, model = swapped(build, mechanism, **options)
+    with torch.no_grad():  # tensors a fresh build would not draw again: only the saved ones make logits equal
+        for name, tensor in model.state_dict().items():
+            if MECHANISM_ATTRIBUTE in name and tensor.is_floating_point():
+                tensor.add_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(1), dtype=tensor.dtype))
+    assert model.config.attnzoo == {"mechanism": mechanism, "options": options}
+    model.save_pretrained(tmp_path)
+    ids, mask = batch()
+    reloaded = from_pretrained(type(model), tmp_path, dtype=torch.float64).eval()
+    assert reloaded.config._attn_implementation == IMPLEMENTATION
+    torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
+                               atol=1e-12, rtol=1e-10)
+    plain = type(model).from_pretrained(tmp_path, dtype=torch.float64)  # not silently sdpa: it says what to call
+    with pytest.raises(RuntimeError, match=r"attnzoo\.dropin\.hf\.from_pretrained"):
+        plain(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("setting", [{}, {"scale_attn_weights": False}, {"scale_attn_by_inverse_layer_idx": True},
+                                     {"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True}])
+def test_gpt2_scaling_is_honoured_or_refused(setting):
+    build = lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(  # noqa: E731
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=64, **setting)).double().eval()
+    ids, mask = batch()
+    keep = mask.bool()
+    for mechanism, options in (("local", {"window": 32}), ("softmax", {})):
+        theirs, ours = swapped(build, mechanism, **options)
+        torch.testing.assert_close(ours(ids, attention_mask=mask).logits[keep],
+                                   theirs(ids, attention_mask=mask).logits[keep], atol=1e-12, rtol=1e-10)
+    if setting:
+        with pytest.raises(UnsupportedOptionError, match=r"scales its logits.*linear has no logit scale"):
+            use_attnzoo(build(), "linear")
+    else:
+        use_attnzoo(build(), "linear")
+
+
+@pytest.mark.parametrize("build,mechanism,options", [(gpt2, "softmax", {}), (llama, "softmax", {}),
+                                                     (llama, "local", {"window": 4})], ids=["gpt2", "llama", "local"])
+def test_fullgraph_compile_equals_eager(build, mechanism, options):
+    """dynamo traces the whole forward, mask function included, as one graph (backend="eager": the same graph
+    run without code generation, so the test takes seconds)."""
+    _, model = swapped(build, mechanism, **options)
+    ids, mask = batch()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, attention_mask=mask, use_cache=False).logits,
+                                   model(ids, attention_mask=mask, use_cache=False).logits, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("build,mechanism,options", [(lambda: mistral(window=4), "softmax", {}),
+                                                     (lambda: mistral(window=64), "softmax", {}),
+                                                     (lambda: mistral(window=4), "local", {}),
+                                                     (qwen2, "softmax", {})],
+                         ids=["mistral-window-4", "mistral-window-64", "mistral-local", "qwen2"])
+def test_mistral_and_qwen2_match_their_own_attention(build, mechanism, options):
+    theirs, ours = swapped(build, mechanism, **options)
+    ids, mask = batch()
+    keep = mask.bool()
+    torch.testing.assert_close(ours(ids, attention_mask=mask).logits[keep],
+                               theirs(ids, attention_mask=mask).logits[keep], atol=1e-10, rtol=0)
+    if mechanism == "softmax":
+        kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **kwargs), theirs.generate(ids, **kwargs))
+
+
+def test_a_sliding_window_a_mechanism_cannot_honour_is_refused():
+    model = mistral(window=4)
+    state, _, implementation = snapshot(model)
+    with pytest.raises(UnsupportedOptionError, match=r"sliding_window=4.*performer cannot honour"):
+        use_attnzoo(model, "performer", nb_features=8)
+    assert model.config._attn_implementation == implementation and not hasattr(model.config, "attnzoo")
+
+
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama"])
+def test_output_attentions_gives_softmax_weights_or_refuses(build):
+    theirs, ours = swapped(build, "softmax")
+    ids, mask = batch()
+    got = ours(ids, attention_mask=mask, output_attentions=True)
+    torch.testing.assert_close(got.logits, ours(ids, attention_mask=mask).logits, atol=1e-12, rtol=1e-10)
+    assert len(got.attentions) == 2
+    keep = mask.bool()
+    for weights in got.attentions:  # (batch, heads, seq, seq): causal rows over the tokens, summing to one
+        assert weights.shape == (2, 4, 9, 9) and not weights.isnan().any()
+        assert torch.all(weights.triu(1) == 0) and torch.all(weights[1, :, :, :3] == 0)
+        torch.testing.assert_close(weights.sum(-1)[keep[:, None, :].expand(2, 4, 9)],
+                                   torch.ones(2 * 4 * 9 - 4 * 3, dtype=weights.dtype))
+    if build is gpt2:  # eager attention returns the same weights (llama's eager gives NaN in padding rows)
+        theirs.set_attn_implementation("eager")
+        rows = keep[:, None, :, None]
+        for g, e in zip(got.attentions, theirs(ids, attention_mask=mask, output_attentions=True).attentions):
+            torch.testing.assert_close(g * rows, e * rows, atol=1e-12, rtol=1e-10)
+    _, other = swapped(build, "performer", nb_features=8, seed=0)
+    with pytest.raises(UnsupportedOptionError, match="output_attentions=True: performer"):
+        other(ids, attention_mask=mask, output_attentions=True)

@@ -422,3 +422,26 @@ def test_what_only_exact_attention_does_is_read_from_the_instances_kind():
 def test_add_zero_attn_is_refused_pointing_to_quiet_attention():
     with pytest.raises(ValueError, match="add_zero_attn.*mechanism='softmax' with quiet=True is the closest"):
         swap_attention(nn.ModuleList([nn.MultiheadAttention(DIM, HEADS, add_zero_attn=True)]), "linear")
+
+
+def test_a_checkpoint_of_the_unswapped_model_loads_into_the_swapped_one():
+    """torch's state-dict keys (packed in_proj_weight/in_proj_bias, separate q/k/v_proj_weight, out_proj) load into
+    the swapped modules by a load hook, and give the original outputs under softmax."""
+    original = encoder()
+    swapped = randomize(encoder(), seed=9)  # other weights: only the loaded ones can make it equal
+    swap_attention(swapped, "softmax")
+    checkpoint = original.state_dict()
+    assert any(key.endswith("in_proj_weight") for key in checkpoint)
+    assert swapped.load_state_dict(checkpoint).missing_keys == []
+    x, mask = randn(3, 7, DIM, seed=4), padding(3, 7)
+    torch.testing.assert_close(swapped(x, src_key_padding_mask=mask), original(x, src_key_padding_mask=mask),
+                               atol=1e-12, rtol=1e-10)
+    separate = randomize(nn.MultiheadAttention(DIM, HEADS, kdim=12, vdim=12, batch_first=True).double())
+    holder = nn.Sequential(copy.deepcopy(separate))
+    holder[0].load_state_dict({k: torch.zeros_like(v) for k, v in holder[0].state_dict().items()})
+    swap_attention(holder, "softmax")
+    holder.load_state_dict(nn.Sequential(separate).state_dict())
+    q, kv = randn(2, 5, DIM, seed=5), randn(2, 6, 12, seed=6)
+    torch.testing.assert_close(holder[0](q, kv, kv)[0], separate(q, kv, kv)[0], atol=1e-12, rtol=1e-10)
+    # the swapped module's own keys still load as they are
+    assert swapped.load_state_dict(swapped.state_dict()).missing_keys == []

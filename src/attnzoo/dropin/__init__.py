@@ -4,7 +4,9 @@
   by a :class:`SwappedAttention` (``nn.MultiheadAttention``'s call signature around attnzoo's attention), with
   :mod:`~attnzoo.dropin.masks` translating torch's masks and :mod:`~attnzoo.dropin.swapped` holding the module.
 * :mod:`~attnzoo.dropin.hf`: :func:`use_attnzoo` runs Hugging Face ``transformers`` models on a mechanism through
-  that library's attention-function registry (``transformers`` is imported only when it is called).
+  that library's attention-function registry (``transformers`` is imported only when it is called), with
+  :mod:`~attnzoo.dropin.hf_attention` (the functions registered there) and :mod:`~attnzoo.dropin.hf_save`
+  (a saved swap's tensors read back by :func:`~attnzoo.dropin.hf.from_pretrained`).
 
 docs/dropin.md has the semantics, the exceptions and measurements.
 """

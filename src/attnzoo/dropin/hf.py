@@ -1,47 +1,55 @@
 """attnzoo inside Hugging Face ``transformers`` models, through the library's own attention-function registry.
 
 ``use_attnzoo(model, "performer", nb_features=64)`` gives every self-attention module of a BERT-style encoder, a
-GPT-2 or a Llama-style decoder its own attnzoo mechanism (a submodule named ``attnzoo_mechanism``, so its
-parameters train, save and move with the model), registers one attention function and one mask function under
-the name ``"attnzoo"`` in ``transformers``' ``AttentionInterface`` and ``AttentionMaskInterface``, and switches the
-model to it with ``model.set_attn_implementation("attnzoo")``. The models' own projections, rotary embeddings
-and KV cache run as before; the mechanism replaces what happens between them:
+GPT-2, or a Llama-style decoder (Llama, Mistral, Qwen2) its own attnzoo mechanism (a submodule named
+``attnzoo_mechanism``, so its parameters train, save and move with the model), registers one attention function
+and one mask function under the name ``"attnzoo"`` in ``transformers``' ``AttentionInterface`` and
+``AttentionMaskInterface`` (:mod:`attnzoo.dropin.hf_attention`), records the swap in the model's config
+(``config.attnzoo``, saved by ``save_pretrained``) and switches the model to it. The models' own projections,
+rotary embeddings and KV cache run as before; the mechanism replaces what happens between them.
 
-* the mask function hands the attention function the 2-D padding mask (True = token) instead of a 4-D bias,
-  and the attention function turns it into attnzoo's ``key_padding_mask``; causality comes from the attention
-  module (``is_causal``: GPT-2 and Llama yes, a BERT encoder no), aligned bottom-right as the cache needs;
-* grouped-query attention (fewer key/value heads, Llama) repeats the key/value heads for the mechanism;
-* an exact mechanism (``Capabilities.kind == "exact"``, ``softmax``) with a ``scale`` option takes the module's
-  own ``scaling``, so a model on ``softmax`` gives the outputs it gave before;
-* ``generate()`` keeps working: each step's queries attend to the keys and values in ``transformers``' KV cache
-  (cross-attention in attnzoo's terms, causal and bottom-right aligned). Mechanisms without cross-attention but
-  with a causal kernelized recurrence (a ``KernelizedMechanism``, such as ``retention`` and ``gla``) run the step
-  as the last rows of a causal pass over the cached keys (zero queries before them, whose rows are dropped):
-  exact, O(context) per step. attnzoo's own constant-size recurrent state does not fit ``transformers``' cache of
-  keys and values and is not used here.
+Checked at swap time, each refusal naming the mechanism and what it cannot honour, with the model left as it
+was:
 
-Dropout: ``transformers`` passes attention-probability dropout in training; attnzoo applies it to the attention
-output (only exact attention forms probabilities), as :mod:`attnzoo.dropin.swap` does.
+* the model's logit scale (GPT-2's ``scale_attn_weights=False`` and ``scale_attn_by_inverse_layer_idx=True``,
+  any ``scaling`` other than ``1/sqrt(head_dim)``): taken by a mechanism's ``scale`` option, or by scaling the
+  queries for a mechanism whose logits are ``q . k / sqrt(head_dim)`` (:func:`scaling_route`); refused
+  otherwise;
+* a sliding window (Mistral's ``sliding_window``, Qwen2's sliding layers): honoured exactly by an exact
+  mechanism (it gets ``transformers``' own mask) and by a mechanism with a ``window`` option (the window
+  passed to it unless the options set one); refused for any other mechanism;
+* causal self-attention for a mechanism without a causal form.
+
+``generate()`` keeps working from the cache, dynamic or static (:mod:`attnzoo.dropin.hf_attention` says how,
+and what is refused). ``save_pretrained`` writes the record and the mechanism's tensors;
+:func:`from_pretrained` restores both (a plain ``from_pretrained`` of such a checkpoint raises at the first
+forward, saying to call it).
+
+Dropout: an exact mechanism drops attention probabilities as ``sdpa`` does; the others apply the
+attention-probability dropout ``transformers`` passes to the attention output (only exact attention forms
+probabilities), as :mod:`attnzoo.dropin.swap` does.
 
 ``transformers`` is an optional extra: ``pip install "attnzoo[hf]"``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from ..mechanisms.base import Mechanism, UnsupportedOptionError, build_mechanism, mechanism_class, mechanism_options
-from ..mechanisms.kernelized import KernelizedMechanism
-
-IMPLEMENTATION = "attnzoo"
-"""The name under which the attention and mask functions are registered in ``transformers``."""
-
-MECHANISM_ATTRIBUTE = "attnzoo_mechanism"
+from ..mechanisms.base import (
+    APPROXIMATE, EXACT, Mechanism, UnsupportedOptionError, available, build_mechanism, mechanism_class,
+    mechanism_options,
+)
+from ..mechanisms.sparse import BlockSparseAttention
+from .hf_attention import (
+    IMPLEMENTATION, MECHANISM_ATTRIBUTE, RECORD_ATTRIBUTE, attention_forward, padding_mask, register,
+)
+from .hf_save import load_mechanism_tensors
 
 
 def _transformers():
@@ -57,8 +65,15 @@ def _supported_classes() -> Dict[type, str]:
     from transformers.models.bert.modeling_bert import BertSelfAttention
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
     from transformers.models.llama.modeling_llama import LlamaAttention
+    from transformers.models.mistral.modeling_mistral import MistralAttention
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 
-    return {BertSelfAttention: "bert", GPT2Attention: "gpt2", LlamaAttention: "llama"}
+    return {BertSelfAttention: "bert", GPT2Attention: "gpt2", LlamaAttention: "llama",
+            MistralAttention: "mistral", Qwen2Attention: "qwen2"}
+
+
+ARCHITECTURES = ("bert", "gpt2", "llama", "mistral", "qwen2")
+"""The architectures :func:`use_attnzoo` serves (BERT-style encoders include the models built on BERT)."""
 
 
 def _heads(module: nn.Module, kind: str) -> Tuple[int, int]:
@@ -69,85 +84,72 @@ def _heads(module: nn.Module, kind: str) -> Tuple[int, int]:
     return module.config.num_attention_heads, module.head_dim
 
 
-# -- the functions registered in transformers -------------------------------------------------------------
-def attention_forward(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Optional[Tensor],
-    scaling: Optional[float] = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> Tuple[Tensor, None]:
-    """``transformers``' attention-function signature: query (batch, heads, seq_q, head_dim), key and value
-    (batch, kv_heads, seq_kv, head_dim) (the cache included), ``attention_mask`` (batch, seq_kv) bool from
-    :func:`padding_mask` (True = token) or None. Returns ((batch, seq_q, heads, head_dim), None): no weights."""
-    mechanism = getattr(module, MECHANISM_ATTRIBUTE, None)
-    if not isinstance(mechanism, Mechanism):
-        raise RuntimeError(
-            f"{type(module).__name__} has no attnzoo mechanism: call attnzoo.dropin.hf.use_attnzoo(model, mechanism) "
-            f"on the model rather than setting attn_implementation={IMPLEMENTATION!r} by hand"
-        )
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    q_len, k_len = query.shape[2], key.shape[2]
-    padding = None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
+def _sliding_window(module: nn.Module, kind: str) -> Optional[int]:
+    """The sliding window a module's attention runs under (Mistral: the config's; Qwen2: the module's own,
+    set on its sliding layers), or None."""
+    if kind == "mistral":
+        return getattr(module.config, "sliding_window", None)
+    if kind == "qwen2":
+        return getattr(module, "sliding_window", None)
+    return None
+
+
+# -- what a mechanism can honour ------------------------------------------------------------------------------
+OPTION, QUERIES = "option", "queries"
+
+
+def scaling_route(mechanism: Mechanism) -> Optional[str]:
+    """How a mechanism takes a logit scale other than ``1/sqrt(head_dim)``: ``"option"`` (its ``scale``
+    option), ``"queries"`` (its logits are ``q . k / sqrt(head_dim)``: an exact or approximate softmax, or
+    softmax over a fixed sparse pattern, so scaling the queries sets the scale), or None (it has no such logit
+    scale and cannot honour one). The mechanism contract declares no logit scale, so this reads the options,
+    the kind and the class."""
+    if "scale" in mechanism_options(mechanism.name):
+        return OPTION
+    if mechanism.capabilities.kind in (EXACT, APPROXIMATE) or isinstance(mechanism, BlockSparseAttention):
+        return QUERIES
+    return None
+
+
+def _windowed() -> List[str]:
+    """The registered mechanisms that can run under a sliding window: exact ones, and those with a window."""
+    return [name for name in available()
+            if mechanism_class(name).capabilities.exact or "window" in mechanism_options(name)]
+
+
+def _module_options(
+    path: str, module: nn.Module, kind: str, mechanism: str, options: Dict[str, Any]
+) -> Dict[str, Any]:
+    """The options one module's mechanism is built with: the user's, plus the module's logit scale for a
+    mechanism with a ``scale`` option, plus the model's sliding window for one with a ``window`` option."""
+    module_options = dict(options)
+    valid = mechanism_options(mechanism)
+    if "scale" in valid and "scale" not in module_options:
+        module_options["scale"] = float(module.scaling)
+    window = _sliding_window(module, kind)
+    if window is not None:
+        if "window" in valid:
+            module_options.setdefault("window", int(window))
+        elif not mechanism_class(mechanism).capabilities.exact:
+            can = ", ".join(_windowed())
             raise UnsupportedOptionError(
-                f"attention_mask of shape {tuple(attention_mask.shape)}: attnzoo takes the 2-D padding mask "
-                f"(batch, seq); a custom 4-D mask is an arbitrary bias on the logits, which it does not take here"
+                f"{path} attends within a sliding window (sliding_window={window}) and {mechanism} cannot honour "
+                f"one; mechanisms that can: {can}; or set model.config.sliding_window = None first to run "
+                f"without the window"
             )
-        padding = ~attention_mask[:, -k_len:].to(torch.bool)
-    causal = bool(getattr(module, "is_causal", False))
-    if q_len == k_len:
-        out = mechanism(query, key, value, causal=causal, key_padding_mask=padding)
-    elif mechanism.capabilities.cross:
-        # Decoding from the KV cache: the new positions are the last ones, causal bottom-right alignment.
-        out = mechanism(query, key, value, causal=causal, key_padding_mask=padding, cross=True)
-    elif causal and isinstance(mechanism, KernelizedMechanism) and q_len < k_len:
-        # Row i of a causal kernelized attention reads only query i and the keys up to it: the new rows are the
-        # last rows of a causal pass in which the earlier (uncached) queries are zeros.
-        queries = torch.cat([query.new_zeros(*query.shape[:2], k_len - q_len, query.shape[3]), query], dim=2)
-        out = mechanism(queries, key, value, causal=True, key_padding_mask=padding)[:, :, k_len - q_len :]
-    else:
-        raise UnsupportedOptionError(
-            f"{mechanism.name}: {q_len} queries over {k_len} cached keys needs cross-attention or a causal "
-            f"kernelized recurrence; generate with use_cache=False, or pick such a mechanism"
-        )
-    if dropout > 0.0 and module.training:
-        out = F.dropout(out, p=dropout)
-    return out.transpose(1, 2).contiguous(), None
+    return module_options
 
 
-def padding_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Any = None,
-    attention_mask: Optional[Tensor] = None,
-    **kwargs: Any,
-) -> Optional[Tensor]:
-    """``transformers``' mask-function signature: the 2-D padding mask (batch, kv_length), True = token, or None
-    when nothing is padded. Causality is the attention module's (``is_causal``), applied by the mechanism."""
-    if attention_mask is None:
-        return None
-    mask = attention_mask[:, -kv_length:].to(torch.bool)
-    return None if bool(mask.all()) else mask
-
-
-def register() -> None:
-    """Register :func:`attention_forward` and :func:`padding_mask` under :data:`IMPLEMENTATION` (idempotent)."""
-    _transformers()
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(IMPLEMENTATION, attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
+def _check_scaling(path: str, module: nn.Module, instance: Mechanism, head_dim: int) -> None:
+    """Refuse a module whose logit scale differs from ``1/sqrt(head_dim)`` for a mechanism that cannot take it."""
+    scaling = float(module.scaling)
+    if math.isclose(scaling * math.sqrt(head_dim), 1.0, rel_tol=1e-12) or scaling_route(instance) is not None:
+        return
+    raise UnsupportedOptionError(
+        f"{path} scales its logits by {scaling:g}, not 1/sqrt(head_dim) = {1 / math.sqrt(head_dim):g} (e.g. "
+        f"GPT-2's scale_attn_weights=False or scale_attn_by_inverse_layer_idx=True), and {instance.name} has no "
+        f"logit scale to set: pick a softmax-like mechanism (exact, approximate, or a fixed sparse pattern)"
+    )
 
 
 # -- the swap --------------------------------------------------------------------------------------------
@@ -167,58 +169,93 @@ class HFSwapReport:
         return "\n".join(lines)
 
 
+def _found(model: nn.Module) -> List[Tuple[str, nn.Module, str]]:
+    """(path, module, architecture) of every attention module attnzoo can serve; raises if there is none."""
+    supported = _supported_classes()
+    found = [(path, module, supported[type(module)]) for path, module in model.named_modules()
+             if type(module) in supported]
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no attention module attnzoo supports (architectures: "
+                         f"{', '.join(ARCHITECTURES)})")
+    config = model.config
+    if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__}: cross-attention (add_cross_attention / encoder-decoder) is not "
+                         f"supported by attnzoo.dropin.hf; self-attention models only")
+    return found
+
+
+def _record(mechanism: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    """The swap as the config records it; its options must be JSON values, since config.json holds them."""
+    try:
+        json.dumps(options)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"options of {mechanism} must be JSON values (numbers, strings, lists) so that the swap "
+                        f"can be saved in the model's config: {error}") from error
+    return {"mechanism": mechanism, "options": dict(options)}
+
+
 def use_attnzoo(model: nn.Module, mechanism: str, **options: Any) -> HFSwapReport:
-    """Run every self-attention of a ``transformers`` model (BERT-style encoder, GPT-2, Llama-style decoder)
+    """Run every self-attention of a ``transformers`` model (BERT-style encoder, GPT-2, Llama, Mistral, Qwen2)
     through attnzoo ``mechanism``, via the library's attention-function registry (module docstring).
 
     Args:
-        model: a ``transformers.PreTrainedModel`` of a supported architecture.
+        model: a ``transformers.PreTrainedModel`` of a supported architecture (:data:`ARCHITECTURES`).
         mechanism: a name from :func:`attnzoo.available`.
-        **options: the mechanism's options. An exact mechanism's ``scale`` defaults to each module's own
-            scaling.
+        **options: the mechanism's options (JSON values: they are recorded in ``model.config.attnzoo``). A
+            ``scale`` option defaults to each module's own scaling, a ``window`` option to the model's sliding
+            window.
 
     Raises (the model left exactly as it was): TypeError for a model that is not a ``PreTrainedModel``;
     ValueError for an architecture without supported attention modules, or with cross-attention; errors for an
     unknown mechanism or a bad option; :class:`~attnzoo.UnsupportedOptionError` for a decoder and a mechanism
-    without a causal form.
+    without a causal form, a logit scale or a sliding window the mechanism cannot honour.
     """
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     cls = mechanism_class(mechanism)
-    supported = _supported_classes()
-    found: List[Tuple[str, nn.Module, str]] = []
-    for path, module in model.named_modules():
-        kind = supported.get(type(module))
-        if kind is not None:
-            found.append((path, module, kind))
-    if not found:
-        names = ", ".join(sorted(set(supported.values())))
-        raise ValueError(f"{type(model).__name__}: no attention module attnzoo supports (architectures: {names})")
-    config = model.config
-    if getattr(config, "add_cross_attention", False) or getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__}: cross-attention (add_cross_attention / encoder-decoder) is not "
-                         f"supported by attnzoo.dropin.hf; self-attention models only")
-    # An exact mechanism's logit scale is the module's own, so that it gives the outputs the model gave before.
-    takes_scaling = cls.capabilities.exact and "scale" in mechanism_options(mechanism)
-    # Build (and so validate) every mechanism before touching the model.
-    built = []
+    found = _found(model)
+    record = _record(mechanism, options)
+    built = []  # every mechanism built (and so validated) before the model is touched
     for path, module, kind in found:
         heads, head_dim = _heads(module, kind)
-        module_options = dict(options)
-        if takes_scaling and "scale" not in module_options:
-            module_options["scale"] = float(module.scaling)
-        instance = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **module_options)
+        instance = build_mechanism(mechanism, heads=heads, head_dim=head_dim,
+                                   **_module_options(path, module, kind, mechanism, options))
         if getattr(module, "is_causal", False) and not instance.capabilities.causal:
             raise UnsupportedOptionError(f"{path} is causal self-attention and {mechanism} has no causal form "
                                          f"(capabilities: {cls.capabilities.summary})")
+        _check_scaling(path, module, instance, head_dim)
         reference = next(module.parameters())
         built.append((module, instance.to(device=reference.device, dtype=reference.dtype).train(module.training)))
     register()
     for module, instance in built:
         module.add_module(MECHANISM_ATTRIBUTE, instance)
+    setattr(model.config, RECORD_ATTRIBUTE, record)
+    # Saved with the config, so that a plain from_pretrained of the checkpoint does not run silently on sdpa.
+    model.config.attn_implementation = IMPLEMENTATION
     model.set_attn_implementation(IMPLEMENTATION)
     return HFSwapReport(mechanism, dict(options), tuple((path, kind) for path, _, kind in found))
 
 
-__all__ = ["HFSwapReport", "IMPLEMENTATION", "attention_forward", "padding_mask", "register", "use_attnzoo"]
+def from_pretrained(model_class: Type[Any], path: str, **kwargs: Any) -> Any:
+    """Load a model saved by ``save_pretrained`` after :func:`use_attnzoo`: ``model_class.from_pretrained(path,
+    **kwargs)``, the swap its config records made again, and the mechanism's saved tensors (random projections,
+    gates) put back, so that it gives the logits it gave when saved.
+
+    Raises ValueError for a checkpoint whose config records no swap (load it with ``model_class.from_pretrained``),
+    and for mechanism tensors missing from the checkpoint or not in the model (naming them).
+    """
+    _transformers()
+    register()  # the saved config names attn_implementation="attnzoo"
+    model = model_class.from_pretrained(path, **kwargs)
+    record = getattr(model.config, RECORD_ATTRIBUTE, None)
+    if not isinstance(record, dict) or "mechanism" not in record:
+        raise ValueError(f"{path}: its config records no attnzoo swap ({RECORD_ATTRIBUTE!r}); it was saved without "
+                         f"one: load it with {model_class.__name__}.from_pretrained")
+    use_attnzoo(model, record["mechanism"], **(record.get("options") or {}))
+    load_mechanism_tensors(model, path, MECHANISM_ATTRIBUTE)
+    return model
+
+
+__all__ = ["ARCHITECTURES", "HFSwapReport", "IMPLEMENTATION", "MECHANISM_ATTRIBUTE", "attention_forward",
+           "from_pretrained", "padding_mask", "register", "scaling_route", "use_attnzoo"]

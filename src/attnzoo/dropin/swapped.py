@@ -86,6 +86,8 @@ class SwappedAttention(nn.Module):
         self.num_heads = attention.heads
         self.kdim = self.vdim = attention.context_dim
         self.head_dim = attention.head_dim
+        # A checkpoint of the nn.MultiheadAttention this module replaced loads into it (torch's key names).
+        self.register_load_state_dict_pre_hook(_torch_keys_to_swapped)
 
     @property
     def mechanism_name(self) -> str:
@@ -235,6 +237,36 @@ class SwappedAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"batch_first={self.batch_first}, role={self.role!r}, attention_weights={self.attention_weights!r}"
 
+
+
+_TORCH_TO_SWAPPED = {
+    "q_proj_weight": "attention.q_proj.weight",
+    "k_proj_weight": "attention.k_proj.weight",
+    "v_proj_weight": "attention.v_proj.weight",
+    "out_proj.weight": "attention.out_proj.weight",
+    "out_proj.bias": "attention.out_proj.bias",
+}
+"""``nn.MultiheadAttention``'s state-dict keys -> a swapped module's, besides the packed ``in_proj_*``."""
+
+
+def _torch_keys_to_swapped(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool, missing_keys: List[str],
+    unexpected_keys: List[str], error_msgs: List[str],
+) -> None:
+    """Load-state-dict pre-hook: rename ``nn.MultiheadAttention``'s keys under ``prefix`` to this module's
+    (the packed ``in_proj_weight`` (3 * embed_dim, embed_dim) and ``in_proj_bias`` split into the query, key
+    and value projections), so that a checkpoint of the unswapped model loads. Keys already in this module's
+    form are left alone; the mechanism's own parameters are not in such a checkpoint (``strict=False``)."""
+    for packed, field in (("in_proj_weight", "weight"), ("in_proj_bias", "bias")):
+        tensor = state_dict.get(prefix + packed)
+        if tensor is None or prefix + f"attention.q_proj.{field}" in state_dict:
+            continue
+        del state_dict[prefix + packed]
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3)):
+            state_dict[prefix + f"attention.{name}.{field}"] = part
+    for old, new in _TORCH_TO_SWAPPED.items():
+        if prefix + old in state_dict and prefix + new not in state_dict:
+            state_dict[prefix + new] = state_dict.pop(prefix + old)
 
 
 def _check_batched(query: Tensor, key: Tensor, value: Tensor) -> bool:
