@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from attnzoo.distributed import assert_replicated
 from attnzoo.training import TrainConfig, find_checkpoint, train
-from attnzoo.training.distributed import DataParallel
+from attnzoo.parallel import DataParallel
 
 TRAINED = []  # the model this rank trained, as the run wrapped it
 

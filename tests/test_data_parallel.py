@@ -1,4 +1,4 @@
-"""Data-parallel training (attnzoo.training.distributed): 2 gloo processes reach the parameters of one process
+"""Data-parallel training (attnzoo.parallel.data): 2 gloo processes reach the parameters of one process
 on the same global batch, random features are redrawn alike on every rank, rank 0 alone writes the checkpoint,
 an interrupted 2-process run resumes exactly, and settings data parallelism cannot honour are refused.
 
@@ -28,8 +28,8 @@ from attnzoo.cli import main
 from attnzoo.feature_maps import RandomFeatureMap, redraw_random_features
 from attnzoo.models import LanguageModel
 from attnzoo.tasks import IGNORE_INDEX, load
-from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
-from attnzoo.training.distributed import DataParallel, data_parallel_reasons, launched_by_torchrun
+from attnzoo.parallel import DataParallel, launched_by_torchrun
+from attnzoo.training import TrainConfig, build_model, data_parallel_reasons, find_checkpoint, train
 from attnzoo.training.loop import loss_and_tally
 
 ROOT = Path(__file__).resolve().parents[1]
