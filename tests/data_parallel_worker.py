@@ -1,10 +1,12 @@
 """One rank of a data-parallel training test: ``python data_parallel_worker.py STORE RANK WORLD JOBS OUT``.
 
 Joins a gloo group through a file store and runs ``attnzoo.training.train`` once for each job of JOBS (a JSON
-list written by tests/test_data_parallel.py, each with ``config``, ``output``, ``resume``, ``stop_at``), in
+list written by tests/test_data_parallel.py, each with ``config``, ``output``, ``resume``, ``stop_at``, and
+``imports``: files of mechanisms of the test's own to import first, as ``attnzoo train --import`` does), in
 order, then saves, per job, what it returned and its model's parameters and buffers, or the error it raised,
 to OUT. Several jobs in one launch spare the tests the start-up of new processes."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from attnzoo.distributed import assert_replicated
 from attnzoo.training import TrainConfig, find_checkpoint, train
-from attnzoo.training.distributed import DataParallel
+from attnzoo.parallel import DataParallel
 
 TRAINED = []  # the model this rank trained, as the run wrapped it
 
@@ -42,7 +44,19 @@ def main():
     dist.destroy_process_group()
 
 
+def import_file(path):
+    """Import the module at ``path`` once (registering the mechanisms it defines)."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
 def run_job(job, rank, world):
+    for path in job.get("imports", []):
+        import_file(path)
     config = None if job.get("config") is None else TrainConfig.from_dict(job["config"])
     stop_at = job.get("stop_at")
     signal_at = job.get("signal_at")  # {"rank": r, "step": s}: rank r alone receives SIGTERM after step s

@@ -1,4 +1,4 @@
-"""Data-parallel training (attnzoo.training.distributed): 2 gloo processes reach the parameters of one process
+"""Data-parallel training (attnzoo.parallel.data): 2 gloo processes reach the parameters of one process
 on the same global batch, random features are redrawn alike on every rank, rank 0 alone writes the checkpoint,
 an interrupted 2-process run resumes exactly, and settings data parallelism cannot honour are refused.
 
@@ -25,11 +25,12 @@ import torch
 from safetensors.torch import load_file
 
 from attnzoo.cli import main
-from attnzoo.feature_maps import RandomFeatureMap, redraw_random_features
+from attnzoo.feature_maps import RandomFeatureMap
 from attnzoo.models import LanguageModel
 from attnzoo.tasks import IGNORE_INDEX, load
-from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
-from attnzoo.training.distributed import DataParallel, data_parallel_reasons, launched_by_torchrun
+import attnzoo.parallel.data
+from attnzoo.parallel import DataParallel, launched_by_torchrun, mechanism_reasons
+from attnzoo.training import TrainConfig, build_model, data_parallel_reasons, find_checkpoint, hooks, train
 from attnzoo.training.loop import loss_and_tally
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,25 +163,29 @@ def test_random_features_are_redrawn_alike_on_every_rank(runs):
 
 
 def test_redraws_are_seeded_by_step_and_happen_every_interval():
+    """What the loop calls after each optimiser step (the mechanisms' training hooks)."""
     torch.manual_seed(0)
     model = LanguageModel(20, dim=16, heads=2, depth=2, self_attention="performer",
                           self_attention_options={"nb_features": 8, "redraw_interval": 2})
     maps = [m for m in model.modules() if isinstance(m, RandomFeatureMap)]
     first = [m.projection.clone() for m in maps]
-    assert redraw_random_features(model, seed=3, step=0) == 0  # one step counted, none due yet
+    hooks.after_optimizer_step(model, step=0, seed=3)  # one step counted, none due yet
     assert all(torch.equal(m.projection, p) for m, p in zip(maps, first))
     twin = LanguageModel(20, dim=16, heads=2, depth=2, self_attention="performer",
                          self_attention_options={"nb_features": 8, "redraw_interval": 2})
     twin.load_state_dict(model.state_dict())
     torch.manual_seed(123)  # the global generator plays no part in a redraw
-    assert redraw_random_features(model, seed=3, step=1) == len(maps)
+    hooks.after_optimizer_step(model, step=1, seed=3)
     torch.manual_seed(456)
-    assert redraw_random_features(twin, seed=3, step=1) == len(maps)
+    hooks.after_optimizer_step(twin, step=1, seed=3)
     for m, t, p in zip(maps, [m for m in twin.modules() if isinstance(m, RandomFeatureMap)], first):
         assert torch.equal(m.projection, t.projection) and not torch.equal(m.projection, p)
-    assert not torch.equal(maps[0].projection, maps[1].projection)  # layers draw in turn, not the same one
+    assert not torch.equal(maps[0].projection, maps[1].projection)  # layers draw differently, not the same one
     model.eval()
-    assert redraw_random_features(model, seed=3, step=2) == 0  # evaluation counts no steps
+    redrawn = [m.projection.clone() for m in maps]
+    hooks.after_optimizer_step(model, step=2, seed=3)
+    hooks.after_optimizer_step(model, step=3, seed=3)  # evaluation counts no steps
+    assert all(torch.equal(m.projection, p) for m, p in zip(maps, redrawn))
 
 
 def test_a_run_that_redraws_resumes_to_bit_identical_parameters(tmp_path):
@@ -267,6 +272,24 @@ def test_settings_data_parallelism_cannot_honour_are_named(changes, named):
     reasons = data_parallel_reasons(small(task, **changes), 2)
     assert len(reasons) == 1 and reasons[0].startswith(named)
     assert data_parallel_reasons(small(task), 2) == []
+
+
+def test_a_model_whose_mechanisms_refuse_is_not_wrapped():
+    model = LanguageModel(20, dim=16, heads=2, depth=2, self_attention="vq",
+                          self_attention_options={"codebook_size": 4, "block_size": 4})
+    (reason,) = mechanism_reasons(model)  # each reason once, however many layers give it
+    assert reason.startswith("mechanism 'vq'")
+    with pytest.raises(ValueError, match="mechanism 'vq' updates its codebooks"):
+        DataParallel(0, 2).wrap(model)  # refused before any process group is needed
+    assert mechanism_reasons(LanguageModel(20, dim=16, heads=2, depth=2)) == []
+
+
+def test_the_old_import_path_still_works():
+    import attnzoo.training.distributed
+    from attnzoo.training.distributed import DataParallel as Old
+
+    assert Old is DataParallel and attnzoo.training.distributed is attnzoo.parallel.data
+    assert attnzoo.training.distributed.start_from_environment is attnzoo.parallel.start_from_environment
 
 
 def test_a_torchrun_launch_is_recognised_by_its_environment():

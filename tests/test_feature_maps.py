@@ -14,6 +14,7 @@ from attnzoo.feature_maps import (
     exp_features,
     gaussian_projection,
     orthogonal_projection,
+    redraw_generator,
     resolve_feature_map,
 )
 from attnzoo.functional import linear_attention
@@ -220,6 +221,19 @@ def test_redraw_interval_counts_explicit_training_steps_only():
     # Without an interval nothing is ever redrawn implicitly.
     fixed = FavorPositiveFeatures(8, 16, generator=seeded(0))
     assert not fixed.maybe_redraw()
+
+
+def test_the_training_hook_redraws_from_the_generator_of_seed_and_step():
+    features = FavorPositiveFeatures(8, 16, redraw_interval=1, generator=seeded(0))
+    twin = FavorPositiveFeatures(8, 16, redraw_interval=1, generator=seeded(0))
+    assert features.after_optimizer_step(3, 7)
+    assert twin.maybe_redraw(redraw_generator(7, 3))
+    assert torch.equal(features.projection, twin.projection)
+    assert not FavorPositiveFeatures(8, 16, generator=seeded(0)).after_optimizer_step(3, 7)  # no interval
+    features.eval()
+    assert not features.after_optimizer_step(4, 7)  # evaluation counts no steps
+    with pytest.raises(ValueError, match="seed"):
+        features.after_optimizer_step(0, -1)
 
 
 def test_state_dict_round_trip_gives_identical_features():

@@ -341,3 +341,21 @@ def test_unknown_option_and_head_dim_mismatch():
     q, k, v = qkv(dim=6)
     with pytest.raises(ValueError, match="head_dim"):
         mechanism(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+def test_the_training_hook_redraws_every_interval_from_step_and_seed(name):
+    first, again, other = (build(name, redraw_interval=2, seed=0).train() for _ in range(3))
+    initial = first.feature_map.projection.clone()
+    for mechanism, seed in ((first, 4), (again, 4), (other, 5)):
+        mechanism.after_optimizer_step(0, seed)
+        assert torch.equal(mechanism.feature_map.projection, initial)  # one step counted, none due yet
+        torch.manual_seed(seed + 100)  # the global generator plays no part
+        mechanism.after_optimizer_step(1, seed)
+    assert not torch.equal(first.feature_map.projection, initial)
+    assert torch.equal(first.feature_map.projection, again.feature_map.projection)
+    assert not torch.equal(first.feature_map.projection, other.feature_map.projection)  # another seed
+    with pytest.raises(ValueError, match="step"):
+        first.after_optimizer_step(-1, 0)
+    with pytest.raises(TypeError, match="seed"):
+        first.after_optimizer_step(0, "4")

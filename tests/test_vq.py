@@ -282,3 +282,25 @@ def test_language_model_with_vq_decodes_like_the_forward():
 def test_bad_options_raise_naming_them(options, match):
     with pytest.raises((TypeError, ValueError), match=match):
         attnzoo.build_mechanism("vq", 2, 4, **options)
+
+
+# -- training hooks ---------------------------------------------------------------------------------------------
+def test_training_hooks_hand_over_the_commitment_loss_once_and_update_the_codebook():
+    from attnzoo.training import hooks
+
+    torch.manual_seed(0)
+    model = LanguageModel(VOCAB, 16, 2, 2, self_attention="vq",
+                          self_attention_options={"codebook_size": 8, "block_size": 4, "commitment": 0.5})
+    model(torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)))
+    mechanisms = [m for m in model.modules() if isinstance(m, VQAttention)]
+    expected = sum(m.commitment_loss for m in mechanisms)
+    torch.testing.assert_close(hooks.auxiliary_loss(model), expected)  # the loop's sum, in module order
+    assert hooks.auxiliary_loss(model) is None  # taken: never added twice
+    before = [m.codebook.clone() for m in mechanisms]
+    hooks.after_optimizer_step(model, step=0, seed=0)  # the codebooks' EMA update
+    assert all(int(m.updates) == 1 and not torch.equal(m.codebook, b) for m, b in zip(mechanisms, before))
+
+
+def test_vq_gives_its_reason_against_data_parallel_training():
+    (reason,) = build().data_parallel_reasons()
+    assert reason.startswith("mechanism 'vq'") and "per-rank EMA statistics" in reason

@@ -198,7 +198,8 @@ def train_command(args: argparse.Namespace) -> int:
     from .tasks import available as tasks_available
     from .training import CheckpointError, TrainConfig, keep_freed_memory, train
     from .training.checkpoint import find_checkpoint, read_config
-    from .training.distributed import data_parallel_reasons, launched_by_torchrun, start_from_environment, stop
+    from .parallel.data import launched_by_torchrun, start_from_environment, stop
+    from .training import data_parallel_reasons
 
     given = _given_settings(args)
     output = args.output

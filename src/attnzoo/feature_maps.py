@@ -141,6 +141,16 @@ class RandomFeatureMap(FeatureMap):
             return True
         return False
 
+    def after_optimizer_step(self, step: int, seed: int) -> bool:
+        """The training hook of a mechanism holding this map (it delegates here): :meth:`maybe_redraw`, drawing
+        any new projection from :func:`redraw_generator` of ``(seed, step)`` (ints >= 0). Returns whether it
+        redrew."""
+        step = check_number("step", step, integer=True, minimum=0)
+        seed = check_number("seed", seed, integer=True, minimum=0)
+        if self.redraw_interval is None:
+            return False
+        return self.maybe_redraw(redraw_generator(seed, step))
+
     def check_input(self, x: Tensor) -> None:
         check_floating("x", x)
         if x.shape[-1] != self.head_dim:
@@ -171,20 +181,28 @@ class RandomFeatureMap(FeatureMap):
         )
 
 
+def redraw_generator(seed: int, step: int) -> torch.Generator:
+    """The generator a redraw after optimiser step ``step`` of a run seeded ``seed`` draws from. Seeded rather
+    than the global generator so that a resumed run redraws exactly as an uninterrupted one, and so that the
+    replicas of a data-parallel run, whose global generators differ (dropout), all draw the same projection
+    without communicating."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step + 15_485_863) % 2**63)
+
+
 def redraw_random_features(model: nn.Module, seed: int, step: int) -> int:
     """Count one training step on every :class:`RandomFeatureMap` in ``model`` that has a ``redraw_interval``
     (:meth:`RandomFeatureMap.maybe_redraw`); the ones due draw their new projection, in module order, from one
-    generator seeded by ``(seed, step)``. Returns how many redrew.
+    generator, :func:`redraw_generator` of ``(seed, step)``. Returns how many redrew.
 
-    Seeded rather than drawn from the global generator so that a resumed run redraws exactly as an
-    uninterrupted one, and so that the replicas of a data-parallel run, whose global generators differ
-    (dropout), all draw the same projection without communicating."""
+    For a model trained by hand. ``attnzoo.training`` reaches the maps through the training hooks of the
+    mechanisms holding them instead (:meth:`RandomFeatureMap.after_optimizer_step`), each mechanism with a
+    seed of its own."""
     generator: Optional[torch.Generator] = None
     redrawn = 0
     for module in model.modules():
         if isinstance(module, RandomFeatureMap) and module.redraw_interval is not None:
             if generator is None:
-                generator = torch.Generator().manual_seed(seed * 1_000_003 + step + 15_485_863)
+                generator = redraw_generator(seed, step)
             redrawn += int(module.maybe_redraw(generator))
     return redrawn
 

@@ -1161,6 +1161,97 @@ def check_case_no_lookahead(mechanism: Mechanism, case: Case) -> None:
     no_lookahead(m, qkv, case.mask(), case.cut, what, seed=case.seed, cross=case.cross)
 
 
+# -- training hooks ------------------------------------------------------------------------------------------
+def _training_forward(mechanism: Mechanism, dtype: torch.dtype, seed: int, copy_of: Optional[Mechanism] = None
+                      ) -> Tuple[Mechanism, Qkv]:
+    """A training-mode copy of ``mechanism`` in ``dtype`` (or ``copy_of`` itself, as it is) after one forward on
+    inputs that require grad, as a training step makes it: (the copy, the inputs)."""
+    m = as_dtype(mechanism, dtype).train() if copy_of is None else copy_of
+    variant = variants(mechanism)[0]
+    qkv, mask = variant_inputs(mechanism, variant, dtype, seed=seed)
+    qkv = tuple(t.requires_grad_() for t in qkv)
+    call(m, qkv, variant.causal, mask, variant.cross)
+    return m, qkv
+
+
+def check_auxiliary_loss(mechanism: Mechanism) -> None:
+    """After a training-mode forward, ``auxiliary_loss()`` is None or a finite real scalar tensor of the forward's
+    dtype with a gradient path to the inputs or parameters that produced it, and it is taken: a second call
+    returns None (a loss added twice, or a graph kept past its step, would follow otherwise)."""
+    for dtype in (torch.float32, torch.float64):
+        m, qkv = _training_forward(mechanism, dtype, seed=40)
+        loss = m.auxiliary_loss()
+        if loss is None:
+            continue
+        what = f"{type(mechanism).__name__} {dtype}: auxiliary_loss()"
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise AssertionError(f"{what} must be None or a scalar tensor, got {shape}")
+        if loss.dtype != dtype:
+            raise AssertionError(f"{what} is {loss.dtype}, expected the forward's dtype {dtype}")
+        assert_finite(loss, what)
+        sources = [*qkv, *(p for p in m.parameters() if p.requires_grad)]
+        gradients = torch.autograd.grad(loss, sources, allow_unused=True) if loss.requires_grad else []
+        if all(gradient is None for gradient in gradients):
+            raise AssertionError(f"{what} has no gradient path to the inputs or parameters of the forward that "
+                                 f"set it: training could not lower it")
+        for gradient in gradients:
+            if gradient is not None:
+                assert_finite(gradient, f"{what}'s gradient")
+        if m.auxiliary_loss() is not None:
+            raise AssertionError(f"{what} gave a loss twice: a second call must return None until the next "
+                                 f"training-mode forward")
+
+
+def check_after_optimizer_step(mechanism: Mechanism) -> None:
+    """``after_optimizer_step(step, seed)`` between training-mode forwards is deterministic given its arguments,
+    whatever the global generator holds: two copies stepped alike have equal state dicts. It keeps every state
+    entry's shape, dtype and device and the forward's output shape and dtype, and refuses a step or seed that
+    is not an int >= 0, naming it."""
+    name = type(mechanism).__name__
+    stepped = []
+    for global_seed in (1, 2):  # the copies differ only in the global generator's state
+        m = as_dtype(mechanism, torch.float64).train()
+        layout = {key: (value.shape, value.dtype, value.device) for key, value in m.state_dict().items()}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(global_seed)
+            for step in range(2):
+                _training_forward(mechanism, torch.float64, seed=41 + step, copy_of=m)
+                m.auxiliary_loss()  # taken by the step, as a training loop does
+                m.after_optimizer_step(step, 7)
+        after = {key: (value.shape, value.dtype, value.device) for key, value in m.state_dict().items()}
+        if after != layout:
+            changed = sorted(key for key in set(layout) | set(after) if layout.get(key) != after.get(key))
+            raise AssertionError(f"{name}: after_optimizer_step changed the shape, dtype or device of {changed}")
+        stepped.append(m.state_dict())
+    for key, value in stepped[0].items():
+        if not torch.equal(value, stepped[1][key]):
+            raise AssertionError(f"{name}: two copies given after_optimizer_step(step, seed=7) alike differ in "
+                                 f"{key!r}: the update must draw from (step, seed), not the global generator")
+    m.eval()
+    variant = variants(mechanism)[0]
+    qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=42)
+    out = call(m, qkv, variant.causal, mask, variant.cross)
+    if tuple(out.shape) != (BATCH, mechanism.heads, variant.q_len, mechanism.head_dim) or out.dtype != torch.float64:
+        raise AssertionError(f"{name}: after after_optimizer_step the forward gives {tuple(out.shape)} "
+                             f"{out.dtype}, expected the input's shape and dtype")
+    expect_error(lambda: m.after_optimizer_step(-1, 0), ValueError, "step", f"{name}.after_optimizer_step(-1, 0)")
+    expect_error(lambda: m.after_optimizer_step(0, 1.5), TypeError, "seed", f"{name}.after_optimizer_step(0, 1.5)")
+
+
+def check_data_parallel_reasons(mechanism: Mechanism) -> None:
+    """``data_parallel_reasons()`` is a list of reasons, each a non-empty string naming the mechanism (empty:
+    it trains data-parallel)."""
+    reasons = mechanism.data_parallel_reasons()
+    what = f"{type(mechanism).__name__}.data_parallel_reasons()"
+    if not isinstance(reasons, list):
+        raise AssertionError(f"{what} must return a list of strings, got {type(reasons).__name__}")
+    for reason in reasons:
+        if not isinstance(reason, str) or not reason.strip() or mechanism.name not in reason:
+            raise AssertionError(f"{what}: every reason must be a non-empty string naming the mechanism "
+                                 f"{mechanism.name!r}, got {reason!r}")
+
+
 #: Every instance-level check, in the order a failure is easiest to read.
 INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_output_shape_and_dtype,
@@ -1185,4 +1276,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_step_state_batch_first,
     check_step_refuses_foreign_state,
     check_inputs_validated_once,
+    check_auxiliary_loss,
+    check_after_optimizer_step,
+    check_data_parallel_reasons,
 )

@@ -279,12 +279,82 @@ class ValidatesTwice(GoodToy):
         return softmax_attention(q, k, v, causal, key_padding_mask)
 
 
+class HookedToy(GoodToy):
+    """Correct training hooks: a penalty on the keys as its auxiliary loss, a buffer redrawn after every optimiser
+    step from (step, seed), and a reason against data parallelism naming it."""
+
+    name = "hooked-toy"
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.register_buffer("probe", torch.zeros(heads, head_dim))
+        self.penalty: Optional[Tensor] = None
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        if self.training:
+            self.penalty = k.pow(2).mean()
+        return super().attend(q, k, v, causal, key_padding_mask, cross)
+
+    def auxiliary_loss(self):
+        loss, self.penalty = self.penalty, None
+        return loss
+
+    def update_after_step(self, step, seed):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        self.probe.copy_(torch.randn(self.probe.shape, generator=generator, dtype=self.probe.dtype))
+
+    def data_parallel_reasons(self):
+        return [f"{self.name} keeps a probe per rank"]
+
+
+class DetachedAuxiliaryLoss(HookedToy):
+    def auxiliary_loss(self):
+        loss = super().auxiliary_loss()
+        return None if loss is None else loss.detach()
+
+
+class AuxiliaryLossGivenTwice(HookedToy):
+    def auxiliary_loss(self):
+        return self.penalty
+
+
+class AuxiliaryLossInFloat32(HookedToy):
+    def auxiliary_loss(self):
+        loss = super().auxiliary_loss()
+        return None if loss is None else loss.float()
+
+
+class RedrawsFromTheGlobalGenerator(HookedToy):
+    def update_after_step(self, step, seed):
+        self.probe.copy_(torch.randn(self.probe.shape, dtype=self.probe.dtype))
+
+
+class RedrawsInFloat32(HookedToy):
+    def update_after_step(self, step, seed):
+        self.probe = torch.zeros(self.probe.shape, dtype=torch.float32)
+
+
+class StepUnchecked(HookedToy):
+    def after_optimizer_step(self, step, seed):
+        self.update_after_step(step, seed)
+
+
+class RefusesWithoutSayingWhy(GoodToy):
+    def data_parallel_reasons(self):
+        return [""]
+
+
+class RefusesWithAString(GoodToy):
+    def data_parallel_reasons(self):
+        return "toy keeps state per rank"
+
+
 def toy(cls, heads: int = checks.HEADS, **options) -> Mechanism:
     return cls(heads, checks.HEAD_DIM, **options).double().eval()
 
 
 # -- the checks pass on correct toys -------------------------------------------------------------------------
-@pytest.mark.parametrize("cls", [GoodToy, MinimalToy, BoundedToy], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [GoodToy, MinimalToy, BoundedToy, HookedToy], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("check", checks.INSTANCE_CHECKS, ids=lambda c: c.__name__[len("check_"):])
 def test_correct_toys_pass(cls, check):
     check(toy(cls))
@@ -325,6 +395,14 @@ BROKEN = [
     (checks.check_bad_input, NoValidation, {}, r"q of rank 3: .*does not name"),
     (checks.check_non_contiguous_inputs, ViewsItsInputs, {}, r"view size is not compatible"),
     (checks.check_inputs_validated_once, ValidatesTwice, {}, r"check_qkv ran 2 times in one forward"),
+    (checks.check_auxiliary_loss, DetachedAuxiliaryLoss, {}, r"no gradient path"),
+    (checks.check_auxiliary_loss, AuxiliaryLossGivenTwice, {}, r"gave a loss twice"),
+    (checks.check_auxiliary_loss, AuxiliaryLossInFloat32, {}, r"float64: auxiliary_loss\(\) is torch.float32"),
+    (checks.check_after_optimizer_step, RedrawsFromTheGlobalGenerator, {}, r"differ in 'probe'.*global generator"),
+    (checks.check_after_optimizer_step, RedrawsInFloat32, {}, r"changed the shape, dtype or device of \['probe'\]"),
+    (checks.check_after_optimizer_step, StepUnchecked, {}, r"after_optimizer_step\(-1, 0\): expected ValueError"),
+    (checks.check_data_parallel_reasons, RefusesWithoutSayingWhy, {}, r"non-empty string naming"),
+    (checks.check_data_parallel_reasons, RefusesWithAString, {}, r"must return a list of strings, got str"),
 ]
 
 

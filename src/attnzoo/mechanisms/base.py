@@ -397,6 +397,35 @@ class Mechanism(nn.Module):
             if tensor.device != q_t.device:
                 raise ValueError(f"{where}: state tensor {key!r} is on {tensor.device}, the inputs on {q_t.device}")
 
+    # -- training hooks --------------------------------------------------------------------------------------
+    # What a training loop asks of every mechanism in its model (attnzoo.training.hooks walks them): none names
+    # a mechanism, so one with training-time state trains without a line changed in the loop.
+    def auxiliary_loss(self) -> Optional[Tensor]:
+        """The loss term this mechanism's latest training-mode forward asks the training loop to add to the
+        task loss (e.g. a commitment loss), taken: a second call returns None until the next such forward, so
+        no term is added twice and no autograd graph outlives its step. A real scalar tensor of the forward's
+        working dtype with a gradient path to what produced it. None (the default): no auxiliary loss."""
+        return None
+
+    def after_optimizer_step(self, step: int, seed: int) -> None:
+        """Called by the training loop after optimiser step ``step`` (0-based, an int >= 0) of a run, with a
+        ``seed`` (an int >= 0) derived from the run's: checks both and calls :meth:`update_after_step`."""
+        step = check_number("step", step, integer=True, minimum=0)
+        seed = check_number("seed", seed, integer=True, minimum=0)
+        self.update_after_step(step, seed)
+
+    def update_after_step(self, step: int, seed: int) -> None:
+        """What a mechanism with training-time state overrides (a redraw of random features, a codebook's
+        EMA): an update after the optimiser step. Any randomness is drawn from a generator seeded by
+        ``(step, seed)`` alone, never the global one, so that a resumed run and every rank of a data-parallel
+        run update alike. Nothing by default."""
+
+    def data_parallel_reasons(self) -> List[str]:
+        """Why this instance cannot train data-parallel (replicas on shares of each batch, gradients
+        averaged), each reason naming the mechanism; empty (the default) when it can: e.g. state updated
+        from per-rank statistics that data parallelism does not combine."""
+        return []
+
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}"
 

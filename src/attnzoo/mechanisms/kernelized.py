@@ -190,6 +190,12 @@ class _RandomFeatureMechanism(_FeatureMapMechanism):
         Call it from the training loop, e.g. after each optimiser step. Returns whether a redraw happened."""
         return self.feature_map.maybe_redraw(generator)
 
+    def update_after_step(self, step: int, seed: int) -> None:
+        """The training hook: count the step on the feature map, which redraws every ``redraw_interval`` steps
+        from a generator seeded by ``(seed, step)``
+        (:meth:`~attnzoo.feature_maps.RandomFeatureMap.after_optimizer_step`)."""
+        self.feature_map.after_optimizer_step(step, seed)
+
 
 @register
 class PerformerAttention(_RandomFeatureMechanism):
@@ -200,8 +206,9 @@ class PerformerAttention(_RandomFeatureMechanism):
         orthogonal: block-orthogonal projections (lower variance than iid Gaussian ones).
         symmetric: antithetic pairs ``exp(w.x), exp(-w.x)`` (the paper's hyperbolic features), using
             ``nb_features / 2`` projections: lower error at the same cost. ``nb_features`` must then be even.
-        redraw_interval: redraw the projection every that many :meth:`maybe_redraw_features` calls in
-            training mode; None redraws only on :meth:`redraw_features`.
+        redraw_interval: redraw the projection every that many training steps (:meth:`after_optimizer_step`,
+            which a training loop calls, or :meth:`maybe_redraw_features` calls) in training mode; None
+            redraws only on :meth:`redraw_features`.
         seed: seed of the initial projection (the global RNG when None).
         chunk_size: chunk length of the causal path.
         shrinkage: shrink each output row towards the mean of the values by the noise of the estimate,
@@ -240,7 +247,9 @@ class PerformerAttention(_RandomFeatureMechanism):
         {"nb_features": 32, "seed": 0, "chunk_size": 4, "shrinkage": True},
         {"nb_features": 32, "seed": 0, "chunk_size": 4, "optimal_features": True},
         {"nb_features": 32, "seed": 0, "chunk_size": 4, "optimal_features": True, "shrinkage": True},
-        {"nb_features": 32, "seed": 0, "chunk_size": 4, "orthogonal": False, "symmetric": False},
+        # redraw_interval: the training hooks' conformance checks see a redraw (eval-mode checks never do).
+        {"nb_features": 32, "seed": 0, "chunk_size": 4, "orthogonal": False, "symmetric": False,
+         "redraw_interval": 1},
     )
 
     def __init__(
@@ -395,7 +404,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 64, "seed": 0, "chunk_size": 4}
     test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
         {"nb_features": 64, "seed": 0, "chunk_size": 4, "gated": True},
-        {"nb_features": 64, "seed": 0, "chunk_size": 4, "orthogonal": False},
+        {"nb_features": 64, "seed": 0, "chunk_size": 4, "orthogonal": False, "redraw_interval": 1},
     )
 
     def __init__(

@@ -7,7 +7,8 @@ The maths is in :mod:`attnzoo.functional.vq`. This module holds the codebook and
   optimizer but by exponential moving averages (EMA) of the keys assigned to each codeword, as in VQ-VAE
   (van den Oord et al. 2017). Drawn N(0, 1) at construction (from ``seed`` when given).
 * **When it changes.** Only in :meth:`VQAttention.update_codebook`, which a training loop calls after its
-  optimizer step (:func:`update_codebooks` calls it on every ``vq`` mechanism of a model). A forward pass
+  optimizer step (through the training hook :meth:`~attnzoo.Mechanism.after_optimizer_step`;
+  :func:`update_codebooks` calls it on every ``vq`` mechanism of a model). A forward pass
   in training mode only *records* the statistics of its keys (assignment counts, key sums and a
   deterministic sample of keys for restarts); the output of a forward never depends on earlier forwards, and
   an eval-mode forward changes nothing at all.
@@ -18,8 +19,10 @@ The maths is in :mod:`attnzoo.functional.vq`. This module holds the codebook and
   EMA counts start at 1, so with the default threshold (1) every codeword that no key chose in the first
   update restarts at a recorded key: the codebook is initialised from the data.
 * **Commitment loss.** A training-mode forward sets ``beta * mean |k - sg(codeword)|^2`` over its unpadded
-  keys (``commitment`` = beta), the auxiliary loss that keeps keys near their codewords;
-  :func:`auxiliary_loss` sums (and clears) it over a model, for the training loop to add to its loss.
+  keys (``commitment`` = beta), the auxiliary loss that keeps keys near their codewords, which the training
+  hook :meth:`VQAttention.auxiliary_loss` hands to the training loop once; :func:`auxiliary_loss` sums (and
+  clears) it over a model, for a loop written by hand.
+* **Data parallelism.** Refused (:meth:`VQAttention.data_parallel_reasons`): the EMA statistics are per rank.
 * **Gradients.** In training mode the keys of each block's exact window get the attention's gradient by the
   straight-through estimator (keys in the codeword cache get none, as in the paper); in eval mode the
   output is piecewise constant in the keys, and their gradient through the attention is zero.
@@ -29,7 +32,7 @@ With a codebook holding every distinct key, the output is exact softmax attentio
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -192,6 +195,21 @@ class VQAttention(Mechanism):
         self.pending_sums.zero_()
         self.pending_key_count.zero_()
 
+    # -- training hooks --------------------------------------------------------------------------------------
+    def auxiliary_loss(self) -> Optional[Tensor]:
+        """The commitment loss of the latest training-mode forward, taken (None until the next one)."""
+        loss, self.commitment_loss = self.commitment_loss, None
+        return loss
+
+    def update_after_step(self, step: int, seed: int) -> None:
+        """The codebook's EMA update (:meth:`update_codebook`); its restarts draw from ``seed`` (the option) and
+        the count of updates, which a checkpoint holds, so neither argument is needed."""
+        self.update_codebook()
+
+    def data_parallel_reasons(self) -> List[str]:
+        return [f"mechanism {self.name!r} updates its codebooks from per-rank EMA statistics, which data "
+                "parallelism does not combine: train it in one process"]
+
     def reference(
         self,
         q: Tensor,
@@ -250,9 +268,8 @@ def auxiliary_loss(model: nn.Module, *, clear: bool = True) -> Tensor:
     total: Optional[Tensor] = None
     for module in model.modules():
         if isinstance(module, VQAttention) and module.commitment_loss is not None:
-            total = module.commitment_loss if total is None else total + module.commitment_loss
-            if clear:
-                module.commitment_loss = None
+            loss = module.auxiliary_loss() if clear else module.commitment_loss
+            total = loss if total is None else total + loss
     if total is None:
         parameter = next(model.parameters(), None)
         return torch.zeros((), device=None if parameter is None else parameter.device)

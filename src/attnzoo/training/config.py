@@ -133,7 +133,7 @@ class TrainConfig:
         check_choice("block", self.block, BLOCKS)
         if self.block == "attention" and self.block_options:
             raise ValueError("block_options given but block is 'attention': they are options of a gated unit "
-                             "(block gau or flash)")
+                             f"(block {' or '.join(BLOCKS[1:])})")
         if self.block != "attention" and (self.mechanism != "softmax" or self.mechanism_options):
             raise ValueError(f"block {self.block!r} replaces every attention by a gated unit with its own attention: "
                              f"leave mechanism and mechanism_options at their defaults")

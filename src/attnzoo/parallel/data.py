@@ -2,21 +2,23 @@
 
 Every rank builds the same model from the same seed, and :class:`DataParallel` wraps it in
 ``DistributedDataParallel`` (which also broadcasts rank 0's parameters and buffers once, at wrapping). Each
-optimiser step takes the configured global batch (:func:`~attnzoo.training.loop.batch_indices`, the same on every
-rank), and each rank trains on its contiguous ``1 / N`` share of it (:meth:`DataParallel.shard`). The loss of a
-shard is weighted (:meth:`DataParallel.loss_weight`) so that DDP's all-reduced mean of the gradients is exactly the
-single-process gradient of the global batch, whatever number of scored targets each shard holds. Every rank
-then takes the same optimiser step (clipping sees the same all-reduced gradients), so the replicas stay equal.
+optimiser step takes the configured global batch (the same on every rank), and each rank trains on its contiguous
+``1 / N`` share of it (:meth:`DataParallel.shard`). The loss of a shard is weighted
+(:meth:`DataParallel.loss_weight`) so that DDP's all-reduced mean of the gradients is exactly the single-process
+gradient of the global batch, whatever number of scored targets each shard holds. Every rank then takes the same
+optimiser step (clipping sees the same all-reduced gradients), so the replicas stay equal.
 
 Rank 0 alone evaluates, logs, shows the progress bar and writes checkpoints, ``metrics.csv`` and
-``results.json``; the other ranks wait for it at a barrier after each checkpoint. Random features are redrawn
-from a generator seeded by ``(seed, step)`` (:func:`attnzoo.feature_maps.redraw_random_features`), so every rank
-draws the same projection without communicating. Dropout differs between ranks (each rank's generator is
-seeded from its rank), as it would between the examples of one large batch.
+``results.json``; the other ranks wait for it at a barrier after each checkpoint. A mechanism's update after the
+optimiser step (:meth:`attnzoo.Mechanism.after_optimizer_step`: redraws of random features) draws from a
+generator seeded by the step and the run's seed, so every rank updates alike without communicating. Dropout
+differs between ranks (each rank's generator is seeded from its rank), as it would between the examples of one
+large batch.
 
-Refused under data parallelism, with an error naming the setting: ``vq`` (its codebook EMA statistics and
-restart samples are per-rank) and ``scheduled_sampling`` (the mixing mask is drawn for the shard, not for the
-global batch); a ``batch_size`` that the number of ranks does not divide.
+A model whose mechanisms give reasons against data parallelism (:meth:`attnzoo.Mechanism.data_parallel_reasons`,
+e.g. codebooks updated from per-rank statistics; :func:`mechanism_reasons`) is refused when wrapped. The settings
+of a training run that data parallelism cannot honour are the training side's to name
+(:func:`attnzoo.training.data_parallel_reasons`): this module knows models, batches and ranks, not runs.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import TrainConfig
+from ..mechanisms.base import Mechanism
 
 TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 """Environment variables torchrun sets for every worker; their presence is what marks a torchrun launch."""
@@ -57,18 +59,13 @@ class _Replica(DistributedDataParallel):
             return getattr(self.module, name)
 
 
-def data_parallel_reasons(config: TrainConfig, world_size: int) -> List[str]:
-    """Why ``config`` cannot train on ``world_size`` ranks (empty when it can), each reason naming the setting."""
-    reasons = []
-    if config.batch_size % world_size:
-        reasons.append(f"batch_size {config.batch_size} is the global batch and must be divisible by the "
-                       f"{world_size} ranks (each trains on an equal share)")
-    if config.mechanism == "vq":
-        reasons.append("mechanism 'vq' updates its codebooks from per-rank EMA statistics, which data "
-                       "parallelism does not combine: train vq in one process")
-    if config.scheduled_sampling != "none":
-        reasons.append(f"scheduled_sampling {config.scheduled_sampling!r} draws its mixing mask for the rank's "
-                       "share of the batch, not for the global batch: use 'none' with data parallelism")
+def mechanism_reasons(model: nn.Module) -> List[str]:
+    """Why the mechanisms in ``model`` cannot train data-parallel: every reason their
+    :meth:`~attnzoo.Mechanism.data_parallel_reasons` give, each once, in module order; empty when they can."""
+    reasons: List[str] = []
+    for module in model.modules():
+        if isinstance(module, Mechanism):
+            reasons += [reason for reason in module.data_parallel_reasons() if reason not in reasons]
     return reasons
 
 
@@ -96,12 +93,6 @@ class DataParallel:
         """Rank 0: the one that evaluates, logs and writes files."""
         return self.rank == 0
 
-    def check(self, config: TrainConfig) -> None:
-        """ValueError naming every setting of ``config`` that data parallelism cannot honour."""
-        reasons = data_parallel_reasons(config, self.world_size)
-        if reasons:
-            raise ValueError("; ".join(reasons))
-
     # -- the batch and the loss ------------------------------------------------------------------------------
     def shard(self, index: Tensor) -> Tensor:
         """This rank's contiguous share of a global batch's example indices (length divisible by the ranks)."""
@@ -115,13 +106,18 @@ class DataParallel:
         return self.world_size * local_count / max(global_count, 1)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """``model`` (already on :attr:`device`) wrapped in DistributedDataParallel.
+        """``model`` (already on :attr:`device`) wrapped in DistributedDataParallel; a ValueError giving every
+        reason of :func:`mechanism_reasons` when its mechanisms cannot train data-parallel.
 
         No buffer broadcast before each forward (``forward_sync_buffers=False``, formerly
         ``broadcast_buffers``): the buffers (random projections among them) are equal on every rank by
         construction and seeded redraws, so they need none. ``static_graph=True``:
         the same parameters take part in every step, which lets DDP skip the ones a mechanism never uses
-        (``fnet``'s query and key projections) without searching the graph for them each step."""
+        (the query and key projections of a mixing that reads only the values) without searching the graph for
+        them each step."""
+        reasons = mechanism_reasons(model)
+        if reasons:
+            raise ValueError("; ".join(reasons))
         device_ids = None if self.device.type == "cpu" else [self.device]
         return _Replica(model, device_ids=device_ids, process_group=self.group, static_graph=True,
                         **{_BUFFER_SYNC_OPTION: False})
@@ -198,4 +194,4 @@ def stop(parallel: Optional[DataParallel]) -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["DataParallel", "data_parallel_reasons", "launched_by_torchrun", "start_from_environment", "stop"]
+__all__ = ["DataParallel", "launched_by_torchrun", "mechanism_reasons", "start_from_environment", "stop"]
