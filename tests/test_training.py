@@ -331,7 +331,7 @@ FLASH = {"chunk_size": 8, "shared_dim": 8, "expansion_dim": 24}
 
 
 def test_block_flash_trains_resumes_bit_identically_and_keeps_its_units(tmp_path):
-    config = small("bytes", steps=5, block="flash", block_options=FLASH)
+    config = small("bytes", steps=5, block="flash_gau", block_options=FLASH)
     model = build_model(config, load("bytes", **BYTES))
     units = [m for m in model.modules() if type(m).__name__ == "GatedDecoderLayer"]
     assert len(units) == config.depth and units[0].attention.chunk_size == 8 and units[0].expansion_dim == 24
@@ -348,27 +348,27 @@ def test_block_flash_trains_resumes_bit_identically_and_keeps_its_units(tmp_path
 def test_train_bytes_with_block_flash_then_eval_and_resume_from_the_command_line(capsys, tmp_path):
     out_dir = tmp_path / "run"
     argv = ["train", "bytes", "--task-options", json.dumps(BYTES), "--dim", "16", "--depth", "1", "--heads", "2",
-            "--batch-size", "8", "--steps", "4", "--eval-interval", "2", "--block", "flash",
+            "--batch-size", "8", "--steps", "4", "--eval-interval", "2", "--block", "flash_gau",
             "--block-options", "chunk_size=8,shared_dim=8", "--output", str(out_dir), "--quiet"]
     code, out, err = _cli(capsys, *argv)
     assert code == 0, err
     saved = read_config(find_checkpoint(out_dir))["train"]
-    assert saved["block"] == "flash" and saved["block_options"] == {"chunk_size": 8, "shared_dim": 8}
+    assert saved["block"] == "flash_gau" and saved["block_options"] == {"chunk_size": 8, "shared_dim": 8}
     code, out, err = _cli(capsys, "eval", str(out_dir), "--json")
     assert code == 0, err
-    assert json.loads(out)["metrics"]["bits_per_byte"] > 0 and json.loads(out)["block"] == "flash"
+    assert json.loads(out)["metrics"]["bits_per_byte"] > 0 and json.loads(out)["block"] == "flash_gau"
     code, out, err = _cli(capsys, "eval", str(out_dir))
-    assert code == 0 and out.startswith("flash on bytes"), err
+    assert code == 0 and out.startswith("flash_gau on bytes"), err
     code, _, err = _cli(capsys, "train", "--resume", str(out_dir), "--block", "gau")
-    assert code == 2 and "--block 'gau' (the checkpoint has 'flash')" in err
+    assert code == 2 and "--block 'gau' (the checkpoint has 'flash_gau')" in err
     code, out, err = _cli(capsys, "train", "--resume", str(out_dir), "--steps", "4", "--quiet")
     assert code == 0, err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["bytes", "--block-options", "chunk_size=8"], "--block-options given but block is 'attention'"),
-    (["bytes", "--block", "flash", "--mechanism", "vq"], "block 'flash' replaces every attention.*mechanism"),
-    (["bytes", "--block", "flash", "--block-options", "chunk_sise=8"], "--block-options: .*chunk_sise"),
+    (["bytes", "--block", "flash_gau", "--mechanism", "vq"], "block 'flash_gau' replaces every attention.*mechanism"),
+    (["bytes", "--block", "flash_gau", "--block-options", "chunk_sise=8"], "--block-options: .*chunk_sise"),
     (["copy", "--block", "gau"], "block 'gau' cannot train on copy: its model, a Seq2SeqTransformer"),
     (["bytes", "--block", "lstm"], "--block"),
 ])
