@@ -289,14 +289,34 @@ def test_gradients_flow_to_learned_gates():
 
 def test_retention_uses_retnet_decays_and_non_causal_is_bidirectional():
     mechanism = build("retention", normalize=False)
-    gammas = torch.exp(mechanism.log_decays)
-    torch.testing.assert_close(gammas, 1 - 2.0 ** (-5.0 - torch.arange(3.0, dtype=torch.float64)))
+    gammas = torch.exp(torch.tensor(mechanism.log_decay_values, dtype=torch.float64))
+    torch.testing.assert_close(gammas, 1 - 2.0 ** (-5.0 - torch.arange(3.0, dtype=torch.float64)), rtol=0, atol=1e-15)
     q, k, v = qkv(length=6, batch=1)
     i = torch.arange(6)
     distance = (i.view(-1, 1) - i.view(1, -1)).abs()
     weights = (q @ k.transpose(-1, -2)) / math.sqrt(8) * gammas.double().view(1, 3, 1, 1) ** distance
     torch.testing.assert_close(mechanism(q, k, v), weights @ v)
     torch.testing.assert_close(mechanism(q, k, v, causal=True), weights.tril() @ v)
+
+
+def test_retention_decays_are_float64_in_a_float64_model():
+    """Decays given as options are used at the inputs' precision: float32 storage made a float64 model only
+    float32-accurate (8e-7 at 257 tokens), growing with the length."""
+    decays = [0.999, 0.9, 0.5]
+    mechanism = build("retention", decays=decays, normalize=False, chunk_size=16).double()
+    q, k, v = (x.double() for x in qkv(length=257, batch=1))
+    i = torch.arange(257)
+    distance = (i.view(-1, 1) - i.view(1, -1)).clamp(min=0)
+    gammas = torch.tensor(decays, dtype=torch.float64).view(1, 3, 1, 1)
+    weights = ((q @ k.transpose(-1, -2)) / math.sqrt(8) * gammas ** distance).tril()
+    torch.testing.assert_close(mechanism(q, k, v, causal=True), weights @ v, rtol=0, atol=1e-12)
+    assert "log_decays" not in mechanism.state_dict()  # options define them; nothing saved
+
+
+def test_retention_loads_a_checkpoint_that_saved_its_decays():
+    mechanism = build("retention")
+    state = dict(mechanism.state_dict(), log_decays=torch.zeros(3))
+    mechanism.load_state_dict(state, strict=True)
 
 
 @pytest.mark.parametrize("name, options", [("retention", {}), ("gla", {}), ("rfa", {"gated": True})])

@@ -94,11 +94,22 @@ class RetentionAttention(_DotProductDecayed):
             in_unit_interval = dict(minimum=0.0, maximum=1.0, exclusive_minimum=True, exclusive_maximum=True)
             values = check_numbers("decays", decays, heads, **in_unit_interval)
             log_decays = torch.log(torch.tensor(values, dtype=torch.float64))
-        # A buffer, so it follows the module's device and is saved with it.
-        self.register_buffer("log_decays", log_decays.float())
+        # The decays are options, not learned state: kept as exact float64 numbers and made into a tensor of the
+        # inputs' working dtype on each call, so a float64 model has float64 decays (a float32 buffer made it only
+        # float32-accurate) and the reference, which calls the same method on float64 inputs, computes from the
+        # definition. Nothing to save: the options rebuild them.
+        self.log_decay_values: Tuple[float, ...] = tuple(log_decays.tolist())
+        self._register_load_state_dict_pre_hook(_drop_saved_log_decays)
 
     def log_decay(self, k: Tensor) -> Tensor:
-        return constant_log_decay(self.log_decays.to(working_dtype(k.dtype)), k.shape[0], k.shape[2])
+        log_decays = torch.tensor(self.log_decay_values, dtype=working_dtype(k.dtype), device=k.device)
+        return constant_log_decay(log_decays, k.shape[0], k.shape[2])
+
+
+def _drop_saved_log_decays(state_dict, prefix, *args) -> None:
+    """Checkpoints written while the decays were a float32 buffer hold them under ``log_decays``; the options
+    define them now, so the saved copy is dropped instead of failing a strict load."""
+    state_dict.pop(prefix + "log_decays", None)
 
 
 @register
