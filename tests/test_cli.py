@@ -13,7 +13,7 @@ from attnzoo import available, capabilities, mechanism_options
 from attnzoo.cli import EXIT_FAILED_ROWS, EXIT_OK, EXIT_USAGE, main
 
 TINY = ["--lengths", "16,32", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
-        "--budget", "5", "--threads", "1", "--mechanisms", "softmax", "--no-sweep"]
+        "--time-budget", "5", "--threads", "1", "--mechanisms", "softmax", "--no-sweep"]
 
 
 def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
@@ -75,10 +75,10 @@ def one_error_line(err: str) -> str:
     (["--batch", "0"], "--batch must be an integer >= 1, got 0"),
     (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
     (["--threads", "-1"], "--threads must be an integer >= 0, got -1"),
-    (["--budget", "nan"], "--budget must be finite, got nan"),
-    (["--budget", "inf"], "--budget must be finite, got inf"),
-    (["--budget", "0"], "--budget must be a number > 0, got 0.0"),
-    (["--budget", "-1"], "--budget must be a number > 0, got -1.0"),
+    (["--time-budget", "nan"], "--time-budget must be finite, got nan"),
+    (["--time-budget", "inf"], "--time-budget must be finite, got inf"),
+    (["--time-budget", "0"], "--time-budget must be a number > 0, got 0.0"),
+    (["--time-budget", "-1"], "--time-budget must be a number > 0, got -1.0"),
     (["--lengths", "0,16"], "--lengths must be an integer >= 1, got 0"),
     (["--lengths", ","], "--lengths must be a non-empty list"),
     (["--device", "cuda:x"], "--device must be 'cpu' or 'cuda[:N]', got 'cuda:x'"),
@@ -181,7 +181,7 @@ def test_threads_0_means_every_core(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--lengths", "a"], ["--preset", "huge"], ["--quiet", "--json"],
-                                  ["--batch", "1.5"], ["--budget", "soon"], ["--set", "landmarks=16"],
+                                  ["--batch", "1.5"], ["--time-budget", "soon"], ["--set", "landmarks=16"],
                                   ["--set", "nystrom.=16"]])
 def test_malformed_arguments_exit_2_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

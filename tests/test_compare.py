@@ -43,7 +43,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # A configuration small enough that a whole run takes seconds: the pipeline, not the numbers, is under test.
 TINY = ["--lengths", "16,32", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
-        "--budget", "5", "--threads", "1"]
+        "--time-budget", "5", "--threads", "1"]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
