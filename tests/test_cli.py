@@ -1,10 +1,14 @@
-"""Tests of the ``attnzoo`` command line: ``list``, and ``compare``'s options, output modes and exit codes."""
+"""Tests of the ``attnzoo`` command line: ``list``, ``compare``'s options, output modes and exit codes, the flags
+every command shares, and ``--import`` of a mechanism of your own in ``train``, ``eval`` and ``lra``."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +247,65 @@ def test_peers_follow_the_options_given_to_their_counterpart():
     names = ("landmarks", "num_landmarks")
     assert _option({"landmarks": 256}, _NYSTROM, names, 64) == 256
     assert _option({}, _NYSTROM, names, 7) == mechanism_options("nystrom")["landmarks"]
+
+
+# -- one syntax for every command --------------------------------------------------------------------------------
+@pytest.mark.parametrize("command, instead", [
+    (["compare", "--budget", "5"], "--time-budget SECONDS"), (["lra", "--budget", "quick"], "--preset quick|full"),
+    (["seq2seq-report", "--budget", "full"], "--preset quick|full"), (["lra", "--budget"], "--preset quick|full"),
+])
+def test_a_retired_flag_is_one_line_naming_the_new_one(command, instead, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    assert exit_info.value.code == EXIT_USAGE
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"--budget is retired: use {instead}" in lines[0], lines
+
+
+def test_train_set_must_name_the_runs_own_mechanism(capsys, tmp_path):
+    assert main(["train", "recall", "--set", "nosuch.levels=4", "--output", str(tmp_path / "run")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--set nosuch.levels: this command's mechanism is 'softmax'" in err
+    assert main(["lra", "--set", "nosuch.rank=4", "--output", str(tmp_path / "lra")]) == EXIT_USAGE
+    assert "--set names unknown mechanism 'nosuch'" in capsys.readouterr().err
+    assert not (tmp_path / "lra").exists()
+
+
+# -- a mechanism of your own in every command --------------------------------------------------------------------
+TOY = Path(__file__).with_name("toy_new_mechanism.py")
+RECALL = "train_size=32,validation_size=8,test_size=8,num_pairs=4,num_keys=8,num_values=4"
+TINY_MODEL = {"dim": 16, "depth": 1, "heads": 2, "batch_size": 8}
+
+
+def attnzoo(*argv: str, code: str = "") -> subprocess.CompletedProcess:
+    """The command in its own interpreter (after ``code``), so that the toy never registers in this one."""
+    script = f"import sys\n{code}\nfrom attnzoo.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_train_resume_and_eval_run_a_mechanism_of_your_own(tmp_path):
+    run = tmp_path / "run"
+    trained = attnzoo("train", "recall", "--import", str(TOY), "--mechanism", "toy-quantized", "--set", "levels=4",
+                      "--task-options", RECALL, "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size", "8",
+                      "--steps", "2", "--output", str(run), "--quiet", "--json")
+    assert trained.returncode == 0, trained.stderr
+    config = json.loads(trained.stdout)["config"]
+    assert config["mechanism"] == "toy-quantized" and config["mechanism_options"] == {"levels": 4}
+    evaluated = attnzoo("eval", str(run), "--json")  # no --import: the run recorded it
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["mechanism"] == "toy-quantized"
+    (run / "imports.json").unlink()
+    refused = attnzoo("train", "--resume", str(run))  # --resume and eval read the record alike
+    assert refused.returncode == EXIT_USAGE and len(refused.stderr.splitlines()) == 1
+    assert "mechanism 'toy-quantized' is not registered: give --import" in refused.stderr
+
+
+def test_lra_cells_import_a_mechanism_of_your_own(tmp_path):
+    shrink = (f"from attnzoo.experiments import lra\n"
+              f"lra.BUDGETS['quick']['recall'].update(task_options=dict({RECALL}), **{TINY_MODEL!r})")
+    done = attnzoo("lra", "--import", str(TOY), "--mechanisms", "toy-quantized", "--set", "toy-quantized.levels=4",
+                   "--tasks", "recall", "--steps", "2", "--output", str(tmp_path), "--quiet", code=shrink)
+    assert done.returncode == 0, done.stderr
+    cell = json.loads((tmp_path / "cells" / "recall" / "toy-quantized" / "cell.json").read_text())
+    assert cell["status"] == "ok", cell
+    assert "--import" in cell["command"] and '{"levels": 4}' in cell["command"]

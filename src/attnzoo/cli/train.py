@@ -109,16 +109,17 @@ def record_imports(run: Path, imports: List[str]) -> None:
 def _import_for_run(checkpoint: Path, given: Optional[List[str]], option: str) -> List[str]:
     """Import what the run of ``checkpoint`` recorded and what the command line gives; the run's mechanism must
     then be registered (else an error saying which --import is missing). Returns every import, portable."""
+    from ..mechanisms import available
     from ..training.checkpoint import read_config
 
     run = checkpoint.parent.parent  # OUTPUT/checkpoints/step-N
     imports = import_modules(list(dict.fromkeys(recorded_imports(run) + list(given or []))))
     saved = read_config(checkpoint).get("train")
-    if isinstance(saved, dict) and saved.get("block", "attention") == "attention":
-        try:
-            check_mechanism(saved.get("mechanism", "softmax"), f"{option} {run}: the run's mechanism")
-        except ValueError as error:
-            raise ValueError(f"{error}; the run recorded no --import that registers it") from None
+    mechanism = saved.get("mechanism", "softmax") if isinstance(saved, dict) else "softmax"
+    if isinstance(saved, dict) and saved.get("block", "attention") == "attention" and mechanism not in available():
+        raise ValueError(f"{option} {run}: the run's mechanism {mechanism!r} is not registered: give --import "
+                         "MODULE_OR_PATH with the module that registers it (the run recorded "
+                         + (f"only {', '.join(imports)})" if imports else "none)"))
     return imports
 
 
@@ -341,7 +342,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     try:
         checkpoint = find_checkpoint(args.checkpoint)
-        _import_for_run(checkpoint, args.imports, "eval")
+        _import_for_run(checkpoint, args.imports, "CHECKPOINT_DIR")
         saved = read_config(checkpoint).get("train")
         decoding = _decoder_settings(args, saved.get("task") if isinstance(saved, dict) else None)
         report = evaluate_checkpoint(args.checkpoint, args.split, decoding)
