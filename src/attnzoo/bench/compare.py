@@ -44,7 +44,7 @@ class CompareConfig:
 
     preset: str = "quick"
     mechanisms: Optional[List[str]] = None  # None: every registered mechanism
-    # Options of particular mechanisms ({"nystrom": {"landmarks": 256}}); a peer of a mechanism gets them too.
+    # Options of particular mechanisms ({name: {option: value}}); a peer of a mechanism gets them too.
     options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     lengths: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["lengths"]))
     batch: int = 1
