@@ -435,3 +435,20 @@ def test_cores_busy_elsewhere_sees_another_process_spinning():
         spinner.wait()
     # One spinning process keeps one core busy (anything else running only adds to it).
     assert busy is not None and busy > 0.6
+
+
+def test_the_quick_preset_shares_a_timing_budget_per_length_however_many_mechanisms():
+    from attnzoo.bench.worker import MIN_REPEATS, _rounds, _sample_seconds
+
+    job = {"repeats": 9, "timing_budget_s": 20.0, "min_sample_s": 0.2}
+    assert _rounds(job, {"a": 1.0, "b": 1.0}) == 9  # few mechanisms: every repeat asked for
+    assert _rounds(job, {name: 0.3 for name in range(22)}) == 3  # 22 x 0.3 s a round: three fit in 20 s
+    assert _rounds(job, {name: 0.3 for name in range(100)}) == MIN_REPEATS  # never fewer
+    assert _sample_seconds(job, 10) == 0.2
+    assert _sample_seconds(job, 100) == pytest.approx(20.0 / (MIN_REPEATS * 1.5 * 100))  # shorter samples instead
+    assert _rounds(dict(job, timing_budget_s=None), {name: 5.0 for name in range(50)}) == 9
+    assert CompareConfig.from_preset("quick").timing_budget_s == 20.0
+    assert CompareConfig.from_preset("quick", repeats=5).timing_budget_s is None  # repeats asked for, given in full
+    assert CompareConfig.from_preset("full").timing_budget_s is None
+    with pytest.raises(ConfigError, match="timing_budget_s"):
+        CompareConfig(timing_budget_s=0).validate()

@@ -191,7 +191,7 @@ def add_compare_command(commands: Any) -> None:
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_argument("--preset", choices=list(PRESETS), default="quick",
                          help=f"quick: {quick['lengths'][0]}-{quick['lengths'][-1]} positions, under 3 minutes on "
-                              f"2 CPU cores (default); full: {full['lengths'][0]}-{full['lengths'][-1]} positions, "
+                              "2 CPU cores however many mechanisms (default); full: {full['lengths'][0]}-{full['lengths'][-1]} positions, "
                               f"{full['heads']} heads, the long sweep")
     compare.add_argument("--mechanisms", type=name_list, metavar="A,B,...",
                          help="comma-separated mechanisms (default: every registered one; softmax is always "
@@ -204,8 +204,10 @@ def add_compare_command(commands: Any) -> None:
     compare.add_argument("--causal", action="store_true", help="causal (autoregressive) attention; mechanisms "
                                                                 "without causal support become rows saying so")
     compare.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    compare.add_argument("--repeats", type=int, help=f"timed repeats per configuration (the median is reported; "
-                                                      f"quick: {quick['repeats']}, full: {full['repeats']})")
+    compare.add_argument("--repeats", type=int,
+                         help=f"timed repeats per configuration (the median is reported; full: {full['repeats']}; "
+                              f"quick: up to {quick['repeats']}, as many as fit {quick['timing_budget_s']:g} s per "
+                              "length for all mechanisms together, at least 3; given here, exactly this many)")
     compare.add_argument("--threads", type=int, help="torch threads (default, or 0: every core)")
     compare.add_argument("--time-budget", type=float, metavar="SECONDS",
                          help="time budget per configuration; slower ones are reported as too slow and skipped "
