@@ -452,3 +452,20 @@ def test_the_quick_preset_shares_a_timing_budget_per_length_however_many_mechani
     assert CompareConfig.from_preset("full").timing_budget_s is None
     with pytest.raises(ConfigError, match="timing_budget_s"):
         CompareConfig(timing_budget_s=0).validate()
+
+
+def test_no_timing_round_starts_after_the_deadline_and_every_callable_gets_as_many():
+    from attnzoo.bench.measure import time_interleaved
+
+    inputs = make_inputs(1, 2, 16, 8, torch.float32, "cpu")
+
+    def slow(q, k, v, causal):
+        time.sleep(0.02)
+        return q * 1
+
+    fns, repeats, inner = {"a": slow, "b": slow}, {"a": 9, "b": 9}, {"a": 1, "b": 1}
+    timings, failures = time_interleaved(fns, inputs, False, "cpu", repeats, inner, deadline_s=0.1)
+    counts = {name: len(timing.forward) for name, timing in timings.items()}
+    assert not failures and counts["a"] == counts["b"] and 1 <= counts["a"] < 9, counts
+    timings, _ = time_interleaved(fns, inputs, False, "cpu", {"a": 3, "b": 3}, inner)
+    assert [len(timing.forward) for timing in timings.values()] == [3, 3]

@@ -4,7 +4,8 @@ A job is one of
 
 * ``{"kind": "time", "entries": [...], "repeats": 9, "budget_s": 10, "timing_budget_s": 20, ...}``: every
   entry at one length, timed round-robin (``repeats`` rounds, fewer for an entry whose repeats would exceed
-  ``budget_s``, and only as many as fit ``timing_budget_s`` seconds for all entries together when it is given),
+  ``budget_s``; with ``timing_budget_s``, as many as fit that many seconds for all entries together, and no
+  round started after them),
   plus each output's error against exact softmax on the same inputs;
 * ``{"kind": "memory", "entry": {...}, ...}``: the peak memory of one entry at one length; the orchestrator
   starts a fresh process for each, so nothing that ran before can inflate or hide a peak;
@@ -183,7 +184,9 @@ def time_job(job: Job) -> Result:
     fns, inner, costs = _calibrated(job, inputs, reference, reference_failure, results)
     rounds = _rounds(job, costs)
     entry_repeats = {key: min(rounds, int(budget / cost)) for key, cost in costs.items()}
-    timings, failures = time_interleaved(fns, inputs, causal, device, entry_repeats, inner)
+    shared = job.get("timing_budget_s")
+    timings, failures = time_interleaved(fns, inputs, causal, device, entry_repeats, inner,
+                                         deadline_s=None if shared is None else float(shared))
     for key, timing in timings.items():
         if key in failures:
             results[key] = _failure(failures[key])
