@@ -283,32 +283,34 @@ def attnzoo(*argv: str, code: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
 
 
-def test_train_resume_and_eval_run_a_mechanism_of_your_own(tmp_path):
-    run = tmp_path / "run"
-    trained = attnzoo("train", "recall", "--import", str(TOY), "--mechanism", "toy-quantized", "--set", "levels=4",
-                      "--task-options", RECALL, "--dim", "16", "--depth", "1", "--heads", "2", "--batch-size", "8",
-                      "--steps", "2", "--output", str(run), "--quiet", "--json")
-    assert trained.returncode == 0, trained.stderr
-    config = json.loads(trained.stdout)["config"]
-    assert config["mechanism"] == "toy-quantized" and config["mechanism_options"] == {"levels": 4}
+def test_lra_train_eval_and_resume_run_a_mechanism_of_your_own(tmp_path):
+    """lra's cell (an attnzoo train process) imports the toy and records it; eval reads the record; a run whose
+    record is gone is refused in one line naming --import."""
+    shrink = (f"from attnzoo.experiments import lra\n"
+              f"lra.BUDGETS['quick']['recall'].update(task_options=dict({RECALL}), **{TINY_MODEL!r})")
+    done = attnzoo("lra", "--import", str(TOY), "--mechanisms", "toy-quantized", "--set", "toy-quantized.levels=4",
+                   "--tasks", "recall", "--steps", "2", "--output", str(tmp_path), "--quiet", code=shrink)
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "cells" / "recall" / "toy-quantized"
+    cell = json.loads((run / "cell.json").read_text())
+    assert cell["status"] == "ok", cell
+    assert "--import" in cell["command"] and '{"levels": 4}' in cell["command"]
     evaluated = attnzoo("eval", str(run), "--json")  # no --import: the run recorded it
     assert evaluated.returncode == 0, evaluated.stderr
-    assert json.loads(evaluated.stdout)["mechanism"] == "toy-quantized"
+    report = json.loads(evaluated.stdout)
+    assert report["mechanism"] == "toy-quantized" and report["config"]["mechanism_options"] == {"levels": 4}
     (run / "imports.json").unlink()
     refused = attnzoo("train", "--resume", str(run))  # --resume and eval read the record alike
     assert refused.returncode == EXIT_USAGE and len(refused.stderr.splitlines()) == 1
     assert "mechanism 'toy-quantized' is not registered: give --import" in refused.stderr
 
 
-def test_lra_cells_import_a_mechanism_of_your_own(tmp_path):
-    shrink = (f"from attnzoo.experiments import lra\n"
-              f"lra.BUDGETS['quick']['recall'].update(task_options=dict({RECALL}), **{TINY_MODEL!r})")
-    done = attnzoo("lra", "--import", str(TOY), "--mechanisms", "toy-quantized", "--set", "toy-quantized.levels=4",
-                   "--tasks", "recall", "--steps", "2", "--output", str(tmp_path), "--quiet", code=shrink)
-    assert done.returncode == 0, done.stderr
-    cell = json.loads((tmp_path / "cells" / "recall" / "toy-quantized" / "cell.json").read_text())
-    assert cell["status"] == "ok", cell
-    assert "--import" in cell["command"] and '{"levels": 4}' in cell["command"]
+def test_train_set_gives_the_option_to_the_mechanism(capsys, tmp_path):
+    argv = ["train", "recall", "--task-options", RECALL, "--output", str(tmp_path / "run")]
+    assert main([*argv, "--set", "no_such_option=4"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("attnzoo train: error: --set") and "no_such_option" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_commands_and_benchmarks_name_no_mechanism_but_the_baseline():

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from attnzoo.experiments import train_cells
 from attnzoo.experiments.settings import check_cell_settings, keep_settings

@@ -191,8 +191,9 @@ def add_compare_command(commands: Any) -> None:
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     compare.add_argument("--preset", choices=list(PRESETS), default="quick",
                          help=f"quick: {quick['lengths'][0]}-{quick['lengths'][-1]} positions, under 3 minutes on "
-                              "2 CPU cores however many mechanisms (default); full: {full['lengths'][0]}-{full['lengths'][-1]} positions, "
-                              f"{full['heads']} heads, the long sweep")
+                              "2 CPU cores however many mechanisms (default); full: "
+                              f"{full['lengths'][0]}-{full['lengths'][-1]} positions, {full['heads']} heads, the "
+                              "long sweep")
     compare.add_argument("--mechanisms", type=name_list, metavar="A,B,...",
                          help="comma-separated mechanisms (default: every registered one; softmax is always "
                               "included as the baseline)")

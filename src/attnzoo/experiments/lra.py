@@ -2,9 +2,9 @@
 
 Each cell (task x mechanism) is one ``attnzoo train`` run in a fresh process, in its own directory
 ``OUTPUT/cells/TASK/MECHANISM/`` (:mod:`attnzoo.experiments.cells`: a crash, a hang or an out-of-memory kill
-is that cell's row, and the command that reproduces it is recorded). A cell that finished keeps its ``cell.json`` and is not run again; one
-that was interrupted resumes from its checkpoint. The same settings go to every mechanism of a task: no
-mechanism is tuned on its own.
+is that cell's row, and the command that reproduces it is recorded). A cell that finished keeps its
+``cell.json`` and is not run again; one that was interrupted resumes from its checkpoint. The same settings
+go to every mechanism of a task: no mechanism is tuned on its own.
 
 Outputs: ``lra.json`` (cells, table and the command; its rows are what ``attnzoo compare --accuracy`` reads),
 ``lra.md`` (accuracy per task, mechanisms as rows, the average last, the trivial baselines as a row) and
