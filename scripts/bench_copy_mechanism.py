@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from attnzoo.bench.seq2seq_eval import greedy_outputs
+from attnzoo.experiments.seq2seq_eval import greedy_outputs
 from attnzoo.tasks import load
 from attnzoo.training import TrainConfig, build_model
 

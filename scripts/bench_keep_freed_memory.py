@@ -23,12 +23,12 @@ WARMUP, MEASURED = 5, 10
 _RUN = """
 import json, resource, statistics, sys, time, torch
 torch.set_num_threads(1)
-from attnzoo.bench.lra import LraConfig
+from attnzoo.experiments.lra import LraConfig
 from attnzoo.training import keep_freed_memory, train
 task, mechanism, setting, warmup, measured = sys.argv[1], sys.argv[2], sys.argv[3], *map(int, sys.argv[4:6])
 if setting == "keep" and not keep_freed_memory():
     raise SystemExit("glibc's mallopt is not available here")
-config = LraConfig(budget="quick").train_config(task, mechanism)
+config = LraConfig(preset="quick").train_config(task, mechanism)
 stamps, losses = [], []
 
 def on_step(step, metrics):

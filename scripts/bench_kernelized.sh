@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ATTNZOO=${ATTNZOO:-.venv/bin/attnzoo}
 common=(--preset full --mechanisms softmax,performer,linear,rfa,retention,gla --peers
-        --heads 8 --head-dim 64 --batch 1 --repeats 3 --budget 90 --no-sweep)
+        --heads 8 --head-dim 64 --batch 1 --repeats 3 --time-budget 90 --no-sweep)
 "$ATTNZOO" compare "${common[@]}" --lengths 1024,2048,4096,8192,16384 --output docs/results/kernelized-noncausal "$@"
 "$ATTNZOO" compare "${common[@]}" --lengths 2048,8192,16384 --causal --output docs/results/kernelized-causal "$@"

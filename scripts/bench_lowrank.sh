@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ATTNZOO=${ATTNZOO:-.venv/bin/attnzoo}
-common=(--heads 4 --head-dim 64 --batch 1 --repeats 5 --budget 60 --no-sweep --quiet)
+common=(--heads 4 --head-dim 64 --batch 1 --repeats 5 --time-budget 60 --no-sweep --quiet)
 "$ATTNZOO" compare "${common[@]}" --mechanisms linformer,nystrom --set linformer.rank=256 \
     --set nystrom.landmarks=256 --peers --lengths 2048,4096,8192 --output docs/results/lowrank-noncausal "$@"
 "$ATTNZOO" compare "${common[@]}" --mechanisms aft,efficient --lengths 4096,16384 \

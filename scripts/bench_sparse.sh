@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ATTNZOO=${ATTNZOO:-.venv/bin/attnzoo}
-common=(--heads 4 --head-dim 64 --batch 1 --repeats 3 --budget 60 --no-sweep --quiet)
+common=(--heads 4 --head-dim 64 --batch 1 --repeats 3 --time-budget 60 --no-sweep --quiet)
 "$ATTNZOO" compare "${common[@]}" --mechanisms local,reformer --set local.window=256 \
     --set reformer.bucket_size=64 --set reformer.n_hashes=4 --peers --causal --lengths 4096,8192,16384 \
     --output docs/results/sparse-causal "$@"

@@ -1,6 +1,6 @@
 """Autoregressive against non-autoregressive decoding of two trained seq2seq models (docs/seq2seq.md,
 "Non-autoregressive decoding"): quality and decoding time per sentence, side by side in one process
-(:func:`attnzoo.bench.seq2seq_eval.compare_at_nat`; ``attnzoo seq2seq-report`` runs it on its own runs).
+(:func:`attnzoo.experiments.seq2seq_eval.compare_at_nat`; ``attnzoo seq2seq-report`` runs it on its own runs).
 
     PYTHONPATH=src python scripts/compare_nat.py runs/reverse-at runs/reverse-nat --threads 1
 """
@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import torch
 
-from attnzoo.bench.seq2seq_eval import compare_at_nat
+from attnzoo.experiments.seq2seq_eval import compare_at_nat
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -1,5 +1,5 @@
 """Names and numbers apart: the share of each that a model trained on ``copy-names`` reproduces (docs/seq2seq.md,
-"Copy mechanism"; :func:`attnzoo.bench.seq2seq_eval.copy_breakdown`). ``attnzoo eval`` reports both together
+"Copy mechanism"; :func:`attnzoo.experiments.seq2seq_eval.copy_breakdown`). ``attnzoo eval`` reports both together
 as ``rare_token_recall``; this splits them, because the held-out names never occur in a training target while
 every number does.
 
@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from attnzoo.bench.seq2seq_eval import copy_breakdown
+from attnzoo.experiments.seq2seq_eval import copy_breakdown
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -9,7 +9,7 @@ import argparse
 
 import numpy as np
 
-from attnzoo.cli_training import parse_value
+from attnzoo.cli.common import parse_value
 from attnzoo.tasks.pathfinder import generate_pathfinder, marker_distance_accuracy
 
 DEFAULTS = dict(size=32, contour_length=9, segment_length=3, num_distractors=6, distractor_length=2)

@@ -1,10 +1,14 @@
-"""Tests of the ``attnzoo`` command line: ``list``, and ``compare``'s options, output modes and exit codes."""
+"""Tests of the ``attnzoo`` command line: ``list``, ``compare``'s options, output modes and exit codes, the flags
+every command shares, and ``--import`` of a mechanism of your own in ``train``, ``eval`` and ``lra``."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ from attnzoo import available, capabilities, mechanism_options
 from attnzoo.cli import EXIT_FAILED_ROWS, EXIT_OK, EXIT_USAGE, main
 
 TINY = ["--lengths", "16,32", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
-        "--budget", "5", "--threads", "1", "--mechanisms", "softmax", "--no-sweep"]
+        "--time-budget", "5", "--threads", "1", "--mechanisms", "softmax", "--no-sweep"]
 
 
 def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
@@ -75,10 +79,10 @@ def one_error_line(err: str) -> str:
     (["--batch", "0"], "--batch must be an integer >= 1, got 0"),
     (["--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
     (["--threads", "-1"], "--threads must be an integer >= 0, got -1"),
-    (["--budget", "nan"], "--budget must be finite, got nan"),
-    (["--budget", "inf"], "--budget must be finite, got inf"),
-    (["--budget", "0"], "--budget must be a number > 0, got 0.0"),
-    (["--budget", "-1"], "--budget must be a number > 0, got -1.0"),
+    (["--time-budget", "nan"], "--time-budget must be finite, got nan"),
+    (["--time-budget", "inf"], "--time-budget must be finite, got inf"),
+    (["--time-budget", "0"], "--time-budget must be a number > 0, got 0.0"),
+    (["--time-budget", "-1"], "--time-budget must be a number > 0, got -1.0"),
     (["--lengths", "0,16"], "--lengths must be an integer >= 1, got 0"),
     (["--lengths", ","], "--lengths must be a non-empty list"),
     (["--device", "cuda:x"], "--device must be 'cpu' or 'cuda[:N]', got 'cuda:x'"),
@@ -181,7 +185,7 @@ def test_threads_0_means_every_core(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [["--lengths", "a"], ["--preset", "huge"], ["--quiet", "--json"],
-                                  ["--batch", "1.5"], ["--budget", "soon"], ["--set", "landmarks=16"],
+                                  ["--batch", "1.5"], ["--time-budget", "soon"], ["--set", "landmarks=16"],
                                   ["--set", "nystrom.=16"]])
 def test_malformed_arguments_exit_2_with_one_line(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -243,3 +247,84 @@ def test_peers_follow_the_options_given_to_their_counterpart():
     names = ("landmarks", "num_landmarks")
     assert _option({"landmarks": 256}, _NYSTROM, names, 64) == 256
     assert _option({}, _NYSTROM, names, 7) == mechanism_options("nystrom")["landmarks"]
+
+
+# -- one syntax for every command --------------------------------------------------------------------------------
+@pytest.mark.parametrize("command, instead", [
+    (["compare", "--budget", "5"], "--time-budget SECONDS"), (["lra", "--budget", "quick"], "--preset quick|full"),
+    (["seq2seq-report", "--budget", "full"], "--preset quick|full"), (["lra", "--budget"], "--preset quick|full"),
+])
+def test_a_retired_flag_is_one_line_naming_the_new_one(command, instead, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(command)
+    assert exit_info.value.code == EXIT_USAGE
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and f"--budget is retired: use {instead}" in lines[0], lines
+
+
+def test_train_set_must_name_the_runs_own_mechanism(capsys, tmp_path):
+    assert main(["train", "recall", "--set", "nosuch.levels=4", "--output", str(tmp_path / "run")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "--set nosuch.levels: this command's mechanism is 'softmax'" in err
+    assert main(["lra", "--set", "nosuch.rank=4", "--output", str(tmp_path / "lra")]) == EXIT_USAGE
+    assert "--set names unknown mechanism 'nosuch'" in capsys.readouterr().err
+    assert not (tmp_path / "lra").exists()
+
+
+# -- a mechanism of your own in every command --------------------------------------------------------------------
+TOY = Path(__file__).with_name("toy_new_mechanism.py")
+RECALL = "train_size=32,validation_size=8,test_size=8,num_pairs=4,num_keys=8,num_values=4"
+TINY_MODEL = {"dim": 16, "depth": 1, "heads": 2, "batch_size": 8}
+
+
+def attnzoo(*argv: str, code: str = "") -> subprocess.CompletedProcess:
+    """The command in its own interpreter (after ``code``), so that the toy never registers in this one."""
+    script = f"import sys\n{code}\nfrom attnzoo.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
+
+
+def test_lra_train_eval_and_resume_run_a_mechanism_of_your_own(tmp_path):
+    """lra's cell (an attnzoo train process) imports the toy and records it; eval reads the record; a run whose
+    record is gone is refused in one line naming --import."""
+    shrink = (f"from attnzoo.experiments import lra\n"
+              f"lra.BUDGETS['quick']['recall'].update(task_options=dict({RECALL}), **{TINY_MODEL!r})")
+    done = attnzoo("lra", "--import", str(TOY), "--mechanisms", "toy-quantized", "--set", "toy-quantized.levels=4",
+                   "--tasks", "recall", "--steps", "2", "--output", str(tmp_path), "--quiet", code=shrink)
+    assert done.returncode == 0, done.stderr
+    run = tmp_path / "cells" / "recall" / "toy-quantized"
+    cell = json.loads((run / "cell.json").read_text())
+    assert cell["status"] == "ok", cell
+    assert "--import" in cell["command"] and '{"levels": 4}' in cell["command"]
+    evaluated = attnzoo("eval", str(run), "--json")  # no --import: the run recorded it
+    assert evaluated.returncode == 0, evaluated.stderr
+    report = json.loads(evaluated.stdout)
+    assert report["mechanism"] == "toy-quantized" and report["config"]["mechanism_options"] == {"levels": 4}
+    (run / "imports.json").unlink()
+    refused = attnzoo("train", "--resume", str(run))  # --resume and eval read the record alike
+    assert refused.returncode == EXIT_USAGE and len(refused.stderr.splitlines()) == 1
+    assert "mechanism 'toy-quantized' is not registered: give --import" in refused.stderr
+
+
+def test_train_set_gives_the_option_to_the_mechanism(capsys, tmp_path):
+    argv = ["train", "recall", "--task-options", RECALL, "--output", str(tmp_path / "run")]
+    assert main([*argv, "--set", "no_such_option=4"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("attnzoo train: error: --set") and "no_such_option" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_commands_and_benchmarks_name_no_mechanism_but_the_baseline():
+    """What a mechanism needs is read from its declarations (capabilities, sweep_option, length_option), never
+    from its name: cli/, bench/ and experiments/ name no registered mechanism but softmax, the baseline. The
+    one exception is bench/peers.py, the table of which peer library implements which mechanism."""
+    import re
+
+    package = Path(__file__).resolve().parents[1] / "src" / "attnzoo"
+    names = sorted(set(available()) - {"softmax"})
+    word = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    found = [f"{path.relative_to(package)}:{number}: {line.strip()}"
+             for part in ("cli", "bench", "experiments") for path in sorted((package / part).rglob("*.py"))
+             if path != package / "bench" / "peers.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if word.search(line)]
+    assert not found, "\n".join(found)
+    assert word.search("--set linformer.rank=4") and not word.search("linearly, a toy-quantized mechanism")

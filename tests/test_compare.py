@@ -43,7 +43,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # A configuration small enough that a whole run takes seconds: the pipeline, not the numbers, is under test.
 TINY = ["--lengths", "16,32", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
-        "--budget", "5", "--threads", "1"]
+        "--time-budget", "5", "--threads", "1"]
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -435,3 +435,37 @@ def test_cores_busy_elsewhere_sees_another_process_spinning():
         spinner.wait()
     # One spinning process keeps one core busy (anything else running only adds to it).
     assert busy is not None and busy > 0.6
+
+
+def test_the_quick_preset_shares_a_timing_budget_per_length_however_many_mechanisms():
+    from attnzoo.bench.worker import MIN_REPEATS, _rounds, _sample_seconds
+
+    job = {"repeats": 9, "timing_budget_s": 20.0, "min_sample_s": 0.2}
+    assert _rounds(job, {"a": 1.0, "b": 1.0}) == 9  # few mechanisms: every repeat asked for
+    assert _rounds(job, {name: 0.3 for name in range(22)}) == 3  # 22 x 0.3 s a round: three fit in 20 s
+    assert _rounds(job, {name: 0.3 for name in range(100)}) == MIN_REPEATS  # never fewer
+    assert _sample_seconds(job, 10) == 0.2
+    assert _sample_seconds(job, 100) == pytest.approx(20.0 / (MIN_REPEATS * 1.5 * 100))  # shorter samples instead
+    assert _rounds(dict(job, timing_budget_s=None), {name: 5.0 for name in range(50)}) == 9
+    assert CompareConfig.from_preset("quick").timing_budget_s == 20.0
+    assert CompareConfig.from_preset("quick", repeats=5).timing_budget_s is None  # repeats asked for, given in full
+    assert CompareConfig.from_preset("full").timing_budget_s is None
+    with pytest.raises(ConfigError, match="timing_budget_s"):
+        CompareConfig(timing_budget_s=0).validate()
+
+
+def test_no_timing_round_starts_after_the_deadline_and_every_callable_gets_as_many():
+    from attnzoo.bench.measure import time_interleaved
+
+    inputs = make_inputs(1, 2, 16, 8, torch.float32, "cpu")
+
+    def slow(q, k, v, causal):
+        time.sleep(0.02)
+        return q * 1
+
+    fns, repeats, inner = {"a": slow, "b": slow}, {"a": 9, "b": 9}, {"a": 1, "b": 1}
+    timings, failures = time_interleaved(fns, inputs, False, "cpu", repeats, inner, deadline_s=0.1)
+    counts = {name: len(timing.forward) for name, timing in timings.items()}
+    assert not failures and counts["a"] == counts["b"] and 1 <= counts["a"] < 9, counts
+    timings, _ = time_interleaved(fns, inputs, False, "cpu", {"a": 3, "b": 3}, inner)
+    assert [len(timing.forward) for timing in timings.values()] == [3, 3]

@@ -49,7 +49,7 @@ def test_keep_freed_memory_reuses_the_pages_of_a_freed_tensor():
 
 def test_importing_attnzoo_leaves_the_allocator_alone():
     done = subprocess.run([sys.executable, "-c", "import attnzoo, attnzoo.training, attnzoo.bench.measure, "
-                           "attnzoo.cli_training; " + _FAULTS_OF_A_SECOND_ALLOCATION.replace("sys.argv[1]", "'x'")],
+                           "attnzoo.cli.train; " + _FAULTS_OF_A_SECOND_ALLOCATION.replace("sys.argv[1]", "'x'")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.strip()) > 16 * 2**20 * 4 // 4096 // 2

@@ -198,7 +198,7 @@ def _run_on_a_terminal(command: List[str], env: Dict[str, str], cwd: Path) -> su
 def test_compare_runs_with_nothing_but_the_core_dependencies(plain, tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "attnzoo.cli", "compare", "--mechanisms", "softmax,linear", "--lengths",
-               "64,128", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--budget", "5",
+               "64,128", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--time-budget", "5",
                "--threads", "1", "--no-sweep", "--output", str(out)]
     result = _run_on_a_terminal(command, plain.env, tmp_path)
     assert result.returncode == 0, (f"exit {result.returncode}; refused imports: {plain.refused()}\n"

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from attnzoo.bench import seq2seq_report as report
-from attnzoo.bench.seq2seq_eval import pick_example
+from attnzoo.experiments import seq2seq_report as report
+from attnzoo.experiments.seq2seq_eval import pick_example
 from attnzoo.cli import main
 
 
@@ -53,7 +53,7 @@ def test_overrides_reach_every_cell_and_task_options_merge():
 
 
 @pytest.mark.parametrize("changes, option", [
-    (dict(budget="huge"), "--budget"), (dict(jobs=0), "--jobs"), (dict(jobs=True), "--jobs"),
+    (dict(preset="huge"), "--preset"), (dict(jobs=0), "--jobs"), (dict(jobs=True), "--jobs"),
     (dict(threads=0), "--threads"), (dict(cell_timeout_s=float("nan")), "--cell-timeout"),
 ])
 def test_bad_settings_are_refused_naming_the_option(changes, option):
@@ -154,14 +154,14 @@ def test_the_command_end_to_end_on_a_tiny_budget(tmp_path, monkeypatch, capsys):
 
 
 def test_the_full_budget_makes_valid_configs_bigger_than_the_quick_one():
-    report.ReportConfig(budget="full").validate()
+    report.ReportConfig(preset="full").validate()
     for name in report.CELLS:
-        quick, full = report.ReportConfig().train_config(name), report.ReportConfig(budget="full").train_config(name)
+        quick, full = report.ReportConfig().train_config(name), report.ReportConfig(preset="full").train_config(name)
         assert full.steps > quick.steps and full.dim >= quick.dim
 
 
 def test_a_yes_no_field_reaches_the_train_command_as_a_flag(tmp_path):
-    from attnzoo.bench.lra import _train_command
+    from attnzoo.experiments.cells import train_command as _train_command
 
     with_copy = _train_command(report.ReportConfig().train_config("copy-names-copy"), tmp_path, False, 1)
     without = _train_command(report.ReportConfig().train_config("copy-names-plain"), tmp_path, False, 1)
@@ -169,7 +169,7 @@ def test_a_yes_no_field_reaches_the_train_command_as_a_flag(tmp_path):
     assert "--copy-mechanism" not in without
 
 
-@pytest.mark.parametrize("argv, option", [(["--jobs", "0"], "--jobs"), (["--budget", "full", "--steps", "0"], "steps")])
+@pytest.mark.parametrize("argv, option", [(["--jobs", "0"], "--jobs"), (["--preset", "full", "--steps", "0"], "steps")])
 def test_the_command_refuses_bad_options_naming_them_before_training(argv, option, tmp_path, capsys):
     assert main(["seq2seq-report", *argv, "--output", str(tmp_path / "out")]) == 2
     assert option in capsys.readouterr().err

@@ -291,7 +291,7 @@ def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, 
     argv = ["lra", "--tasks", "listops", "--mechanisms", "softmax,linformer,linear", "--steps", "2", "--jobs", "2", "--output",
             str(tmp_path), "--quiet"]
     # Small task settings come through the budget; the test shrinks it for speed.
-    from attnzoo.bench import lra
+    from attnzoo.experiments import lra
 
     budget = {task: dict(settings, task_options=LISTOPS if task == "listops" else settings["task_options"],
                          dim=16, depth=1, heads=2, batch_size=8)
@@ -316,14 +316,14 @@ def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, 
 
 
 def test_lra_quick_validates_once_at_the_end_on_a_few_batches_and_full_five_times_on_all():
-    from attnzoo.bench.lra import LraConfig
+    from attnzoo.experiments.lra import LraConfig
 
     for budget, evaluations, batches in (("quick", 1, 4), ("full", 5, None)):
         for task in ("listops", "recall"):
-            config = LraConfig(budget=budget).train_config(task, "softmax")
+            config = LraConfig(preset=budget).train_config(task, "softmax")
             assert config.eval_interval * evaluations == config.steps and config.eval_batches == batches
-    assert LraConfig(budget="quick", overrides={"steps": 7}).train_config("listops", "softmax").eval_interval == 7
-    assert LraConfig(budget="quick", overrides={"eval_interval": 2}).train_config("listops", "softmax").eval_interval == 2
+    assert LraConfig(preset="quick", overrides={"steps": 7}).train_config("listops", "softmax").eval_interval == 7
+    assert LraConfig(preset="quick", overrides={"eval_interval": 2}).train_config("listops", "softmax").eval_interval == 2
 
 
 # -- gated units (--block) -----------------------------------------------------------------------------------

@@ -19,10 +19,10 @@ def _markdown_table(header: List[str], rows: List[List[str]]) -> List[str]:
     return lines
 
 
-def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> str:
-    config, machine = data["config"], data["machine"]
-    lengths = sorted({row["length"] for row in data["rows"]})
-    lines = [
+def _header(data: Dict[str, Any]) -> List[str]:
+    """The command that reproduces the run, and the machine it ran on."""
+    machine = data["machine"]
+    return [
         "# attnzoo compare",
         "",
         "Reproduce with:",
@@ -43,11 +43,27 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
            if machine.get("cores_busy_elsewhere") is not None else ""),
         *([f"- **warning**: {busy_warning(machine)}"] if busy_warning(machine) else []),
         "",
+    ]
+
+
+def _repeats_text(config: Dict[str, Any]) -> str:
+    if config.get("timing_budget_s") is None:
+        return f"Times are medians of {config['repeats']} repeats"
+    return (f"Times are medians of up to {config['repeats']} repeats (as many as fit "
+            f"{config['timing_budget_s']:g} s per length for all mechanisms together, at least 3; each row's "
+            "count is in results.json)")
+
+
+def _setting(data: Dict[str, Any]) -> List[str]:
+    """How the numbers were measured."""
+    config = data["config"]
+    lengths = sorted({row["length"] for row in data["rows"]})
+    return [
         "## Setting",
         "",
         f"Batch {config['batch']}, {config['heads']} heads, head dim {config['head_dim']}, {config['dtype']}, "
         f"{'causal' if config['causal'] else 'non-causal'}, lengths {', '.join(map(str, lengths))}. "
-        f"Times are medians of {config['repeats']} repeats after a warm-up; the mechanisms are timed "
+        + _repeats_text(config) + " after a warm-up; the mechanisms are timed "
         "round-robin on the same inputs within one process per length, so machine drift affects them alike. "
         "Peak memory is measured in a fresh process per configuration "
         + ("(the CUDA allocator's peak above the inputs). " if config["device"].startswith("cuda") else
@@ -58,29 +74,27 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
         f"{config['budget_s']:.0f} s; slower ones, and those out of memory, are reported and skipped at longer "
         "lengths.",
         "",
-        "## Time",
-        "",
-        "![time against N](time.png)",
-        "",
-        "## Memory",
-        "",
-        "![peak memory against N](memory.png)",
-        "",
-        "## Approximation error",
-        "",
-        "![error against feature count](error.png)",
-        "",
+    ]
+
+
+def _figures(accuracy_path: Optional[str]) -> List[str]:
+    return [
+        "## Time", "", "![time against N](time.png)", "",
+        "## Memory", "", "![peak memory against N](memory.png)", "",
+        "## Approximation error", "", "![error against feature count](error.png)", "",
         "The dotted line is uniform attention (every query averages the values): an approximation above it "
         "carries less information about q and k than a plain average.",
         "",
-        "## Speed, quality and memory",
-        "",
-        "![bubble chart](bubble.png)",
-        "",
+        "## Speed, quality and memory", "", "![bubble chart](bubble.png)", "",
         ("Quality is the accuracy from `" + accuracy_path + "`." if accuracy_path else
          "Quality is the approximation error against softmax (no `--accuracy` file was given); for mechanisms "
          "that are not approximations of softmax it is a distance, not a quality."),
         "",
+    ]
+
+
+def _summary(data: Dict[str, Any]) -> List[str]:
+    lines = [
         "## Summary",
         "",
         "Speed = softmax time / mechanism time (forward+backward, > 1 is faster); memory = mechanism peak / "
@@ -97,9 +111,12 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
             _cell(item["speed_vs_softmax"], 2, "x"), _cell(item["memory_vs_softmax"], 2, "x"), format_error(item),
             item["note"] or "",
         ])
-    lines += _markdown_table(["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed", "memory",
-                              "error", "note"], summary_rows)
-    lines += ["", "## All measurements", ""]
+    return lines + _markdown_table(["mechanism", "fwd+bwd crossover", "fwd crossover", "longest N", "speed",
+                                    "memory", "error", "note"], summary_rows)
+
+
+def _measurements(data: Dict[str, Any]) -> List[str]:
+    lines = ["", "## All measurements", ""]
     detail_rows = []
     for row in sorted(data["rows"], key=lambda row: (row["length"], row["mechanism"] != BASELINE)):
         detail_rows.append([
@@ -115,8 +132,13 @@ def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> 
     if data.get("missing_peers"):
         lines += ["", "Peers not installed (install with `scripts/install-peers.sh .venv/bin/python`): "
                   + ", ".join(peer["name"] for peer in data["missing_peers"]) + "."]
-    lines += ["", "Raw numbers: `results.json` (with the full configuration) and `results.csv`.", ""]
-    return "\n".join(lines)
+    return lines + ["", "Raw numbers: `results.json` (with the full configuration) and `results.csv`.", ""]
+
+
+def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> str:
+    """report.md: the command and machine, the setting, the figures, the summary and every measurement."""
+    return "\n".join(_header(data) + _setting(data) + _figures(accuracy_path) + _summary(data)
+                     + _measurements(data))
 
 
 def write_report(data: Dict[str, Any], output: Path, accuracy_path: Optional[str] = None) -> Path:

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..mechanisms import OWN
 from .results import BASELINE, busy_warning, describe_crossover
 
-# Wide enough for a whole peer comparison ("attnzoo linear's time is 0.53x pytorch-fast-transformers', ...").
+# Wide enough for a whole peer comparison ("attnzoo X's time is 0.53x some-peer-library's, ...").
 NOTE_WIDTH = 90
 
 NOISY_SPREAD = 0.25  # interquartile range over median above which a row's timing is flagged
@@ -22,7 +22,7 @@ def format_error(row: Dict[str, Any]) -> str:
         return "-"
     if error < EXACT_BELOW:
         return "exact"
-    # An attention of its own (e.g. a gated linear attention) is a different model: its distance from softmax
+    # An attention of its own (e.g. a gated recurrence) is a different model: its distance from softmax
     # is shown, starred, but it is not an approximation error.
     return f"{error:.3g}*" if row.get("kind") == OWN else f"{error:.3g}"
 
@@ -41,7 +41,7 @@ def _ratio(value: Optional[float]) -> str:
 def counterpart_note(row: Dict[str, Any]) -> Optional[str]:
     """How a peer row compares with its attnzoo counterpart, worded so that it cannot be read backwards.
 
-    "attnzoo performer's time is 0.41x performer-pytorch's, memory 0.92x": both are attnzoo's figure over the
+    "attnzoo X's time is 0.41x X-library's, memory 0.92x": both are attnzoo's figure over the
     peer's, so below 1 means attnzoo needs less. None for rows without a measured counterpart."""
     time, memory = row.get("attnzoo_time_over_peer"), row.get("attnzoo_memory_over_peer")
     if not row.get("counterpart") or (time is None and memory is None):

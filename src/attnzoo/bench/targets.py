@@ -2,8 +2,8 @@
 
 An *entry* is a plain dict (it travels to worker processes as JSON)::
 
-    {"key": "performer", "kind": "mechanism", "name": "performer", "options": {"nb_features": 64}}
-    {"key": "peer:linformer", "kind": "peer", "name": "linformer", "options": {}}
+    {"key": "NAME", "kind": "mechanism", "name": "NAME", "options": {"OPTION": 64}}
+    {"key": "peer:PEER", "kind": "peer", "name": "PEER", "options": {}}
 """
 
 from __future__ import annotations

@@ -2,8 +2,11 @@
 
 A job is one of
 
-* ``{"kind": "time", "entries": [...], ...}``: every entry at one length, timed round-robin, plus each
-  output's error against exact softmax on the same inputs;
+* ``{"kind": "time", "entries": [...], "repeats": 9, "budget_s": 10, "timing_budget_s": 20, ...}``: every
+  entry at one length, timed round-robin (``repeats`` rounds, fewer for an entry whose repeats would exceed
+  ``budget_s``; with ``timing_budget_s``, as many as fit that many seconds for all entries together, and no
+  round started after them),
+  plus each output's error against exact softmax on the same inputs;
 * ``{"kind": "memory", "entry": {...}, ...}``: the peak memory of one entry at one length; the orchestrator
   starts a fresh process for each, so nothing that ran before can inflate or hide a peak;
 * ``{"kind": "sweep", "entry": {...}, "option": "nb_features", "values": [...], ...}``: error against
@@ -24,7 +27,7 @@ import math
 import resource
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -106,19 +109,38 @@ def _check_output(out: torch.Tensor, inputs: Inputs) -> None:
         raise FloatingPointError("output contains NaN or inf")
 
 
-def time_job(job: Job) -> Result:
-    """Time every entry at one length, round-robin, and measure each output's error against softmax."""
-    causal, device = bool(job["causal"]), job["device"]
-    repeats, budget = int(job["repeats"]), float(job.get("budget_s", 60.0))
-    inputs = _inputs(job)
-    results: Dict[str, Result] = {}
-    try:
-        reference = reference_output(inputs, causal)
-    except Exception as error:  # noqa: BLE001 - the error column is then empty, timing goes on
-        reference, reference_failure = None, classify_failure(error)[1]
-    uniform_error = relative_error(uniform_attention(inputs.v.to(reference.dtype), causal), reference) \
-        if reference is not None else None
-    fns, inner, entry_repeats = {}, {}, {}
+# The fewest timed repeats an entry gets when a shared timing budget is tight: a median and a spread need three.
+MIN_REPEATS = 3
+# One repeat is a forward and a forward+backward: about 1.5 forward+backward.
+REPEAT_COST = 1.5
+
+
+def _sample_seconds(job: Job, entries: int) -> float:
+    """How long one timed sample should last: ``min_sample_s``, shortened when a timing budget per length
+    (``timing_budget_s``, shared by all entries) could not otherwise give every entry ``MIN_REPEATS``."""
+    min_sample = float(job.get("min_sample_s", DEFAULT_MIN_SAMPLE_S))
+    shared = job.get("timing_budget_s")
+    if shared is None or entries == 0:
+        return min_sample
+    return min(min_sample, float(shared) / (MIN_REPEATS * REPEAT_COST * entries))
+
+
+def _rounds(job: Job, costs: Dict[str, float]) -> int:
+    """Timed rounds for every entry: ``repeats``, or as many as fit the shared ``timing_budget_s`` (at least
+    ``MIN_REPEATS``); ``costs`` are each entry's seconds per repeat."""
+    repeats, shared = int(job["repeats"]), job.get("timing_budget_s")
+    if shared is None or not costs:
+        return repeats
+    return max(MIN_REPEATS, min(repeats, int(float(shared) / sum(costs.values()))))
+
+
+def _calibrated(job: Job, inputs: Inputs, reference: Optional[torch.Tensor], reference_failure: str,
+                results: Dict[str, Result]) -> Tuple[Dict[str, Any], Dict[str, int], Dict[str, float]]:
+    """Build, check and warm up every entry: (callables, calls per sample, seconds per repeat) of those that can
+    be timed; the others' rows (unsupported, failed, too slow) go into ``results``."""
+    causal, device, budget = bool(job["causal"]), job["device"], float(job.get("budget_s", 60.0))
+    min_sample = _sample_seconds(job, len(job["entries"]))
+    fns, inner, costs = {}, {}, {}
     for entry in job["entries"]:
         key = entry["key"]
         try:
@@ -130,23 +152,41 @@ def time_job(job: Job) -> Result:
             _check_output(out, inputs)
             error = relative_error(out, reference) if reference is not None else None
             del out
-            n, one = calibrate(fn, inputs, causal, device, float(job.get("min_sample_s", DEFAULT_MIN_SAMPLE_S)), budget)
+            n, one = calibrate(fn, inputs, causal, device, min_sample, budget)
         except Exception as failure:  # noqa: BLE001
             results[key] = _failure(failure)
             continue
-        # Each repeat costs a forward and a forward+backward (about 1.5 forward+backward); fewer repeats
-        # keep a slow entry within its budget, and one that cannot fit even one is reported as too slow.
-        fits = int(budget / (1.5 * one * n))
-        if fits < 1:
+        # Fewer repeats keep a slow entry within its budget; one that cannot fit even one is too slow.
+        if budget < REPEAT_COST * one * n:
             results[key] = {"status": "timeout", "error": error,
                             "reason": f"too slow: one forward+backward took {one:.1f} s, a timed repeat would "
-                                      f"exceed the {budget:.0f} s budget per configuration (--budget)"}
+                                      f"exceed the {budget:.0f} s budget per configuration (--time-budget)"}
             continue
-        fns[key], inner[key], entry_repeats[key] = fn, n, min(repeats, fits)
+        fns[key], inner[key], costs[key] = fn, n, REPEAT_COST * one * n
         results[key] = {"status": "ok", "reason": None, "error": error}
         if reference is None:
             results[key]["reason"] = f"no error: the exact reference failed ({reference_failure})"
-    timings, failures = time_interleaved(fns, inputs, causal, device, entry_repeats, inner)
+    return fns, inner, costs
+
+
+def time_job(job: Job) -> Result:
+    """Time every entry at one length, round-robin, and measure each output's error against softmax."""
+    causal, device, budget = bool(job["causal"]), job["device"], float(job.get("budget_s", 60.0))
+    inputs = _inputs(job)
+    results: Dict[str, Result] = {}
+    reference_failure = ""
+    try:
+        reference = reference_output(inputs, causal)
+    except Exception as error:  # noqa: BLE001 - the error column is then empty, timing goes on
+        reference, reference_failure = None, classify_failure(error)[1]
+    uniform_error = relative_error(uniform_attention(inputs.v.to(reference.dtype), causal), reference) \
+        if reference is not None else None
+    fns, inner, costs = _calibrated(job, inputs, reference, reference_failure, results)
+    rounds = _rounds(job, costs)
+    entry_repeats = {key: min(rounds, int(budget / cost)) for key, cost in costs.items()}
+    shared = job.get("timing_budget_s")
+    timings, failures = time_interleaved(fns, inputs, causal, device, entry_repeats, inner,
+                                         deadline_s=None if shared is None else float(shared))
     for key, timing in timings.items():
         if key in failures:
             results[key] = _failure(failures[key])

@@ -5,12 +5,12 @@ Each training run is a cell, one ``attnzoo train`` run in a fresh process in ``O
 ``attnzoo lra``: a finished cell keeps its ``cell.json`` and is not run again, an interrupted one resumes from
 its checkpoint, a failed one is a row saying why and is tried again next time). Within a task every cell has
 the same model size, steps, batch, learning rate and seed; only the setting compared differs. Then the runs
-are measured in this process (:mod:`attnzoo.bench.seq2seq_eval`) and the report is written:
+are measured in this process (:mod:`attnzoo.experiments.seq2seq_eval`) and the report is written:
 
 * ``seq2seq-report.md``: the tables (AT vs NAT; teacher forcing vs scheduled sampling; the copy mechanism;
   the guide loss; greedy vs beam and monotonic inference), the command and the machine;
 * ``seq2seq-report.json``: everything the tables are made of;
-* ``guide-loss-over-steps.png`` and ``cross-attention-maps.png`` (:mod:`attnzoo.bench.seq2seq_figures`).
+* ``guide-loss-over-steps.png`` and ``cross-attention-maps.png`` (:mod:`attnzoo.experiments.seq2seq_figures`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..bench.results import BASELINE
+from ..mechanisms import available as mechanisms_available
 from ..training import TrainConfig
-from .lra import CELL_JSON, check_cell_settings, run_cells
+from .cells import train_cells
+from .settings import check_cell_settings, check_mechanism_options, check_names, check_preset, keep_settings
 
 REPORT_JSON, REPORT_MD, SETTINGS_JSON = "seq2seq-report.json", "seq2seq-report.md", "seq2seq-report-settings.json"
 GUIDE_CURVES_PNG, ATTENTION_PNG = "guide-loss-over-steps.png", "cross-attention-maps.png"
@@ -84,35 +87,42 @@ NAT_PAIRS = [("reverse", "reverse-at", "reverse-nat"), ("g2p", "g2p-at", "g2p-na
 
 @dataclass
 class ReportConfig:
-    """What ``attnzoo seq2seq-report`` runs: a budget, how many cells train at once and with how many threads,
-    and overrides applied to every cell (``steps`` and ``eval_interval`` for a quick check; ``task_options``
-    merged into each task's)."""
+    """What ``attnzoo seq2seq-report`` runs: a preset (``BUDGETS``' key), the attention mechanism of every run
+    (default softmax) and its options, modules to import in every cell (``--import``), how many cells train at
+    once and with how many threads, and overrides applied to every cell (``steps`` and ``eval_interval`` for a
+    quick check; ``task_options`` merged into each task's)."""
 
-    budget: str = "quick"
+    preset: str = "quick"
     jobs: int = 1
     threads: Optional[int] = None
     cell_timeout_s: Optional[float] = None
     overrides: Dict[str, Any] = field(default_factory=dict)
+    mechanism: str = BASELINE
+    options: Dict[str, Any] = field(default_factory=dict)
+    imports: List[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        if self.budget not in BUDGETS:
-            raise ValueError(f"--budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
+        check_preset(self.preset, BUDGETS)
+        check_names("--mechanism", [self.mechanism], mechanisms_available())
         check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
+        check_mechanism_options({self.mechanism: self.options})
         for name in CELLS:
             self.train_config(name)  # every override must make a valid config
 
     def train_config(self, name: str) -> TrainConfig:
         """The config of cell ``name``: its task's budget, the cell's own setting, then the overrides."""
         task, changes = CELLS[name]
-        settings = {**BUDGETS[self.budget][task], **changes}
+        settings = {**BUDGETS[self.preset][task], **changes}
         overrides = dict(self.overrides)
         settings["task_options"] = {**settings["task_options"], **overrides.pop("task_options", {})}
         settings.update(overrides)
-        return TrainConfig(task=task, **settings)
+        if self.options:
+            settings["mechanism_options"] = dict(self.options)
+        return TrainConfig(task=task, mechanism=self.mechanism, **settings)
 
     def settings(self) -> Dict[str, Any]:
         """What must not change between an interrupted run and its continuation."""
-        return {"budget": self.budget, "overrides": self.overrides,
+        return {"budget": self.preset, "overrides": self.overrides,
                 "cells": {name: self.train_config(name).as_dict() for name in CELLS}}
 
 
@@ -161,7 +171,7 @@ def measure(config: ReportConfig, output: Path, cells: Dict[str, Dict[str, Any]]
     """Every measurement of the report on the trained cells; each {"status", "result" or "reason"}."""
     from .seq2seq_eval import compare_at_nat, compare_decoders, copy_breakdown, cross_attention_map
 
-    plan = MEASURE[config.budget]
+    plan = MEASURE[config.preset]
     cell = {name: output / "cells" / name for name in cells}
 
     def guarded(label: str, names: Sequence[str], run: Callable[[], Any]) -> Dict[str, Any]:
@@ -199,33 +209,16 @@ def run_report(config: ReportConfig, output: Path, argv: Sequence[str],
                progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Train (or continue) every cell, measure the runs and write the report, its JSON and figures into
     ``output``; returns the report's data."""
-    output.mkdir(parents=True, exist_ok=True)
-    settings_path = output / SETTINGS_JSON
-    settings = config.settings()
-    if settings_path.exists():
-        if json.loads(settings_path.read_text()) != json.loads(json.dumps(settings)):
-            raise ValueError(f"--output {output} holds a seq2seq report with other settings (budget or "
-                             "overrides); continue it with the same ones, or choose another --output")
-    else:
-        settings_path.write_text(json.dumps(settings, indent=2))
-    cells: Dict[str, Dict[str, Any]] = {}
-    pending = []
-    for name in CELLS:
-        saved = output / "cells" / name / CELL_JSON
-        if saved.exists():
-            cells[name] = json.loads(saved.read_text())
-            if progress is not None:
-                progress(f"{name}: kept ({cells[name]['status']})")
-        else:
-            pending.append((name, config.train_config(name), saved.parent))
-    timeout = config.cell_timeout_s or CELL_TIMEOUT_S[config.budget]
-    for name, cell_dir, row in run_cells(pending, timeout, config.threads, config.jobs):
-        cells[name] = row
-        if row["status"] == "ok":
-            (cell_dir / CELL_JSON).write_text(json.dumps(row, indent=2))
+    keep_settings(output / SETTINGS_JSON, config.settings(), "a seq2seq report")
+
+    def report(name: Any, row: Dict[str, Any], kept: bool) -> None:
         if progress is not None:
-            progress(f"{name}: {row['status']}" + (f" ({row['seconds']} s)" if "seconds" in row else ""))
-    cells = {name: cells[name] for name in CELLS}
+            progress(f"{name}: kept ({row['status']})" if kept else
+                     f"{name}: {row['status']}" + (f" ({row['seconds']} s)" if "seconds" in row else ""))
+
+    trainings = [(name, config.train_config(name), output / "cells" / name) for name in CELLS]
+    timeout = config.cell_timeout_s or CELL_TIMEOUT_S[config.preset]
+    cells = train_cells(trainings, timeout, config.threads, config.jobs, config.imports, report)
     threads = config.threads or 1
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)  # the measurements' timings, on as many threads as each training had
@@ -233,8 +226,8 @@ def run_report(config: ReportConfig, output: Path, argv: Sequence[str],
         sections = measure(config, output, cells, progress)
     finally:
         torch.set_num_threads(previous_threads)
-    data = {"command": list(argv), "budget": config.budget, "machine": machine(), "threads": threads,
-            "jobs": config.jobs, "guide_threshold": GUIDE_THRESHOLD, "measure": MEASURE[config.budget],
+    data = {"command": list(argv), "budget": config.preset, "machine": machine(), "threads": threads,
+            "jobs": config.jobs, "guide_threshold": GUIDE_THRESHOLD, "measure": MEASURE[config.preset],
             "settings": {task: config.train_config(name).as_dict()
                          for task, name in (("reverse", "reverse-at"), ("g2p", "g2p-at"),
                                             ("copy-names", "copy-names-plain")) if name in CELLS},
@@ -358,7 +351,7 @@ def render_markdown(data: Dict[str, Any]) -> str:
     sections = data["sections"]
     host = data["machine"]
     load = host.get("load_average")
-    text = [f"# attnzoo seq2seq-report, budget {data['budget']}", "",
+    text = [f"# attnzoo seq2seq-report, preset {data['budget']}", "",
             f"Command: `{' '.join(data['command'])}`", "",
             f"Machine: {host['processor']}, {host['cpus']} CPUs, {host['platform']}, Python {host['python']}, "
             f"torch {host['torch']}; {data['jobs']} training run(s) at once, {data['threads']} thread(s) each"

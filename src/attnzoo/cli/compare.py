@@ -1,4 +1,5 @@
-"""The ``attnzoo`` command line: ``attnzoo list``, ``attnzoo compare``, ``attnzoo train`` and ``attnzoo eval``."""
+"""``attnzoo list`` and ``attnzoo compare``: the registered mechanisms, and the kernel benchmark of them side
+by side (:mod:`attnzoo.bench`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,22 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
-from .cli_training import add_training_commands
-from .mechanisms import available, capabilities, mechanism_options
-
-EXIT_OK = 0
-EXIT_FAILED_ROWS = 1
-EXIT_USAGE = 2
+from ..mechanisms import available, capabilities, mechanism_options
+from .common import (
+    EXIT_FAILED_ROWS,
+    EXIT_OK,
+    add_import_option,
+    describe,
+    import_modules,
+    int_list,
+    name_list,
+    options_by_mechanism,
+    qualified_setting,
+    retire,
+    usage_error,
+)
 
 EXIT_CODES = """exit codes:
   0  every configuration was measured, or reported as unsupported, out of memory or too slow
@@ -23,14 +32,7 @@ EXIT_CODES = """exit codes:
      an --output directory that cannot be created or written (checked before anything is measured)"""
 
 # The option behind each CompareConfig setting whose name differs from it, for error messages.
-OPTION_NAMES = {"budget_s": "--budget", "imports": "--import", "options": "--set"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, like every other usage error of the command."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+OPTION_NAMES = {"budget_s": "--time-budget", "imports": "--import", "options": "--set"}
 
 
 def _yes(flag: bool) -> str:
@@ -38,6 +40,10 @@ def _yes(flag: bool) -> str:
 
 
 def list_command(args: argparse.Namespace) -> int:
+    try:
+        import_modules(args.imports)
+    except ValueError as error:
+        return usage_error("list", str(error))
     header = ["mechanism", "causal", "cross", "padding", "step", "max len", "kind", "complexity"]
     rows = []
     for name in available():
@@ -59,45 +65,6 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 # -- compare -------------------------------------------------------------------------------------------------
-def _int_list(text: str) -> List[int]:
-    """Comma-separated integers; their range is checked with every other setting by CompareConfig.validate."""
-    try:
-        return [int(item) for item in text.replace(" ", "").split(",") if item]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _mechanism_setting(text: str) -> Tuple[str, str, object]:
-    """``MECHANISM.OPTION=VALUE`` -> (mechanism, option, value); the value is read as an int, a float, true or
-    false, none, or else kept as a string. Whether the mechanism takes it is checked by CompareConfig.validate."""
-    target, sep, raw = text.partition("=")
-    mechanism, dot, option = target.strip().partition(".")
-    if not sep or not dot or not mechanism or not option.strip():
-        raise argparse.ArgumentTypeError(f"expected MECHANISM.OPTION=VALUE (e.g. nystrom.landmarks=256), got {text!r}")
-    raw = raw.strip()
-    value: object
-    if raw.lower() in ("true", "false"):
-        value = raw.lower() == "true"
-    elif raw.lower() == "none":
-        value = None
-    else:
-        try:
-            value = int(raw)
-        except ValueError:
-            try:
-                value = float(raw)
-            except ValueError:
-                value = raw
-    return mechanism, option.strip(), value
-
-
-def _name_list(text: str) -> List[str]:
-    names = [item.strip() for item in text.split(",") if item.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected comma-separated mechanism names")
-    return names
-
-
 def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None], Callable[[], None]]:
     """(step, set_total, close) callbacks: a tqdm bar on a terminal, plain lines otherwise, nothing if quiet."""
     if quiet:
@@ -128,61 +95,60 @@ def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None]
     return step, set_total, close
 
 
-def _usage_error(message: str) -> int:
-    """Print a usage error as the one line the exit code 2 promises; a message never spans several lines."""
-    print(f"attnzoo compare: error: {'; '.join(line.strip() for line in message.splitlines() if line.strip())}",
-          file=sys.stderr)
-    return EXIT_USAGE
+def _compare_config(args: argparse.Namespace) -> Any:
+    """The validated CompareConfig of the command line, its --import modules imported first (they register
+    mechanisms that --mechanisms and --set may name); raises ConfigError or ValueError."""
+    from ..bench.compare import CompareConfig
+
+    config = CompareConfig.from_preset(
+        args.preset, mechanisms=args.mechanisms, lengths=args.lengths, batch=args.batch, heads=args.heads,
+        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
+        repeats=args.repeats, threads=args.threads, budget_s=args.time_budget, peers=args.peers,
+        sweep=not args.no_sweep, imports=args.imports or None, launch=args.launch,
+        options=options_by_mechanism(args.settings) or None,
+    )
+    import_modules(config.imports)
+    config.validate()
+    return config
 
 
-def _describe(error: BaseException) -> str:
-    """"No such file or directory" for an OSError, "SyntaxError: invalid syntax (...)" for anything else."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return f"{type(error).__name__}: {error}"
+def _write_outputs(data: Dict[str, Any], output: Path, accuracy: Optional[Dict[str, float]],
+                   accuracy_path: Optional[Path]) -> Tuple[Dict[str, Path], Optional[str]]:
+    """Every output file; (paths written, or why writing failed). The directory was writable at the start;
+    should that change during the run (removed, disk full), the caller still prints the measurements."""
+    from ..bench.plots import write_plots
+    from ..bench.report import write_report
+    from ..bench.results import write_results
 
-
-def _collect_settings(settings: List[Tuple[str, str, object]]) -> Dict[str, Dict[str, object]]:
-    options: Dict[str, Dict[str, object]] = {}
-    for mechanism, option, value in settings:
-        options.setdefault(mechanism, {})[option] = value
-    return options
+    paths: Dict[str, Path] = {}
+    try:
+        paths.update(write_results(data, output))
+        paths.update(write_plots(data, output, accuracy))
+        paths["report"] = write_report(data, output, str(accuracy_path) if accuracy_path else None)
+    except OSError as error:
+        return paths, f"--output {output}: cannot write {error.filename or 'the results'} ({describe(error)})"
+    return paths, None
 
 
 def compare_command(args: argparse.Namespace) -> int:
-    from .bench.compare import CompareConfig, ConfigError, run_compare
-    from .bench.results import load_accuracy, prepare_output, write_results
-    from .bench.plots import write_plots
-    from .bench.report import write_report
-    from .bench.table import results_table
-    from .bench.targets import import_user_modules
+    from ..bench.compare import ConfigError, run_compare
+    from ..bench.results import load_accuracy, prepare_output
+    from ..bench.table import results_table
 
     # Every usage error is found here, before the first measurement: a bad value must not cost a run.
     output = Path(args.output)
     try:
         accuracy = load_accuracy(args.accuracy) if args.accuracy is not None else None
-        config = CompareConfig.from_preset(
-            args.preset, mechanisms=args.mechanisms, lengths=args.lengths, batch=args.batch, heads=args.heads,
-            head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
-            repeats=args.repeats, threads=args.threads, budget_s=args.budget, peers=args.peers,
-            sweep=not args.no_sweep, imports=args.imports or None, launch=args.launch,
-            options=_collect_settings(args.settings or []) or None,
-        )
-        for spec in config.imports:  # first: the modules register mechanisms that --mechanisms may name
-            try:
-                import_user_modules([spec])
-            except Exception as error:  # noqa: BLE001 - whatever a user's module raises is theirs to fix
-                raise ValueError(f"--import {spec}: {_describe(error)}") from None
-        config.validate()
+        config = _compare_config(args)
         try:
             prepare_output(output)
         except ValueError as error:
             raise ValueError(f"--output {output}: {error}") from None
     except ConfigError as error:
         option = OPTION_NAMES.get(error.setting, "--" + error.setting.replace("_", "-"))
-        return _usage_error(f"{option} {error.problem}")
+        return usage_error("compare", f"{option} {error.problem}")
     except ValueError as error:
-        return _usage_error(str(error))
+        return usage_error("compare", str(error))
 
     step, set_total, close = _progress(args.quiet or args.json)
     argv = ["attnzoo", "compare", *args.raw_argv]
@@ -192,18 +158,7 @@ def compare_command(args: argparse.Namespace) -> int:
         close()
     if accuracy is not None:
         result.data["accuracy"] = {"path": str(args.accuracy), "values": accuracy}
-
-    # The directory was writable at the start; should that change during the run (removed, disk full), the
-    # table or JSON is still printed so the measurements are not lost, then the error.
-    paths: Dict[str, Path] = {}
-    write_failure: Optional[str] = None
-    try:
-        paths.update(write_results(result.data, output))
-        paths.update(write_plots(result.data, output, accuracy))
-        paths["report"] = write_report(result.data, output, str(args.accuracy) if args.accuracy else None)
-    except OSError as error:
-        write_failure = f"--output {output}: cannot write {error.filename or 'the results'} ({_describe(error)})"
-
+    paths, write_failure = _write_outputs(result.data, output, accuracy, args.accuracy)
     if args.json:
         print(json.dumps(result.data, indent=2))
     elif not args.quiet:
@@ -211,17 +166,21 @@ def compare_command(args: argparse.Namespace) -> int:
         if write_failure is None:
             print(f"\nwrote {', '.join(path.name for path in paths.values())} to {output}/")
     if write_failure is not None:
-        return _usage_error(write_failure)
+        return usage_error("compare", write_failure)
     return EXIT_FAILED_ROWS if result.failed else EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="attnzoo", description="Attention mechanisms behind one API.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_list_command(commands: Any) -> None:
     listing = commands.add_parser("list", help="registered mechanisms and their capabilities")
     listing.add_argument("--options", action="store_true", help="also list each mechanism's options and defaults")
+    add_import_option(listing)
     listing.set_defaults(run=list_command)
 
+
+def add_compare_command(commands: Any) -> None:
+    from ..bench.compare import PRESETS
+
+    quick, full = PRESETS["quick"], PRESETS["full"]
     compare = commands.add_parser(
         "compare", help="time, memory and error of every mechanism side by side, with plots",
         description="Measure forward and forward+backward time, peak memory and the error against exact softmax "
@@ -230,13 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "error.png, bubble.png and report.md to --output. Options given explicitly override the "
                     "preset.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    compare.add_argument("--preset", choices=["quick", "full"], default="quick",
-                         help="quick: 256-4096 positions, a few minutes on 2 CPU cores (default); "
-                              "full: 512-16384 positions, 8 heads, the long sweep")
-    compare.add_argument("--mechanisms", type=_name_list, metavar="A,B,...",
+    compare.add_argument("--preset", choices=list(PRESETS), default="quick",
+                         help=f"quick: {quick['lengths'][0]}-{quick['lengths'][-1]} positions, under 3 minutes on "
+                              "2 CPU cores however many mechanisms (default); full: "
+                              f"{full['lengths'][0]}-{full['lengths'][-1]} positions, {full['heads']} heads, the "
+                              "long sweep")
+    compare.add_argument("--mechanisms", type=name_list, metavar="A,B,...",
                          help="comma-separated mechanisms (default: every registered one; softmax is always "
                               "included as the baseline)")
-    compare.add_argument("--lengths", type=_int_list, metavar="N,N,...", help="sequence lengths")
+    compare.add_argument("--lengths", type=int_list, metavar="N,N,...", help="sequence lengths")
     compare.add_argument("--batch", type=int, help="batch size")
     compare.add_argument("--heads", type=int, help="number of heads")
     compare.add_argument("--head-dim", type=int, help="dimension per head")
@@ -244,12 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--causal", action="store_true", help="causal (autoregressive) attention; mechanisms "
                                                                 "without causal support become rows saying so")
     compare.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    compare.add_argument("--repeats", type=int, help="timed repeats per configuration (the median is reported; "
-                                                      "quick: 9, full: 7)")
+    compare.add_argument("--repeats", type=int,
+                         help=f"timed repeats per configuration (the median is reported; full: {full['repeats']}; "
+                              f"quick: up to {quick['repeats']}, as many as fit {quick['timing_budget_s']:g} s per "
+                              "length for all mechanisms together, at least 3; given here, exactly this many)")
     compare.add_argument("--threads", type=int, help="torch threads (default, or 0: every core)")
-    compare.add_argument("--budget", type=float, metavar="SECONDS",
+    compare.add_argument("--time-budget", type=float, metavar="SECONDS",
                          help="time budget per configuration; slower ones are reported as too slow and skipped "
-                              "at longer lengths (quick: 10, full: 120)")
+                              f"at longer lengths (quick: {quick['budget_s']:g}, full: {full['budget_s']:g})")
+    retire(compare, "--budget", "--time-budget SECONDS (a time per configuration) or --preset quick|full")
     compare.add_argument("--output", default="compare-results", metavar="DIR",
                          help="directory for results and plots, created if missing and checked to be writable "
                               "before anything is measured (default: compare-results/)")
@@ -258,12 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
                               "scripts/install-peers.sh); missing ones are listed")
     compare.add_argument("--accuracy", type=Path, metavar="RESULTS.json",
                          help="training-benchmark results: their accuracy is the quality axis of bubble.png")
-    compare.add_argument("--import", dest="imports", action="append", metavar="MODULE",
-                         help="import a module or .py file that registers extra mechanisms (repeatable)")
-    compare.add_argument("--set", dest="settings", action="append", type=_mechanism_setting,
+    add_import_option(compare)
+    compare.add_argument("--set", dest="settings", action="append", type=qualified_setting,
                          metavar="MECHANISM.OPTION=VALUE",
-                         help="an option of one mechanism, also given to its peer library (repeatable), e.g. "
-                              "--set nystrom.landmarks=256 --set linformer.rank=128")
+                         help="an option of one mechanism, also given to its peer library (repeatable); "
+                              "attnzoo list --options names them")
     compare.add_argument("--no-sweep", action="store_true", help="skip the error against feature count sweep")
     compare.add_argument("--launch", choices=["fork", "subprocess"], default="fork",
                          help="fresh process per job: forked from a server that imported torch once (default) "
@@ -272,20 +235,3 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--quiet", action="store_true", help="no progress and no table (files are still written)")
     output.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
     compare.set_defaults(run=compare_command)
-    add_training_commands(commands)
-    return parser
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.raw_argv = argv[1:]
-    try:
-        return args.run(args)
-    except KeyboardInterrupt:
-        print("attnzoo: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

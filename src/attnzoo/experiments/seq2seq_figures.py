@@ -36,7 +36,7 @@ def plot_guide_curves(curves: Dict[str, Sequence[Tuple[int, float]]], threshold:
 
 
 def plot_attention_maps(maps: List[Tuple[str, Dict[str, Any]]], path: Path) -> None:
-    """One heat map per (label, :func:`attnzoo.bench.seq2seq_eval.cross_attention_map` result), side by side;
+    """One heat map per (label, :func:`attnzoo.experiments.seq2seq_eval.cross_attention_map` result), side by side;
     rows are target tokens (what each decoder step predicts), columns source tokens."""
     if not maps:  # no model could be measured: say so rather than leave an old figure in place
         fig, ax = plt.subplots(figsize=(5.0, 2.0))

@@ -1,0 +1,44 @@
+"""The ``attnzoo`` command line, one module per family of commands:
+
+* :mod:`~attnzoo.cli.compare`: ``attnzoo list`` (the registered mechanisms) and ``attnzoo compare`` (the kernel
+  benchmark, :mod:`attnzoo.bench`);
+* :mod:`~attnzoo.cli.train`: ``attnzoo train`` (a model on a task) and ``attnzoo eval`` (a saved one);
+* :mod:`~attnzoo.cli.experiments`: ``attnzoo lra`` and ``attnzoo seq2seq-report`` (the training experiments,
+  :mod:`attnzoo.experiments`);
+* :mod:`~attnzoo.cli.common`: exit codes, usage errors, value parsing, ``--set``, ``--import`` and retired flags.
+
+Every usage error is one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+from .common import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Parser
+
+__all__ = ["EXIT_FAILED_ROWS", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+
+def build_parser() -> Parser:
+    from .compare import add_compare_command, add_list_command
+    from .experiments import add_lra_command, add_seq2seq_report_command
+    from .train import add_eval_command, add_train_command
+
+    parser = Parser(prog="attnzoo", description="Attention mechanisms behind one API.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (add_list_command, add_compare_command, add_train_command, add_eval_command, add_lra_command,
+                add_seq2seq_report_command):
+        add(commands)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.raw_argv = argv[1:]
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("attnzoo: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

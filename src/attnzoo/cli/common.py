@@ -1,0 +1,201 @@
+"""What every ``attnzoo`` command shares: exit codes, the one-line usage error, value and list parsing, the
+``--set`` mechanism options, ``--import`` of mechanisms of your own, and retired flag spellings.
+
+One meaning per flag across commands:
+
+* ``--preset quick|full``: a budget preset (``compare``, ``lra``, ``seq2seq-report``);
+* ``--time-budget SECONDS``: seconds (``compare``);
+* ``--set MECHANISM.OPTION=VALUE``: an option of one mechanism, in every command that takes a mechanism
+  (``OPTION=VALUE`` alone where the command has exactly one mechanism: ``train``, ``seq2seq-report``);
+* ``--import MODULE_OR_PATH``: a module or ``.py`` file that registers mechanisms, in every such command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+
+EXIT_OK = 0
+EXIT_FAILED_ROWS = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# A mechanism option: (mechanism, or None where the command's one mechanism is meant; option; value).
+Setting = Tuple[Optional[str], str, Any]
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other usage error of the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def usage_error(command: str, message: str) -> int:
+    """Print a usage error as the one line exit code 2 promises (a message never spans several lines)."""
+    text = "; ".join(line.strip() for line in str(message).splitlines() if line.strip())
+    print(f"attnzoo {command}: error: {text}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def describe(error: BaseException) -> str:
+    """"No such file or directory" for an OSError, "SyntaxError: invalid syntax (...)" for anything else."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return f"{type(error).__name__}: {error}"
+
+
+# -- values ----------------------------------------------------------------------------------------------------
+def parse_value(raw: str) -> Any:
+    """A command-line value: true/false, none, an int, a float, else the string itself."""
+    text = raw.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text.lower() == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(text: str) -> Dict[str, Any]:
+    """Options given as a JSON object (``'{"size": 16}'``) or as ``key=value`` pairs separated by commas
+    (``size=16,seed=1``)."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+        return value
+    options: Dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...] or a JSON object, got {text!r}")
+        options[key.strip()] = parse_value(raw)
+    return options
+
+
+def merged(groups: Optional[Iterable[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """Repeated ``--x-options`` groups as one dict, later ones winning; None when none was given."""
+    if not groups:
+        return None
+    result: Dict[str, Any] = {}
+    for group in groups:
+        result.update(group)
+    return result
+
+
+def qualified_setting(text: str) -> Setting:
+    """``MECHANISM.OPTION=VALUE`` -> (mechanism, option, value), the value read by :func:`parse_value`.
+    Whether the mechanism takes it is checked by the command, before anything runs."""
+    target, sep, raw = text.partition("=")
+    mechanism, dot, option = target.strip().partition(".")
+    if not sep or not dot or not mechanism or not option.strip():
+        raise argparse.ArgumentTypeError(f"expected MECHANISM.OPTION=VALUE, got {text!r}")
+    return mechanism, option.strip(), parse_value(raw)
+
+
+def setting(text: str) -> Setting:
+    """``OPTION=VALUE`` (the command's one mechanism) or ``MECHANISM.OPTION=VALUE`` -> (mechanism or None,
+    option, value)."""
+    target, sep, raw = text.partition("=")
+    if not sep or not target.strip() or target.strip().endswith("."):
+        raise argparse.ArgumentTypeError(f"expected OPTION=VALUE or MECHANISM.OPTION=VALUE, got {text!r}")
+    if "." in target:
+        return qualified_setting(text)
+    return None, target.strip(), parse_value(raw)
+
+
+def options_by_mechanism(settings: Optional[Sequence[Setting]]) -> Dict[str, Dict[str, Any]]:
+    """``--set`` values of a command with several mechanisms: {mechanism: {option: value}}."""
+    options: Dict[str, Dict[str, Any]] = {}
+    for mechanism, option, value in settings or []:
+        options.setdefault(str(mechanism), {})[option] = value
+    return options
+
+
+def options_of(mechanism: str, settings: Optional[Sequence[Setting]]) -> Dict[str, Any]:
+    """``--set`` values of a command with one mechanism: a qualified one must name that mechanism."""
+    options: Dict[str, Any] = {}
+    for named, option, value in settings or []:
+        if named is not None and named != mechanism:
+            raise ValueError(f"--set {named}.{option}: this command's mechanism is {mechanism!r} "
+                             f"(give --set {option}=VALUE, or --mechanism {named})")
+        options[option] = value
+    return options
+
+
+def name_list(text: str) -> List[str]:
+    """Comma-separated names (mechanisms, tasks)."""
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated names")
+    return names
+
+
+def int_list(text: str) -> List[int]:
+    """Comma-separated integers; their range is checked by the command with every other setting."""
+    try:
+        return [int(item) for item in text.replace(" ", "").split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+# -- mechanisms of your own ------------------------------------------------------------------------------------
+def add_import_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--import", dest="imports", action="append", metavar="MODULE_OR_PATH",
+                        help="import a module or .py file that registers mechanisms of your own (repeatable)")
+
+
+def import_modules(specs: Optional[Sequence[str]]) -> List[str]:
+    """Import every ``--import`` (a dotted module name or a path of a .py file); returns them as a fresh process
+    elsewhere can import them again (paths made absolute). A module that fails is an error naming it."""
+    from ..bench.targets import import_user_modules
+
+    portable = []
+    for spec in specs or []:
+        try:
+            import_user_modules([spec])
+        except Exception as error:  # noqa: BLE001 - whatever a user's module raises is theirs to fix
+            raise ValueError(f"--import {spec}: {describe(error)}") from None
+        is_path = spec.endswith(".py") or "/" in spec
+        portable.append(str(Path(spec).resolve()) if is_path else spec)
+    return portable
+
+
+def check_mechanism(name: str, option: str = "--mechanism") -> None:
+    """``name`` is registered; the error lists the valid names and says how to add one of your own."""
+    from ..mechanisms import available
+
+    if name not in available():
+        raise ValueError(f"{option}: unknown mechanism {name!r}; valid: {', '.join(available())} (a mechanism of "
+                         "your own: give --import MODULE_OR_PATH)")
+
+
+# -- retired spellings -----------------------------------------------------------------------------------------
+class _Retired(argparse.Action):
+    """A flag spelling no longer accepted: a one-line usage error naming the flag to use instead."""
+
+    def __init__(self, option_strings: List[str], dest: str, instead: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        parser.error(f"{option_string} is retired: use {self.instead}")
+
+
+def retire(parser: argparse.ArgumentParser, flag: str, instead: str) -> None:
+    """Make ``flag`` an error that names ``instead`` (never a silent different meaning)."""
+    parser.add_argument(flag, dest=f"retired_{flag.lstrip('-').replace('-', '_')}", action=_Retired,
+                        instead=instead)

@@ -1,0 +1,166 @@
+"""``attnzoo lra`` and ``attnzoo seq2seq-report``: the training experiments (:mod:`attnzoo.experiments`), many
+``attnzoo train`` runs at one preset, each in a fresh process that imports the same ``--import`` modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+from .common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    add_import_option,
+    import_modules,
+    merged,
+    name_list,
+    options_by_mechanism,
+    options_of,
+    parse_options,
+    qualified_setting,
+    retire,
+    setting,
+    usage_error,
+)
+from .train import name_option
+
+RETIRED_BUDGET = "--preset quick|full"
+
+
+def _line_progress(command: str, quiet: bool) -> Any:
+    """A progress callback printing one line per finished cell to stderr (nothing when quiet)."""
+    counts = {"total": 0, "done": 0}
+
+    def set_total(total: int) -> None:
+        counts["total"] = total
+
+    def progress(label: str) -> None:
+        counts["done"] += 1
+        if not quiet:
+            print(f"[{counts['done']}/{counts['total']}] {label}" if counts["total"] else f"{command}: {label}",
+                  file=sys.stderr, flush=True)
+
+    return progress, set_total
+
+
+def lra_command(args: argparse.Namespace) -> int:
+    from ..experiments.lra import LraConfig, render_markdown, run_lra
+
+    overrides: Dict[str, Any] = {}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    output = Path(args.output)
+    try:
+        imports = import_modules(args.imports)  # first: they register mechanisms --mechanisms may name
+        config = LraConfig(preset=args.preset, mechanisms=args.mechanisms, tasks=args.tasks, threads=args.threads,
+                           jobs=args.jobs, cell_timeout_s=args.cell_timeout, overrides=overrides,
+                           options=options_by_mechanism(args.settings), imports=imports)
+        config.validate()
+    except (TypeError, ValueError) as error:
+        return usage_error("lra", name_option(str(error)))
+    progress, set_total = _line_progress("lra", args.quiet)
+    try:
+        data = run_lra(config, output, ["attnzoo", "lra", *args.raw_argv], progress, set_total)
+    except ValueError as error:
+        return usage_error("lra", str(error))
+    except KeyboardInterrupt:
+        print("attnzoo lra: interrupted; finished cells are kept: run the same command to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif not args.quiet:
+        print(render_markdown(data))
+        print(f"wrote lra.json, lra.md and lra.png to {output}/")
+    return EXIT_OK
+
+
+def seq2seq_report_command(args: argparse.Namespace) -> int:
+    from ..experiments.seq2seq_report import REPORT_MD, ReportConfig, run_report
+
+    overrides: Dict[str, Any] = {}
+    if args.steps is not None:  # a quick check of the command itself, not a report
+        overrides.update(steps=args.steps, eval_interval=max(args.steps // 2, 1))
+    if args.task_options:
+        overrides["task_options"] = merged(args.task_options)
+    output = Path(args.output)
+    try:
+        imports = import_modules(args.imports)
+        mechanism = args.mechanism or "softmax"
+        config = ReportConfig(preset=args.preset, jobs=args.jobs, threads=args.threads,
+                              cell_timeout_s=args.cell_timeout, overrides=overrides, mechanism=mechanism,
+                              options=options_of(mechanism, args.settings), imports=imports)
+        config.validate()
+        progress, _ = _line_progress("seq2seq-report", args.quiet)
+        run_report(config, output, ["attnzoo", "seq2seq-report", *args.raw_argv], progress)
+    except (TypeError, ValueError) as error:
+        return usage_error("seq2seq-report", name_option(str(error)))
+    except KeyboardInterrupt:
+        print("attnzoo seq2seq-report: interrupted; finished runs are kept: run the same command to continue",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if not args.quiet:
+        print(f"wrote {REPORT_MD}, seq2seq-report.json and the figures to {output}/")
+    return EXIT_OK
+
+
+def _add_cell_options(parser: argparse.ArgumentParser, runs: str) -> None:
+    """The options of how cells run, alike in every experiment."""
+    parser.add_argument("--jobs", type=int, default=1, help=f"{runs} trained at once, each in its own process "
+                                                             "(default 1; e.g. the number of cores)")
+    parser.add_argument("--threads", type=int, help=f"torch threads per {runs[:-1]} (default: torch's choice; 1 "
+                                                    "with --jobs > 1)")
+    parser.add_argument("--cell-timeout", type=float, metavar="SECONDS",
+                        help=f"wall-clock limit per {runs[:-1]}; a slower one is reported as too slow")
+    add_import_option(parser)
+
+
+def add_lra_command(commands: Any) -> None:
+    lra = commands.add_parser(
+        "lra", help="every mechanism on every task at one budget: accuracy table and bubble chart",
+        description="Train every registered mechanism (or --mechanisms) on every task (or --tasks) with the same "
+                    "settings per task, each cell an `attnzoo train` run in a fresh process under "
+                    "OUTPUT/cells/. Writes lra.json (rows readable by attnzoo compare --accuracy), lra.md (the "
+                    "accuracy table, baselines as the last row) and lra.png. Rerunning the same command continues "
+                    "an interrupted run: finished cells are kept, interrupted ones resume from their checkpoint.")
+    from ..experiments.lra import BUDGETS
+
+    lra.add_argument("--preset", choices=list(BUDGETS), default="quick",
+                     help="quick: small models and a few hundred steps per cell (default); full: longer")
+    retire(lra, "--budget", RETIRED_BUDGET)
+    lra.add_argument("--mechanisms", type=name_list, metavar="A,B,...", help="mechanisms (default: every one)")
+    lra.add_argument("--set", dest="settings", action="append", type=qualified_setting,
+                     metavar="MECHANISM.OPTION=VALUE", help="an option of one mechanism in every task (repeatable)")
+    lra.add_argument("--tasks", type=name_list, metavar="A,B,...", help="tasks (default: every one)")
+    lra.add_argument("--steps", type=int, help="override the preset's steps for every cell (for a quick check)")
+    _add_cell_options(lra, "cells")
+    lra.add_argument("--output", default="lra-results", metavar="DIR", help="default lra-results/")
+    lra_output = lra.add_mutually_exclusive_group()
+    lra_output.add_argument("--quiet", action="store_true", help="no progress and no table")
+    lra_output.add_argument("--json", action="store_true", help="print lra.json to stdout")
+    lra.set_defaults(run=lra_command)
+
+
+def add_seq2seq_report_command(commands: Any) -> None:
+    report = commands.add_parser(
+        "seq2seq-report", help="the seq2seq comparisons (AT/NAT, scheduled sampling, copy, guide loss, beam)",
+        description="Train every comparison of docs/seq2seq.md at one budget, each run an `attnzoo train` process "
+                    "under OUTPUT/cells/, then measure them and write seq2seq-report.md, seq2seq-report.json and "
+                    "the figures. Rerunning the same command continues: finished runs are kept, interrupted ones "
+                    "resume from their checkpoint.")
+    from ..experiments.seq2seq_report import BUDGETS
+
+    report.add_argument("--preset", choices=list(BUDGETS), default="quick",
+                        help="quick: tiny models, about 15 minutes on 2 busy cores with --jobs 2 (default); "
+                             "full: longer")
+    retire(report, "--budget", RETIRED_BUDGET)
+    report.add_argument("--mechanism", help="the attention mechanism of every run (default softmax)")
+    report.add_argument("--set", dest="settings", action="append", type=setting, metavar="OPTION=VALUE",
+                        help="an option of the mechanism (repeatable)")
+    _add_cell_options(report, "runs")
+    report.add_argument("--output", default="seq2seq-report", metavar="DIR", help="default seq2seq-report/")
+    report.add_argument("--quiet", action="store_true", help="no progress")
+    report.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # checks of the command itself
+    report.add_argument("--task-options", type=parse_options, action="append", help=argparse.SUPPRESS)
+    report.set_defaults(run=seq2seq_report_command)

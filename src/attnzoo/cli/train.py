@@ -1,0 +1,439 @@
+"""``attnzoo train`` and ``attnzoo eval``: train a model with one attention mechanism on a task, and score a
+saved one.
+
+Usage errors (an unknown task, mechanism or option, a bad value, a checkpoint that is missing, corrupt or made
+for another configuration) are one line on stderr and exit code 2, found before any training starts.
+
+A mechanism of your own comes with ``--import MODULE_OR_PATH``; the run records it in ``OUTPUT/imports.json``,
+so ``attnzoo train --resume OUTPUT`` and ``attnzoo eval OUTPUT`` import it again by themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..models.config import BLOCKS
+from .common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    add_import_option,
+    check_mechanism,
+    import_modules,
+    merged,
+    options_of,
+    parse_options,
+    setting,
+    usage_error,
+)
+
+IMPORTS_JSON = "imports.json"  # in a run directory: the --import modules its mechanism needs
+
+# Command-line option -> TrainConfig field, for every training setting (all default to None: "not given").
+TRAIN_OPTIONS = {
+    "--dim": "dim", "--depth": "depth", "--heads": "heads", "--ff-dim": "ff_dim", "--dropout": "dropout",
+    "--positional": "positional", "--pooling": "pooling", "--batch-size": "batch_size", "--steps": "steps",
+    "--lr": "lr", "--warmup-steps": "warmup_steps", "--min-lr-ratio": "min_lr_ratio",
+    "--weight-decay": "weight_decay", "--grad-clip": "grad_clip", "--precision": "precision", "--seed": "seed",
+    "--eval-interval": "eval_interval", "--eval-batches": "eval_batches",
+    "--label-smoothing": "label_smoothing", "--scheduled-sampling": "scheduled_sampling",
+    "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
+    "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
+    "--decoding": "decoding", "--length-mode": "length_mode", "--length-loss": "length_loss",
+    "--block": "block",
+}
+# Command-line option -> DecoderSettings / MonotonicInference field: the decoder of a seq2seq task's decoded
+# metrics, chosen at train and eval time alike and never part of the training config.
+DECODER_OPTIONS = {
+    "--beam-size": "beam_size", "--length-penalty": "length_penalty", "--sampling-temperature": "temperature",
+    "--top-k": "top_k", "--top-p": "top_p", "--sampling-seed": "seed", "--monotonic-ahead": "ahead",
+    "--monotonic-behind": "behind",
+}
+# Switches: on when given (store_const True), otherwise None ("not given").
+TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift"}
+OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
+OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--set",
+                       task_options="--task-options", block_options="--block-options")
+NUMERIC_OPTIONS = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
+                   "--grad-clip": float, "--label-smoothing": float, "--sampling-k": float,
+                   "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float,
+                   "--length-loss": float}
+
+
+def _choices() -> Dict[str, Tuple[str, ...]]:
+    """The options with a fixed set of values, read from where each is defined."""
+    from ..training.config import POOLINGS, POSITIONALS, PRECISIONS, SAMPLING_DECAYS, SCHEDULED_SAMPLING
+
+    return {"--positional": POSITIONALS, "--pooling": POOLINGS, "--precision": PRECISIONS,
+            "--scheduled-sampling": SCHEDULED_SAMPLING, "--sampling-decay": SAMPLING_DECAYS,
+            "--decoding": ("autoregressive", "non-autoregressive"), "--length-mode": ("predicted", "max"),
+            "--block": tuple(BLOCKS)}
+
+
+def _given_settings(args: argparse.Namespace) -> Dict[str, Any]:
+    """The TrainConfig fields the command line set explicitly."""
+    given = {field: getattr(args, field) for field in (*TRAIN_OPTIONS.values(), *TRAIN_FLAGS.values())
+             if getattr(args, field) is not None}
+    if args.task is not None:
+        given["task"] = args.task
+    if args.mechanism is not None:
+        given["mechanism"] = args.mechanism
+    for name in ("task_options", "block_options"):
+        groups = merged(getattr(args, name))
+        if groups is not None:
+            given[name] = groups
+    if args.mechanism_options or args.settings:
+        mechanism = args.mechanism or "softmax"
+        given["mechanism_options"] = {**(merged(args.mechanism_options) or {}), **options_of(mechanism, args.settings)}
+    return given
+
+
+# -- mechanisms of your own, recorded with the run -----------------------------------------------------------
+def recorded_imports(run: Path) -> List[str]:
+    """The --import modules a run directory recorded (none if it recorded none)."""
+    path = run / IMPORTS_JSON
+    return list(json.loads(path.read_text())) if path.exists() else []
+
+
+def record_imports(run: Path, imports: List[str]) -> None:
+    if imports:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / IMPORTS_JSON).write_text(json.dumps(imports))
+
+
+def _import_for_run(checkpoint: Path, given: Optional[List[str]], option: str) -> List[str]:
+    """Import what the run of ``checkpoint`` recorded and what the command line gives; the run's mechanism must
+    then be registered (else an error saying which --import is missing). Returns every import, portable."""
+    from ..mechanisms import available
+    from ..training.checkpoint import read_config
+
+    run = checkpoint.parent.parent  # OUTPUT/checkpoints/step-N
+    imports = import_modules(list(dict.fromkeys(recorded_imports(run) + list(given or []))))
+    saved = read_config(checkpoint).get("train")
+    mechanism = saved.get("mechanism", "softmax") if isinstance(saved, dict) else "softmax"
+    if isinstance(saved, dict) and saved.get("block", "attention") == "attention" and mechanism not in available():
+        raise ValueError(f"{option} {run}: the run's mechanism {mechanism!r} is not registered: give --import "
+                         "MODULE_OR_PATH with the module that registers it (the run recorded "
+                         + (f"only {', '.join(imports)})" if imports else "none)"))
+    return imports
+
+
+def _format_metrics(metrics: Dict[str, float]) -> str:
+    shown = {k: v for k, v in metrics.items() if k != "scored"}
+    return ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
+
+
+def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "decoding", "seq2seq tasks: the decoder of the decoded metrics (exact match, token error rate, BLEU, "
+                    "ms per sentence); greedy unless one of these is given")
+    group.add_argument("--beam-size", dest="decoder_beam_size", metavar="N", type=int,
+                       help="beam search with this many beams")
+    group.add_argument("--length-penalty", dest="decoder_length_penalty", metavar="X", type=float,
+                       help="beam search: scores divided by length ** this (default 1.0)")
+    group.add_argument("--sampling-temperature", dest="decoder_temperature", metavar="T", type=float,
+                       help="sampling at this temperature (seeded: --sampling-seed)")
+    group.add_argument("--top-k", dest="decoder_top_k", metavar="K", type=int,
+                       help="sampling: keep the k likeliest tokens")
+    group.add_argument("--top-p", dest="decoder_top_p", metavar="P", type=float,
+                       help="sampling: nucleus of this probability")
+    group.add_argument("--sampling-seed", dest="decoder_seed", metavar="SEED", type=int,
+                       help="sampling: the generator's seed (default 0)")
+    group.add_argument("--monotonic-inference", action="store_true",
+                       help="hold the cross-attention to a window that moves left to right with its focus "
+                            "(any decoder)")
+    group.add_argument("--monotonic-ahead", dest="decoder_ahead", metavar="N", type=int,
+                       help="monotonic: source positions visible past the focus (default 3)")
+    group.add_argument("--monotonic-behind", dest="decoder_behind", metavar="N", type=int,
+                       help="monotonic: positions visible before the focus (default 0)")
+
+
+def _check_decoder_fits(decoding: Any, run: Dict[str, Any]) -> None:
+    """Refuse, before training, a decoder the run's model cannot decode with (its evaluations would fail)."""
+    from ..training.decoders import GREEDY
+
+    if run.get("decoding", "autoregressive") != "autoregressive" and decoding != GREEDY:
+        raise ValueError(f"a --decoding {run['decoding']!r} model decodes in one parallel pass: the decoder "
+                         f"options ({decoding.describe()}) are for autoregressive models")
+    if run.get("copy_mechanism") and decoding.monotonic is not None:
+        raise ValueError("--monotonic-inference holds the cross-attention to a window, but the copy mechanism's "
+                         "own attention reads every source position: leave it off with --copy-mechanism")
+
+
+def _decoder_settings(args: argparse.Namespace, task: Optional[str]) -> Any:
+    """The :class:`DecoderSettings` the decoding options ask for (greedy when none is given) for a run on
+    ``task`` (None: not known yet, not checked); errors name the option."""
+    from ..models.monotonic import MonotonicInference
+    from ..tasks import task_class
+    from ..training import DecoderSettings
+
+    given = {field: getattr(args, "decoder_" + field) for field in DECODER_OPTIONS.values()
+             if getattr(args, "decoder_" + field) is not None}
+    window = {field: given.pop(field) for field in ("ahead", "behind") if field in given}
+    if window and not args.monotonic_inference:
+        raise ValueError("--monotonic-ahead / --monotonic-behind set the window of --monotonic-inference: give it")
+    if (given or args.monotonic_inference) and task is not None and task_class(task).kind != "seq2seq":
+        raise ValueError(f"the decoding options apply to seq2seq tasks only; {task} is {task_class(task).kind!r}")
+    beam = bool({"beam_size", "length_penalty"} & set(given))
+    if beam and len(given) > len({"beam_size", "length_penalty"} & set(given)):
+        raise ValueError("--beam-size / --length-penalty (beam search) and --sampling-temperature / --top-k / "
+                         "--top-p / --sampling-seed (sampling) choose different decoders: give one kind")
+    try:
+        monotonic = MonotonicInference(**window) if args.monotonic_inference else None
+        return DecoderSettings("beam" if beam else "sample" if given else "greedy", monotonic=monotonic, **given)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        for option, field in DECODER_OPTIONS.items():
+            if message.startswith(field + " "):
+                message = option + message[len(field):]
+        raise ValueError(message) from None
+
+
+def _resume_settings(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """The saved settings of the run ``--resume`` continues (refusing options that differ), and its imports."""
+    from ..training.checkpoint import find_checkpoint, read_config
+
+    checkpoint = find_checkpoint(args.resume)
+    imports = _import_for_run(checkpoint, args.imports, "--resume")
+    saved = read_config(checkpoint)["train"]
+    conflicts = [f"{OPTION_OF_FIELD.get(key, key)} {value!r} (the checkpoint has {saved.get(key)!r})"
+                 for key, value in given.items() if saved.get(key) != value]
+    if conflicts:
+        raise ValueError(f"--resume {args.resume} continues the run as it was configured; these differ: "
+                         + ", ".join(conflicts))
+    return saved, imports
+
+
+def _new_config(args: argparse.Namespace, given: Dict[str, Any]) -> Any:
+    """The TrainConfig of a new run, every setting checked and the model built once (before training)."""
+    from ..tasks import available as tasks_available
+    from ..training import TrainConfig
+
+    if args.task is None:
+        raise ValueError(f"give a TASK ({', '.join(tasks_available())}) or --resume DIR")
+    if args.task not in tasks_available():
+        raise ValueError(f"unknown task {args.task!r}; valid: {', '.join(tasks_available())}")
+    check_mechanism(given.get("mechanism", "softmax"))
+    try:
+        config = TrainConfig(**given)
+    except (TypeError, ValueError) as error:
+        raise ValueError(name_option(str(error))) from None
+    _check_buildable(config)
+    return config
+
+
+def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str]]:
+    """(config or None when resuming, decoder settings, output directory, imports), every usage error raised."""
+    from ..training import TrainConfig
+    from ..parallel.data import launched_by_torchrun
+    from ..training import data_parallel_reasons
+
+    if args.resume is not None:
+        given = _given_settings(args)
+        saved, imports = _resume_settings(args, given)
+        config, output = None, args.resume
+        decoding = _decoder_settings(args, saved["task"])
+    else:
+        imports = import_modules(args.imports)  # first: they register mechanisms --mechanism may name
+        config = _new_config(args, _given_settings(args))
+        saved = config.as_dict()
+        decoding = _decoder_settings(args, config.task)
+        output = args.output or f"runs/{config.task}-{config.model_label}"
+        if Path(output, "checkpoints").exists():
+            raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
+                             "or choose another --output")
+    _check_decoder_fits(decoding, saved)
+    if launched_by_torchrun():  # data parallel: settings it cannot honour fail here, on every rank
+        world = int(os.environ["WORLD_SIZE"])
+        reasons = data_parallel_reasons(config or TrainConfig.from_dict(saved), world)
+        if reasons:
+            raise ValueError(f"torchrun with {world} processes: " + "; ".join(map(name_option, reasons)))
+    return config, decoding, output, imports
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from ..mechanisms import UnsupportedOptionError
+    from ..training import CheckpointError, keep_freed_memory, train
+    from ..parallel.data import start_from_environment, stop
+
+    try:
+        config, decoding, output, imports = _prepare_run(args)
+    except (ValueError, TypeError, CheckpointError, UnsupportedOptionError) as error:
+        return usage_error("train", str(error))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()  # each step reuses the last one's pages instead of faulting in fresh ones
+    command = ["attnzoo", "train", *args.raw_argv]
+    parallel = start_from_environment()
+    main = parallel is None or parallel.is_main
+    if main:
+        record_imports(Path(output), imports)
+    try:
+        result = train(config, output, resume=args.resume is not None, progress=not args.quiet and main,
+                       command=command, parallel=parallel, decoding=decoding)
+    except KeyboardInterrupt:
+        if main:
+            print(f"attnzoo train: interrupted; the last finished step is saved: resume with "
+                  f"attnzoo train --resume {output}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except CheckpointError as error:
+        return usage_error("train", str(error))
+    finally:
+        stop(parallel)
+    if main:  # rank 0 reports for the whole data-parallel run
+        _print_result(result, decoding, output, args.json)
+    return EXIT_OK
+
+
+def _print_result(result: Any, decoding: Any, output: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return
+    metric = "accuracy" if "accuracy" in result.test else "bits_per_byte"
+    print(f"{result.config.model_label} on {result.config.task}: {result.steps} steps, {result.parameters:,} "
+          f"parameters, {result.train_seconds:.1f} s ({result.tokens_per_second:,.0f} tokens/s)")
+    print(f"  validation: {_format_metrics(result.validation)}")
+    print(f"  test:       {_format_metrics(result.test)}")
+    if "bleu" in result.test:
+        print(f"  decoder:    {decoding.describe()}")
+    print(f"  baseline:   {metric} {result.baseline[metric]:.4f} "
+          f"({'majority class' if metric == 'accuracy' else 'unigram entropy'} of the test split)")
+    print(f"wrote checkpoints/, metrics.csv and results.json to {output}/")
+
+
+def name_option(message: str) -> str:
+    """Put the command-line spelling on a TrainConfig field named at the start of an error message."""
+    for field, option in sorted(OPTION_OF_FIELD.items(), key=lambda item: -len(item[0])):
+        if message.startswith(field + " "):
+            return option + message[len(field):]
+    return message
+
+
+def _check_buildable(config: Any) -> None:
+    """Build the task and the model once, so that bad task or mechanism options fail before training starts."""
+    import torch
+
+    from ..tasks import load
+    from ..training import build_model
+
+    try:
+        task = load(config.task, **config.task_options)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--task-options: {error}") from None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            build_model(config, task)
+        except TypeError as error:
+            options = "--set" if config.block == "attention" else "--block-options"
+            raise ValueError(f"{options}: {error}") from None
+        except ValueError as error:  # a setting that does not fit the task (scheduled sampling off seq2seq)
+            raise ValueError(name_option(str(error))) from None
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from ..training import CheckpointError, evaluate_checkpoint
+    from ..training.checkpoint import find_checkpoint, read_config
+
+    try:
+        checkpoint = find_checkpoint(args.checkpoint)
+        _import_for_run(checkpoint, args.imports, "CHECKPOINT_DIR")
+        saved = read_config(checkpoint).get("train")
+        decoding = _decoder_settings(args, saved.get("task") if isinstance(saved, dict) else None)
+        report = evaluate_checkpoint(args.checkpoint, args.split, decoding)
+    except (CheckpointError, ValueError, TypeError) as error:
+        return usage_error("eval", str(error))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    metrics, baseline = report["metrics"], report["baseline"]
+    model = report["mechanism"] if report["block"] == "attention" else report["block"]  # as TrainConfig.model_label
+    print(f"{model} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
+    print("  baseline: " + ", ".join(f"{k} {v:.4f}" for k, v in baseline.items()))
+    if "decoder" in report:
+        print(f"  decoder:  {report['decoder']}")
+    return EXIT_OK
+
+
+
+def _tasks_epilog() -> str:
+    from ..tasks import available, task_class, task_options
+
+    lines = ["tasks (options for --task-options, with their defaults):"]
+    for name in available():
+        cls = task_class(name)
+        options = ", ".join(f"{k}={v!r}" for k, v in task_options(name).items())
+        lines.append(f"  {name:<11} {cls.summary}")
+        lines.append(f"  {'':<11} {cls.kind}, metric {cls.metric}; {options}")
+    return "\n".join(lines)
+
+
+def _add_model_options(train: argparse.ArgumentParser) -> None:
+    """TASK, the mechanism and its options, and every TrainConfig setting (each defaults to "not given")."""
+    from ..training import TrainConfig
+
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    train.add_argument("task", nargs="?", metavar="TASK", help="the task (listed below)")
+    train.add_argument("--mechanism", help="attention mechanism (default softmax; attnzoo list names them)")
+    train.add_argument("--set", dest="settings", action="append", type=setting, metavar="OPTION=VALUE",
+                       help="an option of the mechanism (repeatable; MECHANISM.OPTION=VALUE is accepted too); "
+                            "attnzoo list --options names them")
+    train.add_argument("--mechanism-options", type=parse_options, action="append", metavar="OPTIONS",
+                       help="the same as --set, several at once: JSON or KEY=VALUE,... (repeatable)")
+    add_import_option(train)
+    gated = [block for block in BLOCKS if block != "attention"]
+    train.add_argument("--block-options", type=parse_options, action="append", metavar="OPTIONS",
+                       help=f"options of the gated units of --block {'|'.join(gated)} (shared_dim, expansion_dim, "
+                            "scores, chunk_size) as JSON or KEY=VALUE,... (repeatable)")
+    train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
+                       help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
+    choices = _choices()
+    for option, field in TRAIN_OPTIONS.items():
+        default = defaults[field]
+        if option in choices:
+            train.add_argument(option, dest=field, choices=choices[option], help=f"default {default}")
+        else:
+            train.add_argument(option, dest=field, type=NUMERIC_OPTIONS.get(option, int), help=f"default {default}")
+    train.add_argument("--copy-mechanism", dest="copy_mechanism", action="store_const", const=True,
+                       help="seq2seq: a pointer-generator output that can copy source tokens (See et al. 2017)")
+    train.add_argument("--token-shift", dest="token_shift", action="store_const", const=True,
+                       help="half of each position's embedding features come from the token before it "
+                            "(RWKV's token shift); not for seq2seq tasks")
+
+
+def add_train_command(commands: Any) -> None:
+    train = commands.add_parser(
+        "train", help="train a model on a task (listops, pathfinder, bytes, recall, g2p, copy, ...)",
+        description="Train a classifier, tagger or language model with one attention mechanism on a task; "
+                    "evaluates on the validation split every --eval-interval steps (writing an atomic "
+                    "checkpoint each time), then on the test split. Writes checkpoints/, metrics.csv and "
+                    "results.json (with this command line) to --output.",
+        epilog=_tasks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_options(train)
+    train.add_argument("--output", metavar="DIR", help="run directory (default runs/TASK-MECHANISM)")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint "
+                                                       "(its settings are kept; options given must match)")
+    train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_decoder_options(train)
+    train.set_defaults(run=train_command)
+
+
+def add_eval_command(commands: Any) -> None:
+    evaluate = commands.add_parser("eval", help="score a saved model on a split of its task",
+                                   description="Rebuild the model of a checkpoint written by attnzoo train and "
+                                               "report its loss and metric beside the task's baseline.")
+    evaluate.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                          help="a run directory (its latest checkpoint) or a checkpoint directory")
+    evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_import_option(evaluate)
+    _add_decoder_options(evaluate)
+    evaluate.set_defaults(run=eval_command)

@@ -1,0 +1,237 @@
+"""``attnzoo lra``: every mechanism trained on every task at one fixed budget, as in the Long Range Arena.
+
+Each cell (task x mechanism) is one ``attnzoo train`` run in a fresh process, in its own directory
+``OUTPUT/cells/TASK/MECHANISM/`` (:mod:`attnzoo.experiments.cells`: a crash, a hang or an out-of-memory kill
+is that cell's row, and the command that reproduces it is recorded). A cell that finished keeps its
+``cell.json`` and is not run again; one that was interrupted resumes from its checkpoint. The same settings
+go to every mechanism of a task: no mechanism is tuned on its own.
+
+Outputs: ``lra.json`` (cells, table and the command; its rows are what ``attnzoo compare --accuracy`` reads),
+``lra.md`` (accuracy per task, mechanisms as rows, the average last, the trivial baselines as a row) and
+``lra.png`` (speed against average accuracy, bubble area = peak memory).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..bench.results import BASELINE
+from ..mechanisms import available as mechanisms_available
+from ..tasks import available as tasks_available, load as load_task
+from ..training import TrainConfig, unsupported_reasons
+from .cells import CELL_JSON, save_row, train_cells
+from .settings import check_cell_settings, check_mechanism_options, check_names, check_preset, keep_settings
+
+LRA_JSON, LRA_MD, LRA_PNG, SETTINGS_JSON = "lra.json", "lra.md", "lra.png", "lra-settings.json"
+
+# One budget per task: the model, optimiser and data every mechanism gets. The quick budget is sized to run
+# every registered mechanism on every task in under 45 minutes on 2 CPU cores (docs/lra.md): the fewest steps
+# and examples at which softmax still clears each task's goal (ListOps at batch 16, Pathfinder at 200 steps;
+# bytes and recall need their 300 and 600).
+# Pathfinder and recall get what lets a small model leave chance within a quick budget (docs/lra.md shows the
+# runs without it): rotary positions (relative offsets, which both tasks are about) and, on recall, the token
+# shift that puts each value beside its key. The quick Pathfinder is 16 x 16 with three-segment curves: the
+# default 32 x 32 images stayed at chance in every run that fits the budget.
+PATHFINDER_QUICK = dict(size=16, contour_length=3, segment_length=2, num_distractors=4)
+BUDGETS: Dict[str, Dict[str, Dict[str, Any]]] = {
+    "quick": {
+        "listops": dict(task_options={}, dim=64, depth=2, heads=4, batch_size=16, steps=300, lr=2e-3),
+        "pathfinder": dict(task_options=PATHFINDER_QUICK, dim=64, depth=2, heads=4, positional="rotary",
+                           batch_size=32, steps=200, lr=2e-3),
+        "bytes": dict(task_options={}, dim=64, depth=2, heads=4, batch_size=16, steps=300, lr=2e-3),
+        "recall": dict(task_options={}, dim=64, depth=2, heads=4, positional="rotary", token_shift=True,
+                       batch_size=32, steps=600, lr=2e-3),
+    },
+    "full": {
+        "listops": dict(task_options={}, dim=128, depth=4, heads=4, batch_size=32, steps=3000, lr=1e-3),
+        "pathfinder": dict(task_options={}, dim=64, depth=4, heads=4, positional="rotary", batch_size=32,
+                           steps=3000, lr=1e-3),
+        "bytes": dict(task_options={}, dim=128, depth=4, heads=4, batch_size=16, steps=3000, lr=1e-3),
+        "recall": dict(task_options={}, dim=128, depth=2, heads=4, positional="rotary", token_shift=True,
+                       batch_size=32, steps=2000, lr=1e-3),
+    },
+}
+# Validation passes per cell, evenly spaced (each also writes a checkpoint), and the batches each one reads
+# (None: the whole split). The table reports the whole test split, so the quick budget validates once, at the
+# end, on a few batches, and spends the time training; the full budget's five full passes give a learning curve
+# and checkpoints to resume from.
+EVALUATIONS = {"quick": 1, "full": 5}
+VALIDATION_BATCHES = {"quick": 4, "full": None}
+# A cell that runs past its timeout is a row that says so. The slowest quick cells now take 2-3 minutes
+# (docs/lra.md); before the speed-ups one took 597 s. The 1200 s leave room for a slower machine.
+CELL_TIMEOUT_S = {"quick": 1200.0, "full": 7200.0}
+
+
+@dataclass
+class LraConfig:
+    """What ``attnzoo lra`` runs: a preset (``BUDGETS``' key), the mechanisms (default all) and tasks (default
+    all), options of particular mechanisms (``{name: {option: value}}``), and modules to import in every cell
+    (``--import``: mechanisms of your own)."""
+
+    preset: str = "quick"
+    mechanisms: Optional[List[str]] = None
+    tasks: Optional[List[str]] = None
+    threads: Optional[int] = None
+    jobs: int = 1
+    cell_timeout_s: Optional[float] = None
+    overrides: Dict[str, Any] = field(default_factory=dict)   # settings applied to every cell (e.g. steps)
+    options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    imports: List[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        check_preset(self.preset, BUDGETS)
+        check_names("--mechanisms", self.mechanisms, mechanisms_available())
+        check_names("--tasks", self.tasks, tasks_available())
+        check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
+        check_mechanism_options(self.options)
+        for task in self.task_names:
+            self.train_config(task, BASELINE)  # every override must make a valid config
+
+    @property
+    def task_names(self) -> List[str]:
+        return list(self.tasks or [t for t in tasks_available() if t in BUDGETS[self.preset]])
+
+    @property
+    def mechanism_names(self) -> List[str]:
+        return list(self.mechanisms or mechanisms_available())
+
+    def train_config(self, task: str, mechanism: str) -> TrainConfig:
+        budget = BUDGETS[self.preset]
+        settings = dict(budget.get(task, next(iter(budget.values()))))  # a task of your own: the first's
+        settings.update(self.overrides)
+        settings.setdefault("eval_interval", max(settings["steps"] // EVALUATIONS[self.preset], 1))
+        settings.setdefault("eval_batches", VALIDATION_BATCHES[self.preset])
+        if self.options.get(mechanism):
+            settings["mechanism_options"] = dict(self.options[mechanism])
+        return TrainConfig(task=task, mechanism=mechanism, **settings)
+
+    def settings(self) -> Dict[str, Any]:
+        """What must not change between an interrupted run and its continuation."""
+        settings = {"budget": self.preset, "overrides": self.overrides,
+                    "cells": {task: self.train_config(task, BASELINE).as_dict() for task in self.task_names}}
+        if self.options:
+            settings["options"] = self.options
+        return settings
+
+
+def _unsupported_row(train_config: TrainConfig, task: Any) -> Optional[Dict[str, Any]]:
+    """The row of a cell the mechanism cannot train (None when it can)."""
+    try:
+        reasons = unsupported_reasons(train_config, task)
+    except Exception as error:  # noqa: BLE001 - a mechanism that cannot even be built is a row
+        reasons = [f"cannot be built: {type(error).__name__}: {error}"]
+    return {"status": "unsupported", "reason": "; ".join(reasons)} if reasons else None
+
+
+def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
+            progress: Optional[Callable[[str], None]] = None,
+            set_total: Optional[Callable[[int], None]] = None) -> Dict[str, Any]:
+    """Run (or continue) every cell; returns the collected data and writes lra.json, lra.md and lra.png."""
+    keep_settings(output / SETTINGS_JSON, config.settings(), "an lra run")
+    tasks, mechanisms = config.task_names, config.mechanism_names
+    if set_total is not None:
+        set_total(len(tasks) * len(mechanisms))
+    baselines: Dict[str, Dict[str, float]] = {}
+    metrics: Dict[str, str] = {}
+    trainings = []
+    for task_name in tasks:
+        task = load_task(task_name, **config.train_config(task_name, BASELINE).task_options)
+        baselines[task_name], metrics[task_name] = task.baseline(), task.metric
+        for mechanism in mechanisms:
+            cell = output / "cells" / task_name / mechanism
+            train_config = config.train_config(task_name, mechanism)
+            if not (cell / CELL_JSON).exists():  # an unsupported cell is a row kept like a finished one
+                unsupported = _unsupported_row(train_config, task)
+                if unsupported is not None:
+                    save_row(cell, unsupported)
+            trainings.append(((task_name, mechanism), train_config, cell))
+
+    def report(key: Any, row: Dict[str, Any], kept: bool) -> None:
+        if progress is not None:
+            progress(f"{key[0]} / {key[1]}: {row['status']}")
+
+    timeout = config.cell_timeout_s or CELL_TIMEOUT_S[config.preset]
+    rows = train_cells(trainings, timeout, config.threads, config.jobs, config.imports, report)
+    cells = {task: {m: rows[(task, m)] for m in mechanisms} for task in tasks}  # in the order asked for
+    data = collect(config, tasks, mechanisms, cells, baselines, metrics, argv)
+    write_lra(data, output)
+    return data
+
+
+def _score(row: Dict[str, Any], metric: str) -> Optional[float]:
+    if row.get("status") != "ok":
+        return None
+    return row["test"].get(metric)
+
+
+def collect(config: LraConfig, tasks: List[str], mechanisms: List[str], cells: Dict[str, Dict[str, Dict[str, Any]]],
+            baselines: Dict[str, Dict[str, float]], metrics: Dict[str, str], argv: Sequence[str]) -> Dict[str, Any]:
+    """lra.json's content: per-cell rows, per-mechanism averages, baselines."""
+    accuracy_tasks = [t for t in tasks if metrics[t] == "accuracy"]
+    summary = []
+    for mechanism in mechanisms:
+        scores = {t: _score(cells[t][mechanism], metrics[t]) for t in tasks}
+        accuracies = [scores[t] for t in accuracy_tasks]
+        complete = bool(accuracies) and all(a is not None for a in accuracies)
+        speeds = [cells[t][mechanism]["tokens_per_second"] for t in tasks if cells[t][mechanism].get("status") == "ok"]
+        memory = [cells[t][mechanism].get("peak_memory_mib") for t in tasks if cells[t][mechanism].get("status") == "ok"]
+        summary.append({
+            "mechanism": mechanism, "scores": scores,
+            "average_accuracy": sum(accuracies) / len(accuracies) if complete else None,
+            "tokens_per_second": sum(speeds) / len(speeds) if speeds else None,
+            "peak_memory_mib": max((m for m in memory if m is not None), default=None),
+        })
+    rows = [{"mechanism": m, "task": t, "accuracy": _score(cells[t][m], "accuracy")}
+            for t in accuracy_tasks for m in mechanisms if _score(cells[t][m], "accuracy") is not None]
+    return {"command": list(argv), "budget": config.preset, "tasks": tasks, "metrics": metrics,
+            "baselines": baselines, "cells": cells, "summary": summary, "rows": rows,
+            "settings": {t: config.train_config(t, BASELINE).as_dict() for t in tasks}}
+
+
+def _cell_text(row: Dict[str, Any], metric: str) -> str:
+    if row.get("status") == "ok":
+        value = row["test"][metric]
+        return f"{100 * value:.1f}" if metric == "accuracy" else f"{value:.3f} bpb"
+    return {"unsupported": "n/a", "failed": "failed", "too slow": "too slow"}.get(row.get("status"), "?")
+
+
+def render_markdown(data: Dict[str, Any]) -> str:
+    """LRA's Table 1 layout: tasks as columns (accuracy %, bits per byte for bytes), the average of the
+    accuracy tasks last, the trivial baselines as the last row, and why each missing cell is missing."""
+    tasks, metrics = data["tasks"], data["metrics"]
+    accuracy_tasks = [t for t in tasks if metrics[t] == "accuracy"]
+    header = ["mechanism", *[f"{t} ({'acc %' if metrics[t] == 'accuracy' else 'bpb, lower is better'})"
+                             for t in tasks], "average acc %"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for entry in data["summary"]:
+        name = entry["mechanism"]
+        average = entry["average_accuracy"]
+        cells = [_cell_text(data["cells"][t][name], metrics[t]) for t in tasks]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {'-' if average is None else f'{100 * average:.1f}'} |")
+    baseline_cells = []
+    for t in tasks:
+        value = data["baselines"][t][metrics[t]]
+        baseline_cells.append(f"{100 * value:.1f}" if metrics[t] == "accuracy" else f"{value:.3f} bpb")
+    base_average = [data["baselines"][t]["accuracy"] for t in accuracy_tasks]
+    lines.append("| baseline (majority class / unigram) | " + " | ".join(baseline_cells)
+                 + f" | {100 * sum(base_average) / max(len(base_average), 1):.1f} |")
+    notes = [f"- {t} / {m}: {row['status']}: {row.get('reason', '')}"
+             for t in tasks for m, row in data["cells"][t].items() if row.get("status") != "ok"]
+    text = [f"# attnzoo lra, preset {data['budget']}", "", f"Command: `{' '.join(data['command'])}`", "",
+            *lines, ""]
+    if notes:
+        text += ["Missing cells:", "", *notes, ""]
+    return "\n".join(text)
+
+
+def write_lra(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
+    from ..bench.plots import plot_lra_bubble
+
+    paths = {"json": output / LRA_JSON, "markdown": output / LRA_MD, "plot": output / LRA_PNG}
+    paths["json"].write_text(json.dumps(data, indent=2))
+    paths["markdown"].write_text(render_markdown(data))
+    plot_lra_bubble(data, paths["plot"])
+    return paths
