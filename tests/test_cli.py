@@ -311,20 +311,3 @@ def test_train_set_gives_the_option_to_the_mechanism(capsys, tmp_path):
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("attnzoo train: error: --set") and "no_such_option" in err
     assert not (tmp_path / "run").exists()
-
-
-def test_the_commands_and_benchmarks_name_no_mechanism_but_the_baseline():
-    """What a mechanism needs is read from its declarations (capabilities, sweep_option, length_option), never
-    from its name: cli/, bench/ and experiments/ name no registered mechanism but softmax, the baseline. The
-    one exception is bench/peers.py, the table of which peer library implements which mechanism."""
-    import re
-
-    package = Path(__file__).resolve().parents[1] / "src" / "attnzoo"
-    names = sorted(set(available()) - {"softmax"})
-    word = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
-    found = [f"{path.relative_to(package)}:{number}: {line.strip()}"
-             for part in ("cli", "bench", "experiments") for path in sorted((package / part).rglob("*.py"))
-             if path != package / "bench" / "peers.py"
-             for number, line in enumerate(path.read_text().splitlines(), 1) if word.search(line)]
-    assert not found, "\n".join(found)
-    assert word.search("--set linformer.rank=4") and not word.search("linearly, a toy-quantized mechanism")

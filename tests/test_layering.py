@@ -18,21 +18,21 @@ LAYERS = [
     {"feature_maps"},
     {"mechanisms"},
     {"positional", "attention"},
-    {"distributed", "parallel"},  # parallel: sequence parallelism (sequence.py) and data parallelism (data.py)
+    {"parallel"},  # sequence parallelism (sequence.py) and data parallelism (data.py)
     {"tasks"},  # training data; imports only _validation (test_tasks_import_only_validation)
     {"models"},
     {"decoding"},
-    {"swap", "hf", "dropin"},  # dropin: torch.nn swapping (swap.py) and Hugging Face (hf.py)
+    {"dropin"},  # torch.nn swapping (swap.py) and Hugging Face (hf.py)
     {"training"},
     {"bench"},  # the kernel benchmark behind attnzoo compare
     {"experiments"},  # training experiments: attnzoo lra, the seq2seq report, their cell runner
-    {"cli", "cli_training"},
+    {"cli"},
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 
 def _part(module_path: Path) -> str:
-    """Top-level part of the package a file belongs to: ``functional/linear.py`` -> ``functional``."""
+    """Top-level part of the package a file belongs to: ``functional/linear/chunk.py`` -> ``functional``."""
     return module_path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
@@ -86,8 +86,85 @@ def test_tasks_import_only_validation():
 
 def test_the_check_can_fail():
     """An upward import, relative or absolute, at module level or inside a function, is seen."""
-    path = PACKAGE / "functional" / "linear.py"
+    path = PACKAGE / "functional" / "softmax.py"
     for line in ("from ..mechanisms import base", "import attnzoo.models.layers",
                  "def f():\n    from attnzoo.bench import compare"):
         assert _imported_parts(path, line) & {"mechanisms", "models", "bench"}, line
     assert _imported_parts(path, "from .masks import allowed_mask") == {"functional"}
+
+
+# -- no two modules import each other ------------------------------------------------------------------------
+def _module_name(path: Path) -> str:
+    """``attnzoo.functional.linear.chunk`` for ``functional/linear/chunk.py``; a package by its ``__init__``."""
+    parts = ("attnzoo",) + path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(name: str, is_package: bool, source: str, known: set) -> set:
+    """The modules of attnzoo that ``source`` (module ``name``) imports, at module level or in a function:
+    ``from x import y`` counts as an import of ``x.y`` when that is a module, else of ``x``."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {module for module in found if module in known} - {name}
+
+
+def import_graph(sources: dict) -> dict:
+    """{module: modules it imports} from {(module name, is_package): source}."""
+    known = {name for name, _ in sources}
+    return {name: _imported_modules(name, is_package, source, known) for (name, is_package), source in sources.items()}
+
+
+def import_cycles(graph: dict) -> list:
+    """Every cycle of the import graph found depth-first, each from a module back to itself."""
+    cycles, finished = [], set()
+
+    def visit(module, path):
+        if module in path:
+            cycles.append(path[path.index(module):] + [module])
+        elif module not in finished:
+            for imported in sorted(graph.get(module, ())):
+                visit(imported, path + [module])
+            finished.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    return cycles
+
+
+def _package_sources() -> dict:
+    return {(_module_name(p), p.name == "__init__.py"): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _package_init_edge(importer: str, imported: str) -> bool:
+    """A package's ``__init__`` importing its own modules, which import names the package re-exports from
+    elsewhere, is how a package exposes its parts; only cycles between modules count."""
+    return importer.startswith(imported + ".")
+
+
+def test_no_two_modules_import_each_other():
+    graph = import_graph(_package_sources())
+    assert "attnzoo.functional.linear.chunk" in graph["attnzoo.functional.linear"]
+    modules = {name: {m for m in imported if not _package_init_edge(name, m)} for name, imported in graph.items()}
+    assert import_cycles(modules) == []
+
+
+def test_the_import_cycle_check_can_fail():
+    sources = {("attnzoo.p", True): "", ("attnzoo.p.a", False): "from .b import B",
+               ("attnzoo.p.b", False): "def f():\n    from attnzoo.p.a import A",
+               ("attnzoo.q", False): "from attnzoo.p import a", ("attnzoo.r", False): "import attnzoo.q"}
+    graph = import_graph(sources)
+    assert graph == {"attnzoo.p": set(), "attnzoo.p.a": {"attnzoo.p.b"}, "attnzoo.p.b": {"attnzoo.p.a"},
+                     "attnzoo.q": {"attnzoo.p.a"}, "attnzoo.r": {"attnzoo.q"}}
+    assert import_cycles(graph) == [["attnzoo.p.a", "attnzoo.p.b", "attnzoo.p.a"]]

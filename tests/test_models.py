@@ -736,52 +736,6 @@ def test_the_import_cycle_check_can_fail():
     assert _import_cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}}) == [["x", "y", "z", "x"]]
 
 
-def _code_strings(source):
-    """The string constants of ``source`` that are not docstrings (a string standing alone as a statement),
-    f-string parts included."""
-    tree = ast.parse(source)
-    docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
-                  and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
-    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
-            and isinstance(node.value, str) and id(node) not in docstrings]
-
-
-# The gated blocks are the architectures their attention mechanisms were published with: their names are block
-# names too, and gau.py builds each block's mechanism (UNIT_MECHANISMS).
-GATED_BLOCK_FILES = {"config.py", "gau.py"}
-
-
-def _mechanisms_named(path, mechanisms):
-    """Registered mechanism names (other than the default softmax) that ``path`` uses as a whole string in code,
-    or whose own module it imports from mechanisms/ or functional/."""
-    source = path.read_text()
-    named = {text for text in _code_strings(source) if text in mechanisms}
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            parts = node.module.split(".")
-            if len(parts) >= 2 and parts[-2] in ("mechanisms", "functional") and parts[-1] in mechanisms:
-                named.add(parts[-1])
-    return named
-
-
-def test_model_modules_name_no_mechanism_but_the_default_and_their_own_blocks():
-    mechanisms = set(attnzoo.available()) - {"softmax"}
-    for path in sorted(MODELS_PACKAGE.glob("*.py")):
-        named = _mechanisms_named(path, mechanisms)
-        if path.name in GATED_BLOCK_FILES:
-            named -= set(UNIT_MECHANISMS) | set(UNIT_MECHANISMS.values())
-        assert not named, f"models/{path.name} names the mechanisms {sorted(named)}: read a declaration instead"
-
-
-def test_the_mechanism_name_check_can_fail(tmp_path):
-    path = tmp_path / "model.py"
-    path.write_text('"""Works with "performer" (a docstring)."""\n'
-                    'if name == "performer":\n    pass\nfrom ..functional.linear import x\n')
-    assert _mechanisms_named(path, {"performer", "linear"}) == {"performer", "linear"}
-    path.write_text('"""Works with "performer" (a docstring)."""\nname = "softmax"\n')
-    assert _mechanisms_named(path, {"performer", "linear"}) == set()
-
-
 def test_the_old_module_paths_and_exports_keep_working():
     """Split by role, the models are still importable by the names and paths they had."""
     from attnzoo.models import transformer

@@ -3,7 +3,6 @@ checkpoints and settings with clear errors."""
 
 from __future__ import annotations
 
-import ast
 import json
 import math
 import re
@@ -30,8 +29,6 @@ from attnzoo.training import (
 from attnzoo.training import checkpoint as checkpoint_module
 from attnzoo.training.checkpoint import read_config
 from attnzoo.tasks import load
-
-SOURCE = Path(__file__).resolve().parents[1] / "src" / "attnzoo"
 
 LISTOPS = {"train_size": 64, "validation_size": 16, "test_size": 16, "min_length": 8, "max_length": 24}
 RECALL = {"train_size": 64, "validation_size": 16, "test_size": 16, "num_pairs": 4, "num_keys": 8, "num_values": 4}
@@ -376,39 +373,3 @@ def test_bad_block_settings_are_usage_errors(capsys, tmp_path, argv, message):
     code, out, err = _cli(capsys, "train", *argv, "--output", str(tmp_path / "run"), "--quiet")
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
-
-
-# -- the loop names no mechanism --------------------------------------------------------------------------------
-def _non_docstring_literals(tree):
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr)
-                  and isinstance(node.body[0].value, ast.Constant)}
-    return [node for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
-
-
-TRAINING_SIDE = sorted((SOURCE / "training").rglob("*.py")) + [SOURCE / "parallel" / "data.py"]
-
-
-@pytest.mark.parametrize("path", TRAINING_SIDE, ids=lambda p: str(p.relative_to(SOURCE)))
-def test_the_training_side_names_no_mechanism(path):
-    """Training and DDP read the mechanisms' hooks: no registered name in code (``"softmax"`` is the default
-    mechanism; the scheduled-sampling decays are the training package's own words), no mechanism's module."""
-    from attnzoo.mechanisms import available
-    from attnzoo.training.seq2seq import SAMPLING_DECAYS
-
-    allowed = {"softmax", *SAMPLING_DECAYS}
-    named = [name for name in available() if name not in allowed]
-    tree = ast.parse(path.read_text())
-    found = [(node.lineno, name) for node in _non_docstring_literals(tree) for name in named
-             if node.value == name or re.search(rf"""['"`]{re.escape(name)}['"`]""", node.value)]
-    assert not found, f"{path.name} names mechanisms: {found}"
-    modules = {p.stem for p in (SOURCE / "mechanisms").glob("*.py")} - {"__init__", "base"}
-    imported = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
-                and "mechanisms" in node.module.split(".")]
-    for node in imported:
-        parts = node.module.split(".")
-        after = parts[parts.index("mechanisms") + 1:]
-        assert not set(after) & modules and not {a.name for a in node.names} & modules, \
-            f"{path.name}:{node.lineno} imports a mechanism's own module"

@@ -262,13 +262,8 @@ def run_job(job: Job) -> Result:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--serve"] and len(argv) <= 2:
-        from .launch import serve
-
-        return serve(json.loads(argv[1]) if len(argv) == 2 else [])
     if len(argv) != 1:
-        print("usage: python -m attnzoo.bench.worker '<json job>' (or @path/to/job.json)\n"
-              "       python -m attnzoo.bench.worker --serve '[modules to preload]'", file=sys.stderr)
+        print("usage: python -m attnzoo.bench.worker '<json job>' (or @path/to/job.json)", file=sys.stderr)
         return 2
     text = argv[0]
     if text.startswith("@"):
