@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._autocast import outside_autocast
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_positive_int, check_qkv
 from .linear.inputs import _pad_seq, _with_ones
@@ -287,6 +288,7 @@ class _CausalChunks(torch.autograd.Function):
     """
 
     @staticmethod
+    @outside_autocast
     def forward(  # type: ignore[override]
         ctx, queries: Tensor, weights: Tensor, values: Tensor, decay: Tensor, initial: Tensor
     ) -> Tuple[Tensor, Tensor]:
@@ -319,6 +321,7 @@ class _CausalChunks(torch.autograd.Function):
         return out.view(batch, heads, chunks, chunk, d_v), state.clone()
 
     @staticmethod
+    @outside_autocast
     def backward(ctx, grad_out: Optional[Tensor], grad_final: Optional[Tensor]):  # type: ignore[override]
         weights, values, decay, previous, den, phi, scores = ctx.saved_tensors
         batch, heads, chunks, chunk, d = weights.shape
