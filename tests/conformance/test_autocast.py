@@ -16,7 +16,7 @@ in :mod:`.checks` leaves their half-precision accuracy to their own tests), and 
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import pytest
 import torch
