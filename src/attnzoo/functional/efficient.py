@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._autocast import outside_autocast
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_positive_int, check_qkv
 from .linear.inputs import _pad_seq, _with_ones
@@ -175,7 +176,9 @@ def prefix_chunks(
         # Both -inf (nothing seen yet) gives NaN in the unselected branch; nothing to carry there.
         decay = torch.where(torch.isfinite(before), torch.exp(before - running), torch.zeros_like(running))
         shift = finite_or_zero(running)
-    return PrefixChunks(keys, values, hidden, shift, decay, running[:, :, -1])
+    # Detached as well: torch.jit.trace records the operations above but not no_grad, and a traced graph would
+    # differentiate through the shifts, which are constants for the gradient.
+    return PrefixChunks(keys, values, hidden, shift.detach(), decay.detach(), running[:, :, -1].detach())
 
 
 def scan_chunk_states(decay: Tensor, local: Tensor, initial: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -287,6 +290,7 @@ class _CausalChunks(torch.autograd.Function):
     """
 
     @staticmethod
+    @outside_autocast
     def forward(  # type: ignore[override]
         ctx, queries: Tensor, weights: Tensor, values: Tensor, decay: Tensor, initial: Tensor
     ) -> Tuple[Tensor, Tensor]:
@@ -300,11 +304,14 @@ class _CausalChunks(torch.autograd.Function):
         # The scan over chunks: previous[c] = decay_c * state[c - 1], state[c] = previous[c] + own[c], the
         # states written over the chunks' own sums, which nothing needs afterwards. In-place operations only:
         # a step is a few microseconds of arithmetic, and allocation or out= arguments would take longer.
+        # One select() view per chunk, not unbind(): torch.jit.trace replays these ops with grad mode on, where
+        # the views unbind returns together may not be modified in place.
         previous = own.new_empty(own.shape)
         state = initial
-        for decay_c, previous_c, own_c in zip(decay.unsqueeze(-1).unbind(2), previous.unbind(2), own.unbind(2)):
-            previous_c.copy_(state).mul_(decay_c)
-            state = own_c.add_(previous_c)
+        factors = decay.unsqueeze(-1)
+        for c in range(chunks):
+            previous_c = previous.select(2, c).copy_(state).mul_(factors.select(2, c))
+            state = own.select(2, c).add_(previous_c)
         floor = denominator_floor(weights.dtype)
         # A normaliser is zero only where nothing is visible, and the numerator with it: the floor keeps those
         # outputs zero instead of NaN (and the backward's divisions finite).
@@ -319,6 +326,7 @@ class _CausalChunks(torch.autograd.Function):
         return out.view(batch, heads, chunks, chunk, d_v), state.clone()
 
     @staticmethod
+    @outside_autocast
     def backward(ctx, grad_out: Optional[Tensor], grad_final: Optional[Tensor]):  # type: ignore[override]
         weights, values, decay, previous, den, phi, scores = ctx.saved_tensors
         batch, heads, chunks, chunk, d = weights.shape
@@ -350,7 +358,7 @@ class _CausalChunks(torch.autograd.Function):
         # after it, written straight into place: grad_own[c - 1] = decay_c * (grad_previous[c] + grad_own[c]).
         grad_own = torch.empty_like(previous)
         grad_initial = previous.new_empty(previous.shape[:2] + previous.shape[3:])
-        targets = [grad_initial, *grad_own.unbind(2)]
+        targets = [grad_initial, *(grad_own.select(2, c) for c in range(chunks))]
         if grad_final is None:
             targets[-1].zero_()
         else:

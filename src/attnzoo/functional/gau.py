@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._autocast import outside_autocast
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_choice, check_key_padding_mask, check_qkv
 from .masks import allowed_mask, zero_padded
@@ -89,6 +90,7 @@ class _SquaredReluAttention(torch.autograd.Function):
     that the derivative of ``relu(s)^2`` is ``2 relu(s)`` (zero where blocked, since r is zero there)."""
 
     @staticmethod
+    @outside_autocast
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, blocked: Optional[Tensor]) -> Tensor:  # type: ignore[override]
         r = torch.matmul(q, k.transpose(-1, -2)).relu_()
         if blocked is not None:
@@ -97,6 +99,7 @@ class _SquaredReluAttention(torch.autograd.Function):
         return torch.matmul(r.square(), v)
 
     @staticmethod
+    @outside_autocast
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         q, k, v, r = ctx.saved_tensors

@@ -62,6 +62,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._autocast import outside_autocast
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_number, check_positive_int
 from .masks import zero_padded
@@ -308,6 +309,7 @@ class _ChunkAttention(torch.autograd.Function):
     rowsum(dO * O) + dlse)`` on the visible logits (the others are constants, through which no gradient flows)."""
 
     @staticmethod
+    @outside_autocast
     def forward(ctx, xs: Tensor, ks: Tensor, vs: Tensor, size: int, *blocked: Tensor):  # type: ignore[override]
         queries = xs[size:].view(-1, size, xs.shape[-1])
         scores = torch.bmm(queries, _windows(ks, size).transpose(1, 2))
@@ -325,6 +327,7 @@ class _ChunkAttention(torch.autograd.Function):
         return out, lse.squeeze(-1)
 
     @staticmethod
+    @outside_autocast
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: Optional[Tensor], grad_lse: Optional[Tensor]):  # type: ignore[override]
         xs, ks, vs, probabilities, out, *blocked = ctx.saved_tensors

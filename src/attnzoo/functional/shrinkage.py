@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._autocast import without_autocast
 from .._validation import check_key_padding_mask
 from .._dtypes import working_dtype
 from .linear.checks import _check_features
@@ -96,6 +97,7 @@ def shrunk_kernel_attention(
     return shrunk_kernel_attention_unchecked(phi_q, phi_k, v, second_half, key_padding_mask)
 
 
+@without_autocast
 def shrunk_kernel_attention_unchecked(
     phi_q: Tensor, phi_k: Tensor, v: Tensor, second_half: Tensor, key_padding_mask: Optional[Tensor]
 ) -> Tensor:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._autocast import outside_autocast
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_number, check_qkv
 from .masks import zero_padded
@@ -163,6 +164,7 @@ class _SoftmaxOverCacheAndWindow(torch.autograd.Function):
     """
 
     @staticmethod
+    @outside_autocast
     def forward(ctx, q: Tensor, codebook: Tensor, cache: Tensor, cache_bias: Optional[Tensor],  # type: ignore[override]
                 *window: Optional[Tensor]) -> Tensor:
         batch, heads, blocks, block, dim = q.shape
@@ -193,6 +195,7 @@ class _SoftmaxOverCacheAndWindow(torch.autograd.Function):
         return out
 
     @staticmethod
+    @outside_autocast
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         q, codebook, cache, weights, out, denominator, *saved = ctx.saved_tensors
         batch, heads, blocks, block, dim = q.shape

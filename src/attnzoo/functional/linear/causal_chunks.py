@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._autocast import outside_autocast
+
 
 def _flat(x: Tensor) -> Tensor:
     """(..., r, c) -> (prod(...), r, c) view for bmm (leading dims of our chunked tensors are contiguous)."""
@@ -207,6 +209,7 @@ class _CausalChunks(torch.autograd.Function):
     """
 
     @staticmethod
+    @outside_autocast
     def forward(  # type: ignore[override]
         ctx, q: Tensor, k: Tensor, v: Tensor, initial: Tensor, chunk_size: int
     ) -> Tuple[Tensor, Tensor]:
@@ -231,6 +234,7 @@ class _CausalChunks(torch.autograd.Function):
         return out3.view(batch, heads, n, d1), final3.view(batch, heads, m, d1)
 
     @staticmethod
+    @outside_autocast
     def backward(ctx, grad_out: Optional[Tensor], grad_final: Optional[Tensor]):  # type: ignore[override]
         q, k, v, span_states, *last = ctx.saved_tensors
         batch, heads, n, m = q.shape

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._autocast import without_autocast
 from ..._dtypes import working_dtype
 from ..._validation import check_bool, check_key_padding_mask, check_qkv
 from .causal_chunks import _CausalChunks
@@ -205,6 +206,7 @@ def kernel_attention(
     )
 
 
+@without_autocast
 def kernel_attention_unchecked(
     phi_q: Tensor,
     phi_k: Tensor,

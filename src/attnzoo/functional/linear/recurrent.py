@@ -9,6 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._autocast import without_autocast
 from ..._dtypes import working_dtype
 from .checks import _check_features, _check_log_decay, _check_options
 from .chunk import DEFAULT_CHUNK_SIZE, _chunked_causal
@@ -50,6 +51,7 @@ def kernel_attention_prefill(
     )
 
 
+@without_autocast
 def kernel_attention_prefill_unchecked(
     phi_q: Tensor,
     phi_k: Tensor,
@@ -113,6 +115,7 @@ def kernel_attention_step(
     )
 
 
+@without_autocast
 def kernel_attention_step_unchecked(
     phi_q_t: Tensor,
     phi_k_t: Tensor,
