@@ -65,7 +65,7 @@ def matched_expansion(args: argparse.Namespace, block: str, target: int) -> int:
 
 def gated_unit(args: argparse.Namespace, block: str, expansion: int) -> nn.Module:
     options: Dict[str, object] = {"shared_dim": args.shared_dim, "expansion_dim": expansion}
-    if block == "flash":
+    if block == "flash_gau":
         options["chunk_size"] = args.chunk_size
     config = BlockConfig(args.dim, args.heads, block=block, block_options=options)
     return (GatedDecoderLayer if args.causal else GatedEncoderLayer)(config)
@@ -76,10 +76,10 @@ def candidates(args: argparse.Namespace) -> Dict[str, nn.Module]:
     block = softmax_block(args)
     target = count(block)
     built: Dict[str, nn.Module] = {"softmax block": block}
-    for name, kind in (("2 x GAU", "gau"), ("2 x FLASH", "flash")):
+    for name, kind in (("2 x GAU", "gau"), ("2 x FLASH", "flash_gau")):
         e = matched_expansion(args, kind, target)
         built[name] = nn.Sequential(gated_unit(args, kind, e), gated_unit(args, kind, e))
-    floor = nn.Sequential(*(gated_unit(args, "flash", matched_expansion(args, "flash", target)) for _ in range(2)))
+    floor = nn.Sequential(*(gated_unit(args, "flash_gau", matched_expansion(args, "flash_gau", target)) for _ in range(2)))
     for unit in floor:
         unit.attention = NoAttention()
     built["2 x FLASH, no attention"] = floor

@@ -2,7 +2,7 @@
 steps of the quick lra budget's cells with glibc's default allocator and with freed memory kept, side by side.
 
     PYTHONPATH=src python scripts/bench_keep_freed_memory.py [--task listops] [--repeats 3]
-        [--mechanisms softmax,flash,performer,vq,reformer]
+        [--mechanisms softmax,flash_gau,performer,vq,reformer]
 
 Each run is a fresh process (the setting is process-wide) on one thread that trains the cell's model for
 ``WARMUP + MEASURED`` steps and stops; the two settings take turns. The table gives the median over runs of
@@ -57,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="listops")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--mechanisms", default="softmax,flash,performer,vq,reformer")
+    parser.add_argument("--mechanisms", default="softmax,flash_gau,performer,vq,reformer")
     args = parser.parse_args()
     print(f"{args.task} at the quick budget, 1 thread: seconds per training step (median of {MEASURED} after "
           f"{WARMUP}), median of {args.repeats} runs")
