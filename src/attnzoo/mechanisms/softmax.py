@@ -11,7 +11,6 @@ from .._validation import check_bool, check_number
 from ..functional.blocksparse import (
     SinkLocalPattern,
     check_sink_tokens,
-    pattern_dense_mask,
     window_cache_layout,
     window_cache_prefill,
     window_cache_step,
@@ -101,8 +100,10 @@ class SoftmaxAttention(Mechanism):
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         if self.window is not None:
-            allowed = pattern_dense_mask(SinkLocalPattern(self.window, self.sink_tokens, 1), q.shape[2], causal,
-                                         q.device)
+            # pattern.dense, unchecked: under tracing the length is a traced size.
+            allowed = SinkLocalPattern(self.window, self.sink_tokens, 1).dense(q.shape[2], q.device)
+            if causal:
+                allowed = allowed & torch.ones_like(allowed).tril()
             if key_padding_mask is not None:
                 allowed = allowed & ~key_padding_mask[:, None, None, :]
             k, v = (x if key_padding_mask is None else x.masked_fill(key_padding_mask[:, None, :, None], 0.0)
