@@ -17,6 +17,7 @@ from attnzoo.functional.blocksparse import (
     FixedPattern,
     LocalPattern,
     LongformerPattern,
+    SinkLocalPattern,
     StridedPattern,
     blocksparse_attention,
     blocksparse_attention_reference,
@@ -47,6 +48,7 @@ def loop_mask(rule, length, causal):
 
 DEFINITIONS = [
     (LocalPattern(4, 3), lambda i, j: abs(i - j) < 4),
+    (SinkLocalPattern(4, 3, 2), lambda i, j: abs(i - j) < 4 or j < 3),
     (DilatedPattern(3, 2), lambda i, j: (i - j) % 3 == 0),
     (StridedPattern(4, 2), lambda i, j: abs(i - j) < 4 or (i - j) % 4 == 0),
     (FixedPattern(4, 2, 3), lambda i, j: i // 4 == j // 4 or j % 4 >= 2),
@@ -70,6 +72,9 @@ CASES = [
     ("local", {"window": 5, "block_size": 4}),
     ("local", {"window": 7, "block_size": 3}),
     ("local", {"window": 50}),
+    ("local", {"window": 3, "sink_tokens": 2, "block_size": 2}),
+    ("local", {"window": 4, "sink_tokens": 3, "block_size": 5}),
+    ("local", {"window": 2, "sink_tokens": 1, "block_size": 1}),
     ("strided", {"pattern": "strided", "stride": 1, "block_size": 2}),
     ("strided", {"pattern": "strided", "stride": 3, "block_size": 2}),
     ("strided", {"pattern": "strided", "stride": 4, "block_size": 4}),
@@ -148,6 +153,7 @@ class LargestTensor(TorchDispatchMode):
 
 @pytest.mark.parametrize("name, options, per_query", [
     ("local", {"window": 16, "block_size": 8}, 16 + 8),
+    ("local", {"window": 16, "block_size": 8, "sink_tokens": 4}, 16 + 8 + 8),
     # block_size divides stride: one block per multiple of the stride.
     ("strided", {"pattern": "strided", "stride": 64, "block_size": 8}, 64 + 8 + 8 * (4096 // 64 + 1)),
     ("strided", {"pattern": "fixed", "stride": 64, "summary": 4, "block_size": 16}, 64 + 16 + 4 * 4096 // 64 + 16),
@@ -206,6 +212,7 @@ def test_local_step_state_leaves_previous_state_intact():
     ("local", {"window": 0}, "window"),
     ("local", {"window": 4, "block_size": 0}, "block_size"),
     ("local", {"window": 2.0}, "window"),
+    ("local", {"window": 2, "sink_tokens": 3}, "sink_tokens"),
     ("strided", {"stride": 0}, "stride"),
     ("strided", {"block_size": -1}, "block_size"),
     ("strided", {"pattern": "fixed", "stride": 4, "summary": 5}, "summary"),
@@ -257,6 +264,7 @@ def test_registered_as_own_attention():
 # -- short sequences: one dense masked pass ------------------------------------------------------------------
 DENSE_CASES = [
     ("local", {"window": 5, "block_size": 4}),
+    ("local", {"window": 5, "block_size": 4, "sink_tokens": 3}),
     ("strided", {"pattern": "strided", "stride": 4, "block_size": 4}),
     ("strided", {"pattern": "fixed", "stride": 4, "summary": 2, "block_size": 4}),
     ("strided", {"pattern": "dilated", "stride": 3, "block_size": 4}),

@@ -8,7 +8,19 @@ import torch
 from torch import Tensor
 
 from .._validation import check_bool, check_number
-from ..functional.softmax import softmax_attention_reference, softmax_attention_unchecked
+from ..functional.blocksparse import (
+    SinkLocalPattern,
+    check_sink_tokens,
+    window_cache_layout,
+    window_cache_prefill,
+    window_cache_step,
+)
+from ..functional.softmax import (
+    masked_sdpa,
+    masked_softmax_reference,
+    softmax_attention_reference,
+    softmax_attention_unchecked,
+)
 from .base import EXACT, OWN, Capabilities, Mechanism, StateLayout, register
 
 CACHE_BLOCK = 256
@@ -40,6 +52,15 @@ class SoftmaxAttention(Mechanism):
     Options:
         quiet: "quiet" softmax with one added to the denominator, so a head can attend to nothing.
         scale: logit scale, a finite number > 0; ``1/sqrt(head_dim)`` by default.
+        window: None (the default): every key. An int >= 1: a sliding window, query i sees keys j with ``|i -
+            j| < window`` (causally the last ``window`` up to itself), plus the sinks; exact softmax over them
+            in one fused call under a dense (N, N) mask, and decoding keeps a bounded cache of ``sink_tokens +
+            window`` positions (StreamingLLM's cache). Self-attention only. The ``local`` mechanism computes
+            the same blockwise in O(N window); this form is the exact kernel with a mask (as Mistral's
+            sliding window runs in SDPA).
+        sink_tokens: attention sinks (Xiao et al. 2023): the first ``sink_tokens`` keys stay visible to every
+            query (causally, to those at or after them) however far the window has moved; ``0 <= sink_tokens
+            <= window``, 0 by default. Needs ``window``: with every key visible, sinks would change nothing.
 
     Decoding state: a KV cache ``{"k": (batch, heads, capacity, head_dim), "v": (batch, heads, capacity,
     head_dim), "filled": (batch,)}`` of which the first ``state.length`` positions are in use. It grows in
@@ -60,18 +81,34 @@ class SoftmaxAttention(Mechanism):
         summary="exact scaled dot-product attention (Vaswani et al. 2017)",
     )
     test_variants = ({"quiet": True},)
+    test_variants += ({"window": 3, "sink_tokens": 2}, {"window": 2})
 
-    def __init__(self, heads: int, head_dim: int, *, quiet: bool = False, scale: Optional[float] = None) -> None:
+    def __init__(self, heads: int, head_dim: int, *, quiet: bool = False, scale: Optional[float] = None,
+                 window: Optional[int] = None, sink_tokens: int = 0) -> None:
         super().__init__(heads, head_dim)
         self.quiet = check_bool("quiet", quiet)
         if self.quiet:
             # The null key makes the output differ from exact softmax attention (on purpose).
             self.capabilities = self.capabilities.narrowed("quiet=True", kind=OWN)
         self.scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
+        self.window, self.sink_tokens = _window_and_sinks(window, sink_tokens, self.quiet)
+        if self.window is not None:
+            # Positions of one sequence are compared: no cross-attention; the window is not exact softmax.
+            self.capabilities = self.capabilities.narrowed(f"window={self.window}", kind=OWN, cross=False)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
+        if self.window is not None:
+            # pattern.dense, unchecked: under tracing the length is a traced size.
+            allowed = SinkLocalPattern(self.window, self.sink_tokens, 1).dense(q.shape[2], q.device)
+            if causal:
+                allowed = allowed & torch.ones_like(allowed).tril()
+            if key_padding_mask is not None:
+                allowed = allowed & ~key_padding_mask[:, None, None, :]
+            k, v = (x if key_padding_mask is None else x.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+                    for x in (k, v))
+            return masked_sdpa(q, k, v, allowed, self.scale)
         # forward() checked the inputs and __init__ the options: validate once.
         return softmax_attention_unchecked(q, k, v, causal, key_padding_mask, self.quiet, self.scale)
 
@@ -85,10 +122,15 @@ class SoftmaxAttention(Mechanism):
         *,
         cross: bool = False,
     ) -> Tensor:
+        if self.window is not None:
+            return _windowed_reference(q, k, v, causal, key_padding_mask, self.window, self.sink_tokens, self.scale)
         return softmax_attention_reference(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        if self.window is not None:
+            heads = getattr(self, "kv_heads", None) or self.heads  # the key/value heads the buffers hold
+            return window_cache_layout(heads, self.window, self.sink_tokens, self.head_dim, dtype)
         return {
             "k": ((self.heads, None, self.head_dim), dtype),
             "v": ((self.heads, None, self.head_dim), dtype),
@@ -98,6 +140,8 @@ class SoftmaxAttention(Mechanism):
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
+        if self.window is not None:  # a bounded cache: the sinks and the window's ring buffer
+            return window_cache_step(q_t, k_t, v_t, tensors, length, self.window, self.sink_tokens, self.scale)
         if tensors is None:
             cache = _new_cache(k_t, v_t, _capacity(1))
         else:
@@ -116,7 +160,41 @@ class SoftmaxAttention(Mechanism):
         return softmax_attention_unchecked(q_t, keys, values, False, None, self.quiet, self.scale), cache
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
+        if self.window is not None:
+            return self.attend(q, k, v, True, None, False), window_cache_prefill(k, v, self.window, self.sink_tokens)
         return self.attend(q, k, v, True, None, False), _new_cache(k, v, _capacity(k.shape[2] + 1))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, quiet={self.quiet}, scale={self.scale}"
+        return f"{super().extra_repr()}, quiet={self.quiet}, scale={self.scale}" + (
+            "" if self.window is None else f", window={self.window}, sink_tokens={self.sink_tokens}")
+
+
+def _window_and_sinks(window: object, sink_tokens: object, quiet: bool) -> Tuple[Optional[int], int]:
+    """``window`` and ``sink_tokens`` checked together (errors name the argument at fault)."""
+    window = check_number("window", window, integer=True, minimum=1, optional=True)
+    if window is None:
+        sinks = check_number("sink_tokens", sink_tokens, integer=True, minimum=0)
+        if sinks:
+            raise ValueError(f"sink_tokens={sinks} needs a window (e.g. window=1024): with every key visible, "
+                             "sinks change nothing")
+        return None, 0
+    if quiet:
+        raise ValueError("window needs quiet=False: the windowed form runs the plain softmax kernel")
+    return window, check_sink_tokens(sink_tokens, window)
+
+
+def _windowed_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor],
+                        window: int, sinks: int, scale: Optional[float]) -> Tensor:
+    """Float64 softmax over the keys within the window or among the sinks, its mask written out densely."""
+    q, k, v = q.double(), k.double(), v.double()
+    i = torch.arange(q.shape[2], device=q.device)[:, None]
+    j = torch.arange(k.shape[2], device=q.device)[None, :]
+    allowed = ((i - j).abs() < window) | (j < sinks)
+    if causal:
+        allowed = allowed & (j <= i)
+    allowed = allowed.view(1, 1, *allowed.shape)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+        k, v = (x.masked_fill(key_padding_mask[:, None, :, None], 0.0) for x in (k, v))
+    logits = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    return masked_softmax_reference(logits, allowed) @ v

@@ -26,10 +26,15 @@ from ..functional.blocksparse import (
     DilatedPattern,
     FixedPattern,
     LocalPattern,
+    SinkLocalPattern,
     StridedPattern,
     blocksparse_attention_reference,
     blocksparse_attention_unchecked,
     blocksparse_plan,
+    check_sink_tokens,
+    window_cache_layout,
+    window_cache_prefill,
+    window_cache_step,
 )
 from ..functional.longformer import (
     DEFAULT_BLOCK,
@@ -105,11 +110,17 @@ class LocalAttention(BlockSparseAttention):
             two at one window (that package's buckets see between W and 2W keys back, this one exactly W).
         block_size: positions per block of the blockwise core (a speed knob; the output does not depend
             on it). None: ``min(window, 64)``.
+        sink_tokens: attention sinks (Xiao et al. 2023, StreamingLLM): the first ``sink_tokens`` positions
+            are visible to every query besides its window (causally, to the queries at or after them), an
+            int with ``0 <= sink_tokens <= window``; 0 (the default): none. Blockwise, nothing N x N: every
+            query block also reads the sink blocks (:class:`~attnzoo.functional.blocksparse.SinkLocalPattern`).
 
     Decoding state (``step``/``prefill``): a ring buffer of the last ``window`` keys and values, constant
     memory: ``{"k": (batch, heads, window, head_dim), "v": (batch, heads, window, head_dim),
     "positions": (batch, window)}``; position t goes to slot ``t % window``, ``positions`` holds the position
-    in each slot (-1 while empty), and a step attends to the filled slots only.
+    in each slot (-1 while empty), and a step attends to the filled slots only. With sinks, also
+    ``"sink_k"``, ``"sink_v"``: (batch, heads, sink_tokens, head_dim), the first positions, kept for good
+    (:mod:`attnzoo.functional.blocksparse.window_cache`): still constant memory, ``window + sink_tokens``.
     """
 
     name = "local"
@@ -125,17 +136,25 @@ class LocalAttention(BlockSparseAttention):
     )
     test_options = {"window": 3, "block_size": 2}
     test_variants = ({"window": 5}, {"window": 1, "block_size": 4}, {"window": 40, "block_size": 3})
+    test_variants += ({"window": 3, "sink_tokens": 2, "block_size": 2}, {"window": 4, "sink_tokens": 4})
 
-    def __init__(self, heads: int, head_dim: int, *, window: int = 128, block_size: Optional[int] = None) -> None:
+    def __init__(self, heads: int, head_dim: int, *, window: int = 128, block_size: Optional[int] = None,
+                 sink_tokens: int = 0) -> None:
         super().__init__(heads, head_dim)
         self.window = check_positive_int("window", window)
         self.block_size = _block_size(block_size)
+        self.sink_tokens = check_sink_tokens(sink_tokens, self.window)
 
     def pattern(self) -> BlockPattern:
+        if self.sink_tokens:
+            return SinkLocalPattern(self.window, self.sink_tokens, self.block_size or min(self.window, 64))
         return LocalPattern(self.window, self.block_size or min(self.window, 64))
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        if self.sink_tokens:
+            heads = getattr(self, "kv_heads", None) or self.heads  # the key/value heads the buffers hold
+            return window_cache_layout(heads, self.window, self.sink_tokens, self.head_dim, dtype)
         return {
             "k": ((self.heads, self.window, self.head_dim), dtype),
             "v": ((self.heads, self.window, self.head_dim), dtype),
@@ -145,6 +164,8 @@ class LocalAttention(BlockSparseAttention):
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
+        if self.sink_tokens:
+            return window_cache_step(q_t, k_t, v_t, tensors, length, self.window, self.sink_tokens)
         if tensors is None:
             batch = q_t.shape[0]
             tensors = {
@@ -164,6 +185,8 @@ class LocalAttention(BlockSparseAttention):
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         out = self.attend(q, k, v, True, None, False)
+        if self.sink_tokens:
+            return out, window_cache_prefill(k, v, self.window, self.sink_tokens)
         batch, _, length, _ = k.shape
         # Slot s holds the latest position p < length with p % window == s (if any).
         slots = torch.arange(self.window, device=k.device)
@@ -179,7 +202,8 @@ class LocalAttention(BlockSparseAttention):
         return out, state
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}, block_size={self.block_size}"
+        return f"{super().extra_repr()}, window={self.window}, block_size={self.block_size}" + (
+            f", sink_tokens={self.sink_tokens}" if self.sink_tokens else "")
 
 
 STRIDED_PATTERNS = ("strided", "fixed", "dilated")

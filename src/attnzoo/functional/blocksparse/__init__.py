@@ -24,13 +24,15 @@ every key the rule allows (and a position must never be reachable twice, through
 admits it in only one of them). The tests hold every pattern's fast path to its dense mask, which each
 pattern writes separately, straight from its definition (:meth:`BlockPattern.dense`).
 
-Patterns: :class:`LocalPattern` (sliding window), :class:`DilatedPattern`, :class:`StridedPattern` and
+Patterns: :class:`LocalPattern` (sliding window), :class:`SinkLocalPattern` (sliding window plus attention
+sinks, Xiao et al. 2023), :class:`DilatedPattern`, :class:`StridedPattern` and
 :class:`FixedPattern` (Child et al. 2019), :class:`LongformerPattern` (window + global tokens, Beltagy et al.
 2020), :class:`BigBirdPattern` (window + global + random blocks, Zaheer et al. 2020).
 
 Modules: :mod:`.layout` (what a pattern is: :class:`BlockLayout`, :class:`BlockPattern`), :mod:`.patterns`
 (the patterns), :mod:`.plan` (the input-independent part of a call, :class:`BlockPlan`), :mod:`.core` (the
-blockwise kernel), :mod:`.reference` (the dense float64 reference and each pattern's dense mask).
+blockwise kernel), :mod:`.reference` (the dense float64 reference and each pattern's dense mask),
+:mod:`.window_cache` (constant-memory decoding of a sliding window with attention sinks).
 """
 
 from .core import blocksparse_attention, blocksparse_attention_unchecked
@@ -41,10 +43,12 @@ from .patterns import (
     FixedPattern,
     LocalPattern,
     LongformerPattern,
+    SinkLocalPattern,
     StridedPattern,
 )
 from .plan import DENSE_SHARE, BlockPlan, blocksparse_plan, blockwise_logits
 from .reference import blocksparse_attention_reference, pattern_dense_mask
+from .window_cache import check_sink_tokens, window_cache_layout, window_cache_prefill, window_cache_step
 
 __all__ = [
     "DENSE_SHARE",
@@ -56,11 +60,16 @@ __all__ = [
     "FixedPattern",
     "LocalPattern",
     "LongformerPattern",
+    "SinkLocalPattern",
     "StridedPattern",
     "blocksparse_attention",
     "blocksparse_attention_reference",
     "blocksparse_attention_unchecked",
     "blocksparse_plan",
+    "check_sink_tokens",
     "blockwise_logits",
     "pattern_dense_mask",
+    "window_cache_layout",
+    "window_cache_prefill",
+    "window_cache_step",
 ]

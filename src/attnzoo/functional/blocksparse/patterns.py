@@ -249,3 +249,41 @@ class BigBirdPattern(BlockPattern):
         chosen = self._random_blocks(n, pairs.device)
         pairs[torch.arange(n, device=pairs.device)[:, None].expand_as(chosen), chosen] = True
         return allowed | pairs[block[:, None], block[None, :]]
+
+
+@dataclass(frozen=True)
+class SinkLocalPattern(BlockPattern):
+    """Sliding window plus attention sinks (Xiao et al. 2023, StreamingLLM): query i sees keys j with ``|i -
+    j| < window`` and the first ``sinks`` positions (``j < sinks``); causally, of these, those at or before i.
+
+    Two key views: the natural order (tag 0, the window's band of blocks) and the sink positions compacted
+    into ``ceil(sinks / block_size)`` blocks (tag 1, admitted only outside the window, which view 0 already
+    covers, so no key is counted twice). Every query block reads its band plus the sink blocks: time O(N
+    (window + sinks)), nothing N x N."""
+
+    window: int
+    sinks: int
+    block_size: int
+
+    def layout(self, length: int, causal: bool, device: torch.device) -> BlockLayout:
+        bs = self.block_size
+        n = _blocks(length, bs)
+        reach = min(-(-(self.window - 1) // bs), n - 1)
+        band = _band_table(n, n, -reach, 0 if causal else reach, device)
+        natural = _natural_positions(length, bs, device)
+        sinks = min(self.sinks, length)
+        n_sink = _blocks(sinks, bs)
+        slots = torch.arange(n_sink * bs, device=device)
+        sink_keys = torch.where(slots < sinks, slots, torch.full_like(slots, -1)).view(n_sink, bs)
+        keys = torch.cat([natural, sink_keys])
+        tags = torch.cat([torch.zeros_like(natural), torch.ones_like(sink_keys)])
+        sink_columns = (n + torch.arange(n_sink, device=device)).expand(n, n_sink)
+        return BlockLayout(bs, None, keys, tags, torch.cat([band, sink_columns], dim=1))
+
+    def rule(self, query: Tensor, key: Tensor, tag: Tensor) -> Tensor:
+        near = (query - key).abs() < self.window
+        return torch.where(tag == 0, near, ~near & (key < self.sinks))
+
+    def dense(self, length: int, device: Optional[torch.device] = None) -> Tensor:
+        i = torch.arange(length, device=device)
+        return ((i[:, None] - i[None, :]).abs() < self.window) | (i[None, :] < self.sinks)
