@@ -138,6 +138,9 @@ def find_checkpoint(path: Union[str, Path]) -> Path:
         return path
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
     latest = root / LATEST
+    if not latest.exists() and root.name == CHECKPOINTS and root.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint here, and no {RUN} (the run stopped before recording its "
+                              "settings): start it again with attnzoo train TASK --output DIR")
     if not latest.exists():
         raise CheckpointError(f"{path}: no checkpoint here (expected {CHECKPOINTS}/{LATEST} written by attnzoo train)")
     try:
