@@ -311,3 +311,85 @@ def test_train_set_gives_the_option_to_the_mechanism(capsys, tmp_path):
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("attnzoo train: error: --set") and "no_such_option" in err
     assert not (tmp_path / "run").exists()
+
+
+# -- every command's values checked before any work, by the shared helpers ------------------------------------------
+COMMANDS = {
+    "train": ["train", "recall", "--steps", "2"],
+    "lra": ["lra", "--mechanisms", "softmax", "--tasks", "recall", "--steps", "2"],
+    "seq2seq-report": ["seq2seq-report", "--steps", "2"],
+    "compare": ["compare", "--mechanisms", "softmax", "--lengths", "16"],
+}
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Makes any command's work fail the test: a usage error must be found before anything runs."""
+    import attnzoo.bench.compare as compare
+    import attnzoo.experiments.lra as lra
+    import attnzoo.experiments.seq2seq_report as seq2seq_report
+    import attnzoo.training as training
+
+    def started(*args, **kwargs):
+        raise AssertionError("work started despite a usage error")
+
+    for module, name in ((compare, "run_compare"), (lra, "run_lra"), (seq2seq_report, "run_report"),
+                         (training, "train")):
+        monkeypatch.setattr(module, name, started)
+
+
+def _usage_error_line(argv, capsys) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as stop:  # argparse's own errors
+        code = stop.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == EXIT_USAGE and len(lines) == 1, captured.err
+    return lines[0]
+
+
+def _bad_outputs(root: Path) -> dict:
+    (root / "a-file").write_text("keep me")
+    return {"an existing file": (root / "a-file", "exists and is not a directory"),
+            "under a file": (root / "a-file" / "out", "cannot create the directory (Not a directory)")}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("value", ["-1", "0", "x", "1.5", "nan"])
+def test_bad_threads_are_one_line_exit_2_in_every_command(command, value, capsys, tmp_path, no_work):
+    if command == "compare" and value == "0":
+        value = "-2"  # compare's --threads 0 means every core
+    out = tmp_path / "out"
+    line = _usage_error_line([*COMMANDS[command], "--threads", value, "--output", str(out)], capsys)
+    assert "--threads" in line and line.startswith("attnzoo"), line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("kind", ["an existing file", "under a file"])
+def test_an_output_that_cannot_be_a_directory_is_one_line_exit_2_in_every_command(command, kind, capsys, tmp_path,
+                                                                                   no_work):
+    output, problem = _bad_outputs(tmp_path)[kind]
+    line = _usage_error_line([*COMMANDS[command], "--output", str(output)], capsys)
+    assert line == f"attnzoo {command}: error: --output {output}: {problem}"
+    assert [path.name for path in tmp_path.iterdir()] == ["a-file"] and (tmp_path / "a-file").read_text() == "keep me"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes to read-only directories")
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_an_output_in_a_read_only_directory_is_one_line_exit_2_in_every_command(command, capsys, tmp_path, no_work):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        line = _usage_error_line([*COMMANDS[command], "--output", str(locked / "out")], capsys)
+        assert line.startswith(f"attnzoo {command}: error: --output {locked / 'out'}: cannot create the directory")
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+def test_resume_naming_a_file_is_one_line_exit_2(capsys, tmp_path, no_work):
+    (tmp_path / "a-file").write_text("")
+    line = _usage_error_line(["train", "--resume", str(tmp_path / "a-file")], capsys)
+    assert line == f"attnzoo train: error: --resume {tmp_path / 'a-file'}: exists and is not a directory"

@@ -7,16 +7,22 @@ One meaning per flag across commands:
 * ``--time-budget SECONDS``: seconds (``compare``);
 * ``--set MECHANISM.OPTION=VALUE``: an option of one mechanism, in every command that takes a mechanism
   (``OPTION=VALUE`` alone where the command has exactly one mechanism: ``train``, ``seq2seq-report``);
-* ``--import MODULE_OR_PATH``: a module or ``.py`` file that registers mechanisms, in every such command.
+* ``--import MODULE_OR_PATH``: a module or ``.py`` file that registers mechanisms, in every such command;
+* ``--threads N``: torch threads, an integer >= 1 (``compare`` also takes 0: every core);
+* ``--output DIR``: a directory that exists or can be created, and where files can be written; checked by
+  :func:`check_output_dir` before any work starts, creating nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple, Union
 
 EXIT_OK = 0
 EXIT_FAILED_ROWS = 1
@@ -133,6 +139,45 @@ def options_of(mechanism: str, settings: Optional[Sequence[Setting]]) -> Dict[st
                              f"(give --set {option}=VALUE, or --mechanism {named})")
         options[option] = value
     return options
+
+
+def integer_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its one-line error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def check_output_dir(option: str, path: Union[str, Path]) -> None:
+    """``path`` is a directory that exists or can be created, and files can be written in it; else a
+    ValueError naming ``option`` and the path. Checked before any work starts and creating nothing: the
+    nearest existing directory is probed with a file written and removed (permissions alone do not tell: root,
+    read-only file systems, full disks)."""
+    path = Path(path)
+    where = f"{option} {path}"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{where}: exists and is not a directory")
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent  # an existing file on the way is found here (exists() is False below it)
+    problem = "cannot write files in it" if existing == path else "cannot create the directory"
+    if not existing.is_dir():
+        raise ValueError(f"{where}: {problem} ({os.strerror(errno.ENOTDIR)})")
+    try:
+        handle, probe = tempfile.mkstemp(dir=existing, prefix=".attnzoo-write-probe-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        raise ValueError(f"{where}: {problem} ({describe(error)})") from None
 
 
 def name_list(text: str) -> List[str]:

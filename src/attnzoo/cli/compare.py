@@ -14,6 +14,7 @@ from .common import (
     EXIT_FAILED_ROWS,
     EXIT_OK,
     add_import_option,
+    check_output_dir,
     describe,
     import_modules,
     int_list,
@@ -140,6 +141,7 @@ def compare_command(args: argparse.Namespace) -> int:
     try:
         accuracy = load_accuracy(args.accuracy) if args.accuracy is not None else None
         config = _compare_config(args)
+        check_output_dir("--output", output)
         try:
             prepare_output(output)
         except ValueError as error:

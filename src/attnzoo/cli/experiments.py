@@ -13,6 +13,7 @@ from .common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     add_import_option,
+    check_output_dir,
     import_modules,
     merged,
     name_list,
@@ -58,6 +59,7 @@ def lra_command(args: argparse.Namespace) -> int:
                            jobs=args.jobs, cell_timeout_s=args.cell_timeout, overrides=overrides,
                            options=options_by_mechanism(args.settings), imports=imports)
         config.validate()
+        check_output_dir("--output", output)
     except (TypeError, ValueError) as error:
         return usage_error("lra", name_option(str(error)))
     progress, set_total = _line_progress("lra", args.quiet)
@@ -92,6 +94,7 @@ def seq2seq_report_command(args: argparse.Namespace) -> int:
                               cell_timeout_s=args.cell_timeout, overrides=overrides, mechanism=mechanism,
                               options=options_of(mechanism, args.settings), imports=imports)
         config.validate()
+        check_output_dir("--output", output)
         progress, _ = _line_progress("seq2seq-report", args.quiet)
         run_report(config, output, ["attnzoo", "seq2seq-report", *args.raw_argv], progress)
     except (TypeError, ValueError) as error:

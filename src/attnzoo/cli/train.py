@@ -24,7 +24,9 @@ from .common import (
     EXIT_OK,
     add_import_option,
     check_mechanism,
+    check_output_dir,
     import_modules,
+    integer_at_least,
     merged,
     options_of,
     parse_options,
@@ -101,20 +103,24 @@ def recorded_imports(run: Path) -> List[str]:
 
 
 def record_imports(run: Path, imports: List[str]) -> None:
-    if imports:
-        run.mkdir(parents=True, exist_ok=True)
-        (run / IMPORTS_JSON).write_text(json.dumps(imports))
+    """Record the run's imports (replacing, atomically, what a run stopped in ``run`` before recorded)."""
+    path = run / IMPORTS_JSON
+    if not imports:
+        path.unlink(missing_ok=True)
+        return
+    run.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{IMPORTS_JSON}.partial")
+    temporary.write_text(json.dumps(imports))
+    os.replace(temporary, path)  # a kill never leaves a half-written list for --resume to read
 
 
-def _import_for_run(checkpoint: Path, given: Optional[List[str]], option: str) -> List[str]:
-    """Import what the run of ``checkpoint`` recorded and what the command line gives; the run's mechanism must
-    then be registered (else an error saying which --import is missing). Returns every import, portable."""
+def _import_for_run(run: Path, saved: Any, given: Optional[List[str]], option: str) -> List[str]:
+    """Import what the run in ``run`` recorded and what the command line gives; the run's mechanism (of its
+    saved train config ``saved``) must then be registered (else an error saying which --import is missing).
+    Returns every import, portable."""
     from ..mechanisms import available
-    from ..training.checkpoint import read_config
 
-    run = checkpoint.parent.parent  # OUTPUT/checkpoints/step-N
     imports = import_modules(list(dict.fromkeys(recorded_imports(run) + list(given or []))))
-    saved = read_config(checkpoint).get("train")
     mechanism = saved.get("mechanism", "softmax") if isinstance(saved, dict) else "softmax"
     if isinstance(saved, dict) and saved.get("block", "attention") == "attention" and mechanism not in available():
         raise ValueError(f"{option} {run}: the run's mechanism {mechanism!r} is not registered: give --import "
@@ -195,12 +201,17 @@ def _decoder_settings(args: argparse.Namespace, task: Optional[str]) -> Any:
 
 
 def _resume_settings(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """The saved settings of the run ``--resume`` continues (refusing options that differ), and its imports."""
-    from ..training.checkpoint import find_checkpoint, read_config
+    """The saved settings of the run ``--resume`` continues (refusing options that differ), and its imports. A
+    run stopped before its first checkpoint is continued from the config it recorded (from step 0)."""
+    from ..training.checkpoint import find_run
 
-    checkpoint = find_checkpoint(args.resume)
-    imports = _import_for_run(checkpoint, args.imports, "--resume")
-    saved = read_config(checkpoint)["train"]
+    check_output_dir("--resume", args.resume)
+    checkpoint, recorded = find_run(args.resume)
+    saved = recorded.get("train")
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume {args.resume}: its saved config does not describe a training run")
+    run = Path(args.resume) if checkpoint is None else checkpoint.parent.parent  # OUTPUT/checkpoints/step-N
+    imports = _import_for_run(run, saved, args.imports, "--resume")
     conflicts = [f"{OPTION_OF_FIELD.get(key, key)} {value!r} (the checkpoint has {saved.get(key)!r})"
                  for key, value in given.items() if saved.get(key) != value]
     if conflicts:
@@ -244,7 +255,8 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str]]:
         saved = config.as_dict()
         decoding = _decoder_settings(args, config.task)
         output = args.output or f"runs/{config.task}-{config.model_label}"
-        if Path(output, "checkpoints").exists():
+        check_output_dir("--output", output)
+        if Path(output, "checkpoints", "LATEST").exists():
             raise ValueError(f"--output {output} already holds a run: resume it with --resume {output}, "
                              "or choose another --output")
     _check_decoder_fits(decoding, saved)
@@ -261,11 +273,13 @@ def train_command(args: argparse.Namespace) -> int:
     from ..training import CheckpointError, keep_freed_memory, train
     from ..parallel.data import start_from_environment, stop
 
+    from ..training.checkpoint import stopped_before_first_checkpoint
+
     try:
         config, decoding, output, imports = _prepare_run(args)
     except (ValueError, TypeError, CheckpointError, UnsupportedOptionError) as error:
         return usage_error("train", str(error))
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
@@ -274,6 +288,9 @@ def train_command(args: argparse.Namespace) -> int:
     parallel = start_from_environment()
     main = parallel is None or parallel.is_main
     if main:
+        if stopped_before_first_checkpoint(output):  # what it wrote is replaced: nothing it did is lost
+            print(f"attnzoo train: {output} holds a run stopped before its first checkpoint; starting it afresh"
+                  + ("" if args.resume is not None else " with these settings"), file=sys.stderr)
         record_imports(Path(output), imports)
     try:
         result = train(config, output, resume=args.resume is not None, progress=not args.quiet and main,
@@ -343,8 +360,8 @@ def eval_command(args: argparse.Namespace) -> int:
 
     try:
         checkpoint = find_checkpoint(args.checkpoint)
-        _import_for_run(checkpoint, args.imports, "CHECKPOINT_DIR")
         saved = read_config(checkpoint).get("train")
+        _import_for_run(checkpoint.parent.parent, saved, args.imports, "CHECKPOINT_DIR")
         decoding = _decoder_settings(args, saved.get("task") if isinstance(saved, dict) else None)
         report = evaluate_checkpoint(args.checkpoint, args.split, decoding)
     except (CheckpointError, ValueError, TypeError) as error:
@@ -419,7 +436,7 @@ def add_train_command(commands: Any) -> None:
     train.add_argument("--output", metavar="DIR", help="run directory (default runs/TASK-MECHANISM)")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint "
                                                        "(its settings are kept; options given must match)")
-    train.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    train.add_argument("--threads", type=integer_at_least(1), help="torch threads (default: torch's choice)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_decoder_options(train)

@@ -1,16 +1,32 @@
-"""Checkpoints written atomically: an interrupted save never replaces a good checkpoint with a half-written one.
+"""Checkpoints written atomically: an interrupted save never replaces a good checkpoint with a half-written one,
+and a run stopped at any moment (even by ``kill -9``) can be continued.
 
 Layout of a run's output directory::
 
+    OUTPUT/run.json                                    the run's config, written before its first step
     OUTPUT/checkpoints/step-000500/model.safetensors   weights (and buffers) of the model
                                   /config.json         the TrainConfig and what the task was built with
                                   /state.pt            optimiser, schedule, step and RNG state
                                   /manifest.json       size and SHA-256 of each file above
     OUTPUT/checkpoints/LATEST                          name of the newest complete checkpoint
 
-A checkpoint is written into a temporary directory, flushed to disk, renamed into place, and only then named
-in ``LATEST`` (itself replaced by an atomic rename); older checkpoints are removed after that. A reader follows
-``LATEST``, so it sees the previous checkpoint or the new one, never a mixture, whenever the writer stops.
+A checkpoint is written into a temporary directory (``checkpoints/.step-000500.*``), flushed to disk, renamed
+into place, and only then named in ``LATEST`` (itself replaced by an atomic rename of ``checkpoints/.LATEST.*``);
+older checkpoints are removed after that. A reader follows ``LATEST``, so it sees the previous checkpoint or the
+new one, never a mixture, whenever the writer stops.
+
+The rules for a run stopped at any moment:
+
+* ``LATEST`` is the commit point. A checkpoint it does not name does not count, even if complete (a save
+  stopped between the rename and ``LATEST``): the run continues from the one ``LATEST`` names, which ends
+  bit-identical anyway, since a resumed run redoes the same steps.
+* A run stopped before ``LATEST`` was first written (before or during its first save) has ``run.json`` and no
+  checkpoint: continuing it (:func:`find_run`) starts it afresh from step 0 with the config of ``run.json``;
+  a new run may also be started in its directory (:func:`stopped_before_first_checkpoint` says so).
+* The next start of a run in the directory (:func:`begin_run`) removes what a stopped save left behind:
+  temporary files and directories (names beginning with a dot) and checkpoints ``LATEST`` does not name. A
+  run started from step 0 first removes ``LATEST`` (a run in that directory before it is replaced), then
+  records its own ``run.json``.
 """
 
 from __future__ import annotations
@@ -21,13 +37,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 CHECKPOINTS = "checkpoints"
 LATEST = "LATEST"
+RUN = "run.json"  # in the output directory: the run's config, so a run stopped before its first checkpoint resumes
 WEIGHTS, CONFIG, STATE, MANIFEST = "model.safetensors", "config.json", "state.pt", "manifest.json"
 FORMAT_VERSION = 1
 
@@ -121,6 +138,9 @@ def find_checkpoint(path: Union[str, Path]) -> Path:
         return path
     root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
     latest = root / LATEST
+    if not latest.exists() and root.name == CHECKPOINTS and root.is_dir():
+        raise CheckpointError(f"{path}: no checkpoint here, and no {RUN} (the run stopped before recording its "
+                              "settings): start it again with attnzoo train TASK --output DIR")
     if not latest.exists():
         raise CheckpointError(f"{path}: no checkpoint here (expected {CHECKPOINTS}/{LATEST} written by attnzoo train)")
     try:
@@ -193,3 +213,82 @@ def latest_step(output: Union[str, Path]) -> Optional[int]:
         return int(json.loads((Path(output) / CHECKPOINTS / LATEST).read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# -- runs stopped at any moment ----------------------------------------------------------------------------------
+def read_run(output: Union[str, Path]) -> Optional[Dict[str, Any]]:
+    """The config a run recorded in ``output/run.json`` when it started (without the format field), or None if
+    it recorded none."""
+    path = Path(output) / RUN
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from None
+    version = data.pop("format", None) if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: run format {version!r}, this attnzoo reads {FORMAT_VERSION}")
+    return data
+
+
+def stopped_before_first_checkpoint(output: Union[str, Path]) -> bool:
+    """Whether ``output`` holds a run that wrote no complete checkpoint: it has ``run.json`` or a
+    ``checkpoints`` directory, but no ``checkpoints/LATEST`` (stopped before or during its first save)."""
+    output = Path(output)
+    if (output / CHECKPOINTS / LATEST).exists():
+        return False
+    return (output / RUN).is_file() or (output / CHECKPOINTS).is_dir()
+
+
+def find_run(output: Union[str, Path]) -> Tuple[Optional[Path], Dict[str, Any]]:
+    """(the latest complete checkpoint, or None for a run stopped before its first one; the run's saved config).
+
+    ``output`` is what :func:`find_checkpoint` takes. A run directory without ``checkpoints/LATEST`` is continued
+    from step 0 with the config of its ``run.json``; without that either, it is not a run
+    (:class:`CheckpointError`)."""
+    output = Path(output)
+    if stopped_before_first_checkpoint(output) and not (output / MANIFEST).exists():
+        saved = read_run(output)
+        if saved is not None:
+            return None, saved
+    checkpoint = find_checkpoint(output)
+    return checkpoint, read_config(checkpoint)
+
+
+def stale_files(output: Union[str, Path]) -> List[Path]:
+    """What stopped saves left in ``output``: temporary files and directories (``checkpoints/.LATEST.*``,
+    ``checkpoints/.step-*``, ``.run.json.*``) and checkpoints ``LATEST`` does not name (all of them when there
+    is no ``LATEST``)."""
+    output = Path(output)
+    root = output / CHECKPOINTS
+    stale = sorted(output.glob(f".{RUN}.*"))
+    if not root.is_dir():
+        return stale
+    latest = root / LATEST
+    try:
+        kept: Optional[str] = str(json.loads(latest.read_text())["checkpoint"])
+    except FileNotFoundError:
+        kept = None  # no LATEST: no checkpoint counts
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = LATEST  # unreadable: the checkpoints are left alone, for find_checkpoint to name the fault
+    return stale + sorted(entry for entry in root.iterdir() if entry.name.startswith(".")
+                          or (kept != LATEST and entry.is_dir() and entry.name != kept))
+
+
+def begin_run(output: Union[str, Path], config: Dict[str, Any], resumed: Optional[Path]) -> None:
+    """Ready ``output`` for a run that starts now: remove what stopped saves left (:func:`stale_files`); a run
+    that starts from step 0 (``resumed`` None) also removes a previous run's ``LATEST`` and records ``config``
+    (JSON-serialisable, as given to :func:`save_checkpoint`) in ``run.json``."""
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    if resumed is None:
+        (output / CHECKPOINTS / LATEST).unlink(missing_ok=True)
+    for path in stale_files(output):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if resumed is None:
+        _write_json_atomically(output / RUN, {"format": FORMAT_VERSION, **config})
+        _fsync_dir(output)

@@ -30,7 +30,9 @@ from ..tasks import Split, Task
 from . import hooks
 from .checkpoint import (
     CheckpointError,
+    begin_run,
     find_checkpoint,
+    find_run,
     load_state,
     load_weights,
     read_config,
@@ -133,18 +135,19 @@ class _Run:
 def _resolved_config(
     config: Optional[TrainConfig], out: Optional[Path], resume: bool
 ) -> Tuple[TrainConfig, Optional[Path]]:
-    """The run's config and, when resuming, its latest checkpoint (a config given must equal the saved one)."""
+    """The run's config and, when resuming, its latest checkpoint (None: the run stopped before its first one,
+    and starts afresh from the config it recorded); a config given must equal the saved one."""
     if not resume:
         if config is None:
             raise ValueError("config is required unless resume=True")
         return config, None
     if out is None:
         raise ValueError("resume=True needs the output directory of the run to resume")
-    checkpoint, saved = _load_run(out)
+    checkpoint, saved = _resumable_run(out)
     if config is not None and config != saved:
         differences = ", ".join(f"{key}: {theirs!r} in the checkpoint, {mine!r} given"
                                 for key, (mine, theirs) in config.differences(saved).items())
-        raise CheckpointError(f"{checkpoint} was trained with another configuration ({differences})")
+        raise CheckpointError(f"{checkpoint or out} was trained with another configuration ({differences})")
     return saved, checkpoint
 
 
@@ -340,7 +343,8 @@ def train(
             it must equal the checkpoint's (a different run is refused, naming the fields that differ).
         output: directory for checkpoints (``checkpoints/``), ``metrics.csv`` and ``results.json``; None keeps
             nothing on disk.
-        resume: continue from the latest checkpoint in ``output`` (same data order, optimiser, schedule, RNG).
+        resume: continue from the latest checkpoint in ``output`` (same data order, optimiser, schedule, RNG); a
+            run stopped before its first checkpoint starts afresh from the config it recorded in ``run.json``.
         progress: a tqdm bar with loss, the metric and tokens per second.
         command: the command line that started the run, recorded in ``results.json``.
         on_step: called after each optimiser step with (steps done, the step's training metrics).
@@ -352,7 +356,9 @@ def train(
         decoding: the decoder of a seq2seq task's decoded metrics, in every evaluation (greedy by default).
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
-    written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there.
+    written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there. A run killed
+    at any moment (``kill -9``) resumes from its last complete checkpoint; what the stopped save left behind is
+    removed when the run starts again (the rules: :mod:`attnzoo.training.checkpoint`).
     """
     out = None if output is None else Path(output)
     config, checkpoint = _resolved_config(config, out, resume)
@@ -361,6 +367,8 @@ def train(
     ranks.check(config)
     if ranks.device.type != "cpu" and task.kind == "seq2seq":
         raise ValueError(f"{task.name}: seq2seq tasks train on the CPU only (data parallel on {ranks.device})")
+    if out is not None and ranks.is_main:  # stale temporaries of a stopped save go; a new run records its config
+        begin_run(out, _saved_config(config, task), checkpoint)
     with torch.random.fork_rng(devices=[]):
         run = _start(config, task, checkpoint, ranks, out, decoding, progress)
         _train_steps(run, on_step)
@@ -401,13 +409,22 @@ def _saved_config(config: TrainConfig, task: Task) -> Dict[str, Any]:
     return {"train": config.as_dict(), "task_built_with": task.options()}
 
 
+def _train_config(saved: Dict[str, Any], where: Path) -> TrainConfig:
+    try:
+        return TrainConfig.from_dict(saved["train"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{where}: does not describe a training run ({error})") from None
+
+
 def _load_run(output: Path) -> Tuple[Path, TrainConfig]:
     checkpoint = find_checkpoint(output)
-    saved = read_config(checkpoint)
-    try:
-        return checkpoint, TrainConfig.from_dict(saved["train"])
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{checkpoint}: config.json does not describe a training run ({error})") from None
+    return checkpoint, _train_config(read_config(checkpoint), checkpoint / "config.json")
+
+
+def _resumable_run(output: Path) -> Tuple[Optional[Path], TrainConfig]:
+    """The latest checkpoint of the run in ``output`` (None if it stopped before its first) and its config."""
+    checkpoint, saved = find_run(output)
+    return checkpoint, _train_config(saved, output / "run.json" if checkpoint is None else checkpoint / "config.json")
 
 
 def load_trained(path: Union[str, Path]) -> Tuple[nn.Module, Task, TrainConfig]:
