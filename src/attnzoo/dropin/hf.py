@@ -121,16 +121,19 @@ def _module_options(
     path: str, module: nn.Module, kind: str, mechanism: str, options: Dict[str, Any]
 ) -> Dict[str, Any]:
     """The options one module's mechanism is built with: the user's, plus the module's logit scale for a
-    mechanism with a ``scale`` option, plus the model's sliding window for one with a ``window`` option."""
+    mechanism with a ``scale`` option, plus the model's sliding window for an inexact one with a ``window``
+    option (an exact mechanism gets the window in transformers' mask)."""
     module_options = dict(options)
     valid = mechanism_options(mechanism)
     if "scale" in valid and "scale" not in module_options:
         module_options["scale"] = float(module.scaling)
     window = _sliding_window(module, kind)
     if window is not None:
-        if "window" in valid:
+        if mechanism_class(mechanism).capabilities.exact:
+            pass  # transformers' own mask carries the window; a window option would make the mechanism inexact
+        elif "window" in valid:
             module_options.setdefault("window", int(window))
-        elif not mechanism_class(mechanism).capabilities.exact:
+        else:
             can = ", ".join(_windowed())
             raise UnsupportedOptionError(
                 f"{path} attends within a sliding window (sliding_window={window}) and {mechanism} cannot honour "
