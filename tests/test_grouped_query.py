@@ -168,3 +168,46 @@ def test_swapped_llama_uses_grouped_heads_without_repeating():
             module.register_forward_pre_hook(lambda _, args: seen.append((args[0].shape[1], args[1].shape[1])))
     linear(ids)
     assert seen and set(seen) == {(8, 2)}
+
+
+# -- models and training ---------------------------------------------------------------------------------------
+def test_language_model_with_kv_heads_decodes_from_a_kv_heads_cache():
+    from attnzoo.models import LanguageModel, ModelConfig
+
+    torch.manual_seed(0)
+    model = LanguageModel(50, dim=32, heads=4, depth=2, kv_heads=1).double().eval()
+    assert model.config.kv_heads == 1 and model.config == ModelConfig(50, dim=32, heads=4, depth=2, kv_heads=1)
+    tokens = torch.randint(0, 50, (2, 6))
+    full = model(tokens)
+    logits, state = model.prefill(tokens[:, :4])
+    for t in (4, 5):
+        step_logits, state = model.step(tokens[:, t], state)
+        torch.testing.assert_close(step_logits, full[:, t], rtol=0, atol=1e-10)
+    caches = []
+    attnzoo.state.map_tensors(state, lambda t: caches.append(t) or t)
+    caches = [t for t in caches if t.dim() == 4]
+    assert caches and all(t.shape[1] == 1 for t in caches)
+
+
+def test_model_config_refuses_kv_heads_it_cannot_use_naming_it():
+    from attnzoo.models import ModelConfig
+
+    with pytest.raises(ValueError, match="kv_heads=3 must divide heads=4"):
+        ModelConfig(50, dim=32, heads=4, kv_heads=3)
+    with pytest.raises(UnsupportedOptionError, match="kv_heads=2: self_attention='linformer'"):
+        ModelConfig(50, dim=32, heads=4, kv_heads=2, self_attention="linformer",
+                    self_attention_options={"max_seq_len": 8})
+    with pytest.raises(ValueError, match="kv_heads=2 cannot be used with block='gau'"):
+        ModelConfig(50, dim=32, heads=4, kv_heads=2, block="gau")
+
+
+def test_train_config_and_cli_take_kv_heads(capsys):
+    from attnzoo.cli import main
+    from attnzoo.training.config import TrainConfig
+
+    assert TrainConfig(task="recall", kv_heads=2).kv_heads == 2
+    with pytest.raises(ValueError, match="kv_heads must divide heads"):
+        TrainConfig(task="recall", heads=4, kv_heads=3)
+    assert main(["train", "recall", "--kv-heads", "3", "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "attnzoo train: error: --kv-heads must divide heads, got kv_heads=3 " \
+                                              "and heads=4"

@@ -216,7 +216,8 @@ class MultiHeadAttention(nn.Module):
         inner = None if state is None else state.mechanism
         q, k, v = (self._split_heads(proj(x_t)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         self.mechanism.require_recurrent_step()
-        self.mechanism.check_state(inner, q, kv_heads=k.shape[1])  # before its length sets the rotary position
+        grouped = {} if self.kv_heads == self.heads else {"kv_heads": self.kv_heads}
+        self.mechanism.check_state(inner, q, **grouped)  # before its length sets the rotary position
         position = 0 if inner is None else inner.length
         if self.mechanism.max_length is not None and position >= self.mechanism.max_length:
             raise ValueError(f"{self.mechanism.name}: decoding past max_length={self.mechanism.max_length}")

@@ -114,9 +114,8 @@ class Capabilities:
         its output differ from exact softmax attention), and/or ``grouped_kv`` moved down :data:`GROUPED_KV`."""
         unknown = sorted(set(switched_off) - set(NARROWABLE))
         order = list(GROUPED_KV)
-        worse_grouping = grouped_kv is None or (
-            grouped_kv in GROUPED_KV and order.index(grouped_kv) >= order.index(self.grouped_kv)
-        )
+        worse_grouping = grouped_kv is None or (grouped_kv in order and order.index(grouped_kv) >= order.index(
+            self.grouped_kv))
         if unknown or any(switched_off.values()) or (kind is not None and (kind not in KINDS or not self.exact)) \
                 or not worse_grouping:
             raise ValueError(
@@ -137,13 +136,7 @@ def seeded_generator(seed: Optional[int]) -> Optional[torch.Generator]:
 
 
 def shapes_only(
-    batch: int,
-    heads: int,
-    q_len: int,
-    k_len: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float32,
-    *,
+    batch: int, heads: int, q_len: int, k_len: int, head_dim: int, dtype: torch.dtype = torch.float32, *,
     kv_heads: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """q, k, v of the given shapes on the ``meta`` device: no memory, no data. For asking
@@ -252,8 +245,7 @@ class Mechanism(nn.Module):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
-        """The mechanism's maths, on inputs :meth:`check_inputs` has accepted. k and v have fewer heads than q
-        only for a mechanism declaring ``grouped_kv="native"``."""
+        """The mechanism's maths, on checked inputs; k, v with fewer heads than q only if ``grouped_kv="native"``."""
         raise NotImplementedError
 
     def reference(
@@ -398,7 +390,8 @@ class Mechanism(nn.Module):
         """
         self.check_step_inputs(q_t, k_t, v_t)
         k_t, v_t = self.repeated_kv(q_t, k_t, v_t)
-        self.check_state(state, q_t, kv_heads=k_t.shape[1])
+        grouped = {} if k_t.shape[1] == self.heads else {"kv_heads": k_t.shape[1]}  # overrides may not take it
+        self.check_state(state, q_t, **grouped)
         tensors = None if state is None else state.tensors
         length = 0 if state is None else state.length
         out, tensors = self.attend_step(q_t, k_t, v_t, tensors, length)
@@ -436,8 +429,8 @@ class Mechanism(nn.Module):
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
         """Every state tensor's shape after the batch dim (None where it varies) and dtype, for inputs of
         ``dtype``: what :meth:`check_state` holds a state to. A mechanism declaring ``grouped_kv="native"``
-        takes ``state_layout(dtype, kv_heads=None)`` instead, giving the layout for keys/values of
-        ``kv_heads`` heads (``heads`` when None)."""
+        takes ``state_layout(dtype, kv_heads=None)`` instead, asked with ``kv_heads`` for keys/values of fewer
+        heads than ``heads``."""
         raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no state_layout()")
 
     def require_recurrent_step(self) -> None:
@@ -483,8 +476,8 @@ class Mechanism(nn.Module):
         if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 1:
             raise ValueError(f"{where}: state.length must be a positive int, got {state.length!r}")
         kv_heads = self.heads if kv_heads is None else kv_heads
-        native = self.capabilities.grouped_kv == NATIVE_KV
-        layout = self.state_layout(q_t.dtype, kv_heads=kv_heads) if native else self.state_layout(q_t.dtype)
+        grouped = kv_heads != self.heads and self.capabilities.grouped_kv == NATIVE_KV
+        layout = self.state_layout(q_t.dtype, kv_heads=kv_heads) if grouped else self.state_layout(q_t.dtype)
         if not isinstance(state.tensors, dict) or set(state.tensors) != set(layout):
             got = sorted(state.tensors) if isinstance(state.tensors, dict) else type(state.tensors).__name__
             raise ValueError(f"{where}: state holds tensors {got}, expected {sorted(layout)}")
