@@ -23,11 +23,12 @@ def check_floating(name: str, x: Tensor) -> None:
         raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), got {x.dtype}")
 
 
-def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, grouped: bool = False) -> None:
     """Check q, k, v of shape (batch, heads, seq, head_dim) for rank, matching sizes, dtype and device.
 
     Keys and values may have a sequence length different from the queries (cross-attention) and a value
-    head dim different from the query/key head dim.
+    head dim different from the query/key head dim. With ``grouped``, k and v may have fewer heads than q
+    (grouped-query attention): as many as each other, a number that divides q's.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_floating(name, x)
@@ -39,7 +40,14 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"q, k and v must share the batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if not (q.shape[1] == k.shape[1] == v.shape[1]):
+    if grouped and k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same number of (key/value) heads, got k={k.shape[1]}, v={v.shape[1]}")
+    if grouped and (k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        raise ValueError(
+            f"k and v have kv_heads={k.shape[1]} heads, which must divide q's heads={q.shape[1]} (grouped-query "
+            f"attention: each key/value head serves heads // kv_heads query heads)"
+        )
+    if not grouped and not (q.shape[1] == k.shape[1] == v.shape[1]):
         raise ValueError(f"q, k and v must share the number of heads, got {q.shape[1]}, {k.shape[1]}, {v.shape[1]}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must share head_dim, got q head_dim={q.shape[3]} and k head_dim={k.shape[3]}")

@@ -30,8 +30,12 @@ class MultiHeadAttention(nn.Module):
 
     Args:
         dim: model width of the input x (batch, seq, dim) and of the output.
-        heads: number of heads.
+        heads: number of (query) heads.
         mechanism: a name from :func:`attnzoo.available`.
+        kv_heads: number of key/value heads, dividing ``heads`` (grouped-query attention, as in Llama: query head
+            h uses key/value head ``h // (heads // kv_heads)``; 1 is multi-query attention); ``heads`` by default.
+            The key and value projections are ``kv_heads * head_dim`` wide. A mechanism declaring
+            ``grouped_kv="none"`` refuses ``kv_heads < heads`` here, naming it.
         head_dim: per-head width, ``dim // heads`` by default.
         context_dim: width of ``context`` for cross-attention, ``dim`` by default.
         bias: biases in the four projections.
@@ -52,6 +56,7 @@ class MultiHeadAttention(nn.Module):
         mechanism: str = "softmax",
         *,
         head_dim: Optional[int] = None,
+        kv_heads: Optional[int] = None,
         context_dim: Optional[int] = None,
         bias: bool = True,
         dropout: float = 0.0,
@@ -66,26 +71,33 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError(f"dim={dim} is not divisible by heads={heads}; pass head_dim explicitly")
             head_dim = dim // heads
         check_positive_int("head_dim", head_dim)
-        self.dim, self.heads, self.head_dim = dim, heads, head_dim
+        kv_heads = heads if kv_heads is None else check_positive_int("kv_heads", kv_heads)
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads={kv_heads} must divide heads={heads} (grouped-query attention)")
+        self.dim, self.heads, self.head_dim, self.kv_heads = dim, heads, head_dim, kv_heads
         self.context_dim = dim if context_dim is None else check_positive_int("context_dim", context_dim)
         check_bool("bias", bias)
         check_bool("rotary", rotary)
         inner = heads * head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
-        self.k_proj = nn.Linear(self.context_dim, inner, bias=bias)
-        self.v_proj = nn.Linear(self.context_dim, inner, bias=bias)
+        self.k_proj = nn.Linear(self.context_dim, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(self.context_dim, kv_heads * head_dim, bias=bias)
         self.out_proj = nn.Linear(inner, dim, bias=bias)
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.rotary = RotaryEmbedding(head_dim) if rotary else None
         self.mechanism = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **mechanism_options)
+        refused = self.mechanism.grouping_reason(kv_heads)
+        if refused:
+            raise UnsupportedOptionError(f"kv_heads={kv_heads}: {refused}")
 
     @property
     def mechanism_name(self) -> str:
         return self.mechanism.name
 
     def _split_heads(self, x: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        return x.view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
+        """(batch, seq, n * head_dim) -> (batch, n, seq, head_dim): n = heads for queries, kv_heads for keys."""
+        batch, seq, width = x.shape
+        return x.view(batch, seq, width // self.head_dim, self.head_dim).transpose(1, 2)
 
     def _merge_heads(self, x: Tensor) -> Tensor:
         batch, _, seq, _ = x.shape
@@ -156,7 +168,7 @@ class MultiHeadAttention(nn.Module):
         gives (:meth:`~attnzoo.Mechanism.unsupported_reasons`)."""
         if self.rotary is not None:
             raise UnsupportedOptionError("rotary=True applies to self-attention only, not with context=...")
-        shapes = shapes_only(1, self.heads, q_len, context_len, self.head_dim)
+        shapes = shapes_only(1, self.heads, q_len, context_len, self.head_dim, kv_heads=self.kv_heads)
         reasons = self.mechanism.unsupported_reasons(*shapes, cross=True)
         if reasons:
             raise UnsupportedOptionError("context=...: " + "; ".join(reasons))
@@ -164,7 +176,7 @@ class MultiHeadAttention(nn.Module):
     # -- cross-attention to a fixed context, projected once -------------------------------------------------
     def project_context(self, context: Tensor) -> Tuple[Tensor, Tensor]:
         """Project ``context`` (batch, seq_c, context_dim) to per-head keys and values, each
-        (batch, heads, seq_c, head_dim), so that decoding steps reuse them instead of re-projecting."""
+        (batch, kv_heads, seq_c, head_dim), so that decoding steps reuse them instead of re-projecting."""
         self._check_input("context", context, self.context_dim)
         self._require_cross(1, context.shape[1])
         return self._split_heads(self.k_proj(context)), self._split_heads(self.v_proj(context))
@@ -204,7 +216,8 @@ class MultiHeadAttention(nn.Module):
         inner = None if state is None else state.mechanism
         q, k, v = (self._split_heads(proj(x_t)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         self.mechanism.require_recurrent_step()
-        self.mechanism.check_state(inner, q)  # before its length sets the rotary position
+        grouped = {} if self.kv_heads == self.heads else {"kv_heads": self.kv_heads}
+        self.mechanism.check_state(inner, q, **grouped)  # before its length sets the rotary position
         position = 0 if inner is None else inner.length
         if self.mechanism.max_length is not None and position >= self.mechanism.max_length:
             raise ValueError(f"{self.mechanism.name}: decoding past max_length={self.mechanism.max_length}")
@@ -214,4 +227,5 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(mechanism_state)
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, mechanism={self.mechanism.name!r}"
+        grouped = f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"dim={self.dim}, heads={self.heads}{grouped}, head_dim={self.head_dim}, mechanism={self.mechanism.name!r}"

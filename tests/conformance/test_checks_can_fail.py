@@ -20,6 +20,7 @@ from attnzoo.mechanisms import Mechanism, SoftmaxAttention
 
 from . import checks
 from .checks import Case
+from .grouped_checks import GROUPED_HEADS, check_grouped
 from .test_properties import cases
 
 CAPS = SoftmaxAttention.capabilities
@@ -515,3 +516,62 @@ def test_property_strategy_finds_the_defect(check, cls, force):
     """Within the property tests' example budget, the strategy draws a case that exposes the defect."""
     found = find(cases(CAPS, None, **force), lambda case: _fails(check, cls, case), settings=SEARCH)
     assert _fails(check, cls, found)
+
+
+# -- grouped-query attention ---------------------------------------------------------------------------------
+class TilesKeyValueHeads(GoodToy):
+    """Repeats grouped k, v by tiling: query head h reads key/value head h % kv_heads, not h // groups."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        tiles = q.shape[1] // k.shape[1]
+        return super().attend(q, k.repeat(1, tiles, 1, 1), v.repeat(1, tiles, 1, 1), causal, key_padding_mask, cross)
+
+
+class RepeatsIntoItsCache(GoodToy):
+    """Declares grouped_kv='native' but repeats grouped keys/values into its KV cache."""
+
+    def state_layout(self, dtype, kv_heads=None):
+        return super().state_layout(dtype)
+
+    def attend_prefill(self, q, k, v):
+        return super().attend_prefill(q, *self._repeated(q, k, v))
+
+    def attend_step(self, q_t, k_t, v_t, tensors, length):
+        return super().attend_step(q_t, *self._repeated(q_t, k_t, v_t), tensors, length)
+
+    @staticmethod
+    def _repeated(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+
+
+class SaysNoButAccepts(GoodToy):
+    """Declares grouped_kv='none' but silently runs grouped keys/values."""
+
+    capabilities = replace(CAPS, grouped_kv="none")
+
+    def unsupported_reasons(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+        return Mechanism.unsupported_reasons(self, q, k[:, :1].expand(q.shape), v[:, :1].expand(q.shape), causal,
+                                             key_padding_mask, cross=cross)
+
+    def check_grouping(self, q, k, v, *, refuse=True):
+        super().check_grouping(q, k, v, refuse=False)
+
+
+@pytest.mark.parametrize("cls", [GoodToy, MinimalToy], ids=lambda c: c.__name__)
+def test_correct_toys_pass_the_grouped_checks(cls):
+    check_grouped(toy(cls, heads=GROUPED_HEADS))
+
+
+@pytest.mark.parametrize(
+    "cls, message",
+    [
+        (TilesKeyValueHeads, r"kv_heads=2 heads=4: output: grouped keys/values differ"),
+        (RepeatsIntoItsCache, r"declares grouped_kv='native' but its state holds"),
+        (SaysNoButAccepts, r"grouped k, v: expected UnsupportedOptionError"),
+    ],
+    ids=lambda x: x.__name__ if isinstance(x, type) else "",
+)
+def test_grouped_checks_reject_broken_toys(cls, message):
+    with pytest.raises(AssertionError, match=message):
+        check_grouped(toy(cls, heads=GROUPED_HEADS))

@@ -38,7 +38,8 @@ IMPORTS_JSON = "imports.json"  # in a run directory: the --import modules its me
 
 # Command-line option -> TrainConfig field, for every training setting (all default to None: "not given").
 TRAIN_OPTIONS = {
-    "--dim": "dim", "--depth": "depth", "--heads": "heads", "--ff-dim": "ff_dim", "--dropout": "dropout",
+    "--dim": "dim", "--depth": "depth", "--heads": "heads", "--kv-heads": "kv_heads", "--ff-dim": "ff_dim",
+    "--dropout": "dropout",
     "--positional": "positional", "--pooling": "pooling", "--batch-size": "batch_size", "--steps": "steps",
     "--lr": "lr", "--warmup-steps": "warmup_steps", "--min-lr-ratio": "min_lr_ratio",
     "--weight-decay": "weight_decay", "--grad-clip": "grad_clip", "--precision": "precision", "--seed": "seed",

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..mechanisms.base import Mechanism, UnsupportedOptionError, build_mechanism
+from ..functional.grouped import per_query_group, repeat_kv
+from ..mechanisms.base import NATIVE_KV, Mechanism, UnsupportedOptionError, build_mechanism
 from ..mechanisms.kernelized import KernelizedMechanism
 
 IMPLEMENTATION = "attnzoo"
@@ -146,9 +147,13 @@ def attention_forward(
         raise RuntimeError(f"{type(module).__name__} has no attnzoo mechanism (attn_implementation="
                            f"{IMPLEMENTATION!r} set without it): " + load_hint(getattr(module, "config", None)))
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     output_attentions = _weights_requested(output_attentions)
+    # Grouped-query attention (each key/value head serving `groups` query heads) stays grouped for a mechanism
+    # that shares key/value heads natively, and for exact attention's fused path; otherwise it is repeated.
+    native = mechanism.capabilities.grouped_kv == NATIVE_KV
+    exact_fused = mechanism.capabilities.exact and attention_mask is not None and not output_attentions
+    if groups > 1 and not (native or exact_fused):
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     if mechanism.capabilities.exact and attention_mask is not None:
         return _exact(module, mechanism, query, key, value, attention_mask, scaling, dropout, output_attentions)
     if output_attentions:
@@ -193,8 +198,15 @@ def _exact(
     scale = getattr(mechanism, "scale", None) or scaling or 1.0 / math.sqrt(query.shape[-1])
     p = dropout if module.training else 0.0
     if not output_attentions:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=p, scale=scale)
+        def sdpa(queries: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(queries, key, value, attn_mask=mask, dropout_p=p, scale=scale)
+
+        # Grouped keys/values: each query group member against the shared heads, never repeated.
+        out = sdpa(query) if key.shape[1] == query.shape[1] else per_query_group(sdpa, query, key.shape[1])
         return out.transpose(1, 2).contiguous(), None
+    # The weights asked for are per query head: keys and values are repeated for them.
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     logits = query @ key.transpose(-1, -2) * scale
     logits = logits.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else logits + mask
     # A row with every key masked (a left-padding query) gets zeros, as sdpa gives it, not NaN.

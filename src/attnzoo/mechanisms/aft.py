@@ -20,7 +20,7 @@ from ..functional.aft import (
     aft_simple_unchecked,
     local_position_bias,
 )
-from .base import OWN, Capabilities, Mechanism, StateLayout, register
+from .base import NO_GROUPED_KV, OWN, Capabilities, Mechanism, StateLayout, register
 
 VARIANTS = ("simple", "full", "local")
 
@@ -71,6 +71,8 @@ class AttentionFreeTransformer(Mechanism):
                    "O(N b d), b = max(chunk_size, window)",
         summary="attention free transformer: sigmoid(q) gates a per-feature softmax over positions of k + w "
                 "(Zhai et al. 2021)",
+        # Learned per-head position biases along the sequence act on each head's keys: no sharing.
+        grouped_kv=NO_GROUPED_KV,
     )
     length_option = "max_seq_len"
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal paths.

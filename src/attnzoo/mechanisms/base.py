@@ -7,6 +7,7 @@ It declares what it can do once, in a :class:`Capabilities`; the registry, the c
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
+from ..functional.grouped import query_groups, repeat_kv
 from ..state import DecodingState
 
 State = Optional[DecodingState]
@@ -42,6 +44,17 @@ KINDS = {
 }
 """What a mechanism's output is, relative to exact softmax attention (:attr:`Capabilities.kind`)."""
 
+NATIVE_KV = "native"
+REPEAT_KV = "repeat"
+NO_GROUPED_KV = "none"
+GROUPED_KV = {
+    NATIVE_KV: "shares each key/value head among its query heads without copying the keys and values",
+    REPEAT_KV: "repeats each key/value head for its query heads (a copy per query head) before attending",
+    NO_GROUPED_KV: "refuses keys and values with fewer heads than the queries",
+}
+"""How a mechanism takes grouped-query inputs, k and v with ``kv_heads`` < ``heads`` heads
+(:attr:`Capabilities.grouped_kv`), from best to worst: an instance's options may only move it down."""
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -60,6 +73,11 @@ class Capabilities:
         length_multiple: query and key lengths must be multiples of it (blocks, buckets), or None.
         limited_by: for an instance whose options switched capabilities off (see :meth:`narrowed`), those
             options, so that error messages can name them; None in a class's declaration.
+        grouped_kv: one of :data:`GROUPED_KV`, for k and v with fewer heads (``kv_heads``, dividing ``heads``)
+            than q, query head h using key/value head ``h // (heads // kv_heads)``: ``"native"`` (never
+            materialises the repeated keys/values; decoding states hold ``kv_heads``), ``"repeat"`` (the base
+            class repeats them explicitly before :meth:`Mechanism.attend` and :meth:`Mechanism.attend_step`:
+            same outputs, full memory; the default) or ``"none"`` (refused, naming kv_heads).
     """
 
     causal: bool
@@ -72,10 +90,13 @@ class Capabilities:
     max_length: Optional[int] = None
     length_multiple: Optional[int] = None
     limited_by: Optional[str] = None
+    grouped_kv: str = REPEAT_KV
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.grouped_kv not in GROUPED_KV:
+            raise ValueError(f"grouped_kv must be one of {', '.join(GROUPED_KV)}, got {self.grouped_kv!r}")
 
     @property
     def exact(self) -> bool:
@@ -85,14 +106,26 @@ class Capabilities:
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
-    def narrowed(self, limited_by: str, *, kind: Optional[str] = None, **switched_off: bool) -> "Capabilities":
+    def narrowed(
+        self, limited_by: str, *, kind: Optional[str] = None, grouped_kv: Optional[str] = None, **switched_off: bool
+    ) -> "Capabilities":
         """These capabilities with some switched off by an instance option named in ``limited_by``: any of
-        :data:`NARROWABLE` set to False, and/or an exact mechanism's ``kind`` changed (an option that makes
-        its output differ from exact softmax attention)."""
+        :data:`NARROWABLE` set to False, an exact mechanism's ``kind`` changed (an option that makes
+        its output differ from exact softmax attention), and/or ``grouped_kv`` moved down :data:`GROUPED_KV`."""
         unknown = sorted(set(switched_off) - set(NARROWABLE))
-        if unknown or any(switched_off.values()) or (kind is not None and (kind not in KINDS or not self.exact)):
-            raise ValueError(f"narrowed() only switches capabilities off, got kind={kind!r}, {switched_off}")
-        return replace(self, limited_by=limited_by, kind=kind or self.kind, **switched_off)
+        order = list(GROUPED_KV)
+        worse_grouping = grouped_kv is None or (grouped_kv in order and order.index(grouped_kv) >= order.index(
+            self.grouped_kv))
+        if unknown or any(switched_off.values()) or (kind is not None and (kind not in KINDS or not self.exact)) \
+                or not worse_grouping:
+            raise ValueError(
+                f"narrowed() only switches capabilities off, got kind={kind!r}, grouped_kv={grouped_kv!r}, "
+                f"{switched_off}"
+            )
+        return replace(
+            self, limited_by=limited_by, kind=kind or self.kind, grouped_kv=grouped_kv or self.grouped_kv,
+            **switched_off,
+        )
 
 
 def seeded_generator(seed: Optional[int]) -> Optional[torch.Generator]:
@@ -103,12 +136,32 @@ def seeded_generator(seed: Optional[int]) -> Optional[torch.Generator]:
 
 
 def shapes_only(
-    batch: int, heads: int, q_len: int, k_len: int, head_dim: int, dtype: torch.dtype = torch.float32
+    batch: int, heads: int, q_len: int, k_len: int, head_dim: int, dtype: torch.dtype = torch.float32, *,
+    kv_heads: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """q, k, v of the given shapes on the ``meta`` device: no memory, no data. For asking
-    :meth:`Mechanism.unsupported_reasons` about a call before making its inputs."""
-    make = lambda length: torch.empty(batch, heads, length, head_dim, dtype=dtype, device="meta")  # noqa: E731
-    return make(q_len), make(k_len), make(k_len)
+    :meth:`Mechanism.unsupported_reasons` about a call before making its inputs. k and v have ``kv_heads``
+    heads (``heads`` when None)."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    make = lambda n, length: torch.empty(batch, n, length, head_dim, dtype=dtype, device="meta")  # noqa: E731
+    return make(heads, q_len), make(kv_heads, k_len), make(kv_heads, k_len)
+
+
+def _grouped_reference(reference: Any) -> Any:
+    """Wrap a mechanism's ``reference`` so that it takes grouped keys and values: it repeats them to one head
+    per query head (grouped-query attention is defined as attention on the repeated keys and values), after
+    refusing what :meth:`Mechanism.check_grouping` refuses."""
+
+    @functools.wraps(reference)
+    def grouped(self: "Mechanism", q: Tensor, k: Tensor, v: Tensor, *args: Any, **options: Any) -> Tensor:
+        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4 and q.shape[1] != k.shape[1]:
+            self.check_grouping(q, k, v)
+            groups = query_groups(q.shape[1], k.shape[1])
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return reference(self, q, k, v, *args, **options)
+
+    grouped.takes_grouped_kv = True  # type: ignore[attr-defined]
+    return grouped
 
 
 class Mechanism(nn.Module):
@@ -137,6 +190,13 @@ class Mechanism(nn.Module):
     None (per-call inputs, e.g. longformer's ``global_mask``). ``MultiHeadAttention.forward`` passes such an
     argument on to a mechanism that lists it and refuses it, naming it, for any other."""
 
+    def __init_subclass__(cls, **options: Any) -> None:
+        super().__init_subclass__(**options)
+        # Every reference takes grouped keys/values (by repeating them), whichever class defines it.
+        reference = cls.__dict__.get("reference")
+        if reference is not None and not getattr(reference, "takes_grouped_kv", False):
+            cls.reference = _grouped_reference(reference)  # type: ignore[method-assign]
+
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
         self.heads = check_positive_int("heads", heads)
@@ -157,8 +217,10 @@ class Mechanism(nn.Module):
 
         Args:
             q: (batch, heads, seq_q, head_dim)
-            k: (batch, heads, seq_kv, head_dim)
-            v: (batch, heads, seq_kv, head_dim_v)
+            k: (batch, kv_heads, seq_kv, head_dim); ``kv_heads`` divides ``heads`` (grouped-query attention:
+                query head h uses key/value head ``h // (heads // kv_heads)``), as
+                :attr:`Capabilities.grouped_kv` allows; ``kv_heads == heads`` is plain multi-head attention.
+            v: (batch, kv_heads, seq_kv, head_dim_v)
             causal: autoregressive mask, aligned so the last query sees every key.
             key_padding_mask: (batch, seq_kv) bool, True marks padding.
             cross: the keys and values come from another sequence than the queries (cross-attention). Said
@@ -169,12 +231,21 @@ class Mechanism(nn.Module):
             (batch, heads, seq_q, head_dim_v)
         """
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        k, v = self.repeated_kv(q, k, v)
         return self.attend(q, k, v, causal, key_padding_mask, cross)
+
+    def repeated_kv(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """k and v as :meth:`attend` and :meth:`attend_step` receive them: repeated to q's heads for a mechanism
+        declaring ``grouped_kv="repeat"``, unchanged otherwise (a native one gets the ``kv_heads`` heads)."""
+        if k.shape[1] == q.shape[1] or self.capabilities.grouped_kv != REPEAT_KV:
+            return k, v
+        groups = query_groups(q.shape[1], k.shape[1])
+        return repeat_kv(k, groups), repeat_kv(v, groups)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
-        """The mechanism's maths, on inputs :meth:`check_inputs` has accepted."""
+        """The mechanism's maths, on checked inputs; k, v with fewer heads than q only if ``grouped_kv="native"``."""
         raise NotImplementedError
 
     def reference(
@@ -191,7 +262,8 @@ class Mechanism(nn.Module):
 
         Every mechanism provides one; the conformance suite compares :meth:`forward` with it. Takes the
         arguments of :meth:`forward` and uses this instance's parameters and buffers (features, projections);
-        returns float64 (batch, heads, seq_q, head_dim_v).
+        returns float64 (batch, heads, seq_q, head_dim_v). Grouped keys and values are repeated to q's heads
+        before a subclass's ``reference`` sees them (the base class wraps every override).
         """
         raise NotImplementedError(f"{type(self).__qualname__} must implement reference()")
 
@@ -208,10 +280,8 @@ class Mechanism(nn.Module):
         (:class:`UnsupportedOptionError` giving every reason :meth:`unsupported_reasons` finds)."""
         check_bool("causal", causal)
         check_bool("cross", cross)
-        check_qkv(q, k, v)
+        self.check_grouping(q, k, v, refuse=False)
         check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
-        if q.shape[1] != self.heads:
-            raise ValueError(f"{self.name}: q has {q.shape[1]} heads, the mechanism was built with heads={self.heads}")
         if q.shape[3] != self.head_dim:
             raise ValueError(
                 f"{self.name}: q has head_dim={q.shape[3]}, the mechanism was built with head_dim={self.head_dim}"
@@ -219,6 +289,27 @@ class Mechanism(nn.Module):
         reasons = self.unsupported_reasons(q, k, v, causal, key_padding_mask, cross=cross)
         if reasons:
             raise UnsupportedOptionError("; ".join(reasons))
+
+    def check_grouping(self, q: Tensor, k: Tensor, v: Tensor, *, refuse: bool = True) -> None:
+        """q, k, v well formed (:func:`~attnzoo._validation.check_qkv`), q with this instance's ``heads``, k and v
+        with as many heads as each other, dividing ``heads``; errors name the argument. With ``refuse``, also
+        raise :class:`UnsupportedOptionError` for grouped k, v if this instance declares ``grouped_kv="none"``."""
+        check_qkv(q, k, v, grouped=True)
+        if q.shape[1] != self.heads:
+            raise ValueError(f"{self.name}: q has {q.shape[1]} heads, the mechanism was built with heads={self.heads}")
+        if refuse:
+            reason = self.grouping_reason(k.shape[1])
+            if reason:
+                raise UnsupportedOptionError(reason)
+
+    def grouping_reason(self, kv_heads: int) -> Optional[str]:
+        """Why this instance refuses k, v of ``kv_heads`` heads, or None."""
+        caps = self.capabilities
+        if kv_heads == self.heads or caps.grouped_kv != NO_GROUPED_KV:
+            return None
+        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        return (f"{who} does not support grouped-query attention (k and v with kv_heads={kv_heads} heads for "
+                f"heads={self.heads} query heads; capability grouped_kv='none'): pass kv_heads == heads")
 
     def unsupported_reasons(
         self,
@@ -245,6 +336,9 @@ class Mechanism(nn.Module):
             reasons.append(f"{who} does not support causal=True (non-causal only)")
         if key_padding_mask is not None and not caps.key_padding:
             reasons.append(f"{who} does not support key_padding_mask")
+        grouping = self.grouping_reason(k.shape[1])
+        if grouping:
+            reasons.append(grouping)
         if cross and not caps.cross:
             reasons.append(f"{who} does not support cross-attention (cross=True): its keys must come from the "
                            f"query sequence")
@@ -284,26 +378,31 @@ class Mechanism(nn.Module):
         """One causal decoding step.
 
         Args:
-            q_t, k_t, v_t: (batch, heads, 1, head_dim) for the new position.
+            q_t: (batch, heads, 1, head_dim) for the new position; k_t, v_t: (batch, kv_heads, 1, head_dim), as
+                in :meth:`forward`.
             state: what the previous step (or :meth:`prefill`) of this mechanism returned, or None at the
-                start. A state of another mechanism, batch size or shape raises an error naming ``state``.
+                start. A state of another mechanism, batch size or shape (heads instead of kv_heads included)
+                raises an error naming ``state``.
 
         Returns:
             (out_t of shape (batch, heads, 1, head_dim_v), new state). Equals the last row of the causal
             parallel forward over all positions so far.
         """
         self.check_step_inputs(q_t, k_t, v_t)
-        self.check_state(state, q_t)
+        k_t, v_t = self.repeated_kv(q_t, k_t, v_t)
+        grouped = {} if k_t.shape[1] == self.heads else {"kv_heads": k_t.shape[1]}  # overrides may not take it
+        self.check_state(state, q_t, **grouped)
         tensors = None if state is None else state.tensors
         length = 0 if state is None else state.length
         out, tensors = self.attend_step(q_t, k_t, v_t, tensors, length)
         return out, DecodingState(self.name, length + 1, tensors)
 
     def prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, DecodingState]:
-        """Causal attention over a prompt (batch, heads, seq, head_dim) that also returns the decoding state
-        after it."""
+        """Causal attention over a prompt (batch, heads, seq, head_dim; k and v with kv_heads heads, as in
+        :meth:`forward`) that also returns the decoding state after it."""
         self.require_recurrent_step()
         self.check_inputs(q, k, v, True, None)
+        k, v = self.repeated_kv(q, k, v)
         out, tensors = self.attend_prefill(q, k, v)
         return out, DecodingState(self.name, q.shape[2], tensors)
 
@@ -329,7 +428,9 @@ class Mechanism(nn.Module):
 
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
         """Every state tensor's shape after the batch dim (None where it varies) and dtype, for inputs of
-        ``dtype``: what :meth:`check_state` holds a state to."""
+        ``dtype``: what :meth:`check_state` holds a state to. A mechanism declaring ``grouped_kv="native"``
+        takes ``state_layout(dtype, kv_heads=None)`` instead, asked with ``kv_heads`` for keys/values of fewer
+        heads than ``heads``."""
         raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no state_layout()")
 
     def require_recurrent_step(self) -> None:
@@ -344,7 +445,7 @@ class Mechanism(nn.Module):
 
     def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
         self.require_recurrent_step()
-        check_qkv(q_t, k_t, v_t)
+        check_qkv(q_t, k_t, v_t, grouped=True)
         if q_t.shape[1] != self.heads or q_t.shape[3] != self.head_dim:
             raise ValueError(
                 f"{self.name}.step: q_t has {q_t.shape[1]} heads of dim {q_t.shape[3]}, the mechanism was built "
@@ -353,11 +454,15 @@ class Mechanism(nn.Module):
         if q_t.shape[2] != 1 or k_t.shape[2] != 1:
             raise ValueError(f"{self.name}.step takes one position: q_t, k_t, v_t of shape (batch, heads, 1, dim), "
                              f"got seq lengths {q_t.shape[2]} and {k_t.shape[2]}")
+        refused = self.grouping_reason(k_t.shape[1])
+        if refused:
+            raise UnsupportedOptionError(refused)
 
-    def check_state(self, state: object, q_t: Tensor) -> None:
-        """A state this mechanism can continue from for the step input ``q_t``: made by a mechanism of this
-        name, for this batch size, with every tensor laid out as :meth:`state_layout` declares (so heads,
-        widths and feature counts match), on the input's device. Anything else raises naming ``state``."""
+    def check_state(self, state: object, q_t: Tensor, kv_heads: Optional[int] = None) -> None:
+        """A state this mechanism can continue from for the step input ``q_t`` (and keys/values of ``kv_heads``
+        heads, ``heads`` when None): made by a mechanism of this name, for this batch size, with every tensor
+        laid out as :meth:`state_layout` declares (so heads, widths and feature counts match), on the input's
+        device. Anything else raises naming ``state``."""
         if state is None:
             return
         where = f"{self.name}.step"
@@ -370,7 +475,9 @@ class Mechanism(nn.Module):
             raise ValueError(f"{where}: state was made by mechanism {state.mechanism!r}, not {self.name!r}")
         if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 1:
             raise ValueError(f"{where}: state.length must be a positive int, got {state.length!r}")
-        layout = self.state_layout(q_t.dtype)
+        kv_heads = self.heads if kv_heads is None else kv_heads
+        grouped = kv_heads != self.heads and self.capabilities.grouped_kv == NATIVE_KV
+        layout = self.state_layout(q_t.dtype, kv_heads=kv_heads) if grouped else self.state_layout(q_t.dtype)
         if not isinstance(state.tensors, dict) or set(state.tensors) != set(layout):
             got = sorted(state.tensors) if isinstance(state.tensors, dict) else type(state.tensors).__name__
             raise ValueError(f"{where}: state holds tensors {got}, expected {sorted(layout)}")
@@ -388,7 +495,8 @@ class Mechanism(nn.Module):
                 expected = "(" + ", ".join("*" if size is None else str(size) for size in (batch, *shape)) + ")"
                 raise ValueError(
                     f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} for "
-                    f"heads={self.heads}, head_dim={self.head_dim}: it was made by a mechanism of another shape"
+                    f"heads={self.heads}, kv_heads={kv_heads}, head_dim={self.head_dim}: it was made by a "
+                    f"mechanism of another shape or for keys/values of another number of heads"
                 )
             if tensor.dtype != dtype:
                 raise TypeError(

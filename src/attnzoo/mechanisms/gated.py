@@ -25,7 +25,7 @@ from .._dtypes import working_dtype
 from .._validation import check_bool, check_number, check_numbers
 from ..functional.gated import constant_log_decay, gla_log_gates, key_gate_logits, retention_log_decays
 from ..functional.linear import DEFAULT_CHUNK_SIZE
-from .base import OWN, Capabilities, register
+from .base import OWN, REPEAT_KV, Capabilities, register
 from .kernelized import KernelizedMechanism
 
 
@@ -74,6 +74,8 @@ class RetentionAttention(_DotProductDecayed):
         kind=OWN,
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="retention with a fixed per-head decay, chunkwise and recurrent (Sun et al. 2023, RetNet)",
+        # Each query head decays at its own rate, so a key/value head's state differs per query head.
+        grouped_kv=REPEAT_KV,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"normalize": False, "chunk_size": 4},)
@@ -136,6 +138,8 @@ class GatedLinearAttention(_DotProductDecayed):
         kind=OWN,
         complexity="time O(N d^2 + N c d), memory O(N d); c = chunk_size; decoding O(d^2) per token",
         summary="gated linear attention with data-dependent per-head forget gates (Yang et al. 2024)",
+        # The gates are learned per query head, so a key/value head's state differs per query head.
+        grouped_kv=REPEAT_KV,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"normalize": False, "chunk_size": 4},)

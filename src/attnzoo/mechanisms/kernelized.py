@@ -25,6 +25,7 @@ from ..feature_maps import (
     ReluFeatureMap,
 )
 from ..functional.gated import key_gate_logits, rfa_gates
+from ..functional.grouped import grouped_query_attention, grouped_rows, per_query_group, ungrouped_rows
 from ..functional.shrinkage import shrunk_kernel_attention_reference, shrunk_kernel_attention_unchecked
 from ..functional.linear import (
     DEFAULT_CHUNK_SIZE,
@@ -34,7 +35,17 @@ from ..functional.linear import (
     kernel_attention_step_unchecked,
     kernel_attention_unchecked,
 )
-from .base import APPROXIMATE, OWN, Capabilities, Mechanism, StateLayout, register, seeded_generator
+from .base import (
+    APPROXIMATE,
+    NATIVE_KV,
+    OWN,
+    REPEAT_KV,
+    Capabilities,
+    Mechanism,
+    StateLayout,
+    register,
+    seeded_generator,
+)
 
 
 class KernelizedMechanism(Mechanism):
@@ -46,6 +57,10 @@ class KernelizedMechanism(Mechanism):
 
     Decoding state: ``{"kv": (batch, heads, m, head_dim_v + 1), "log_scale": (batch, heads, 1, 1)}`` (float32
     for half-precision inputs), of constant size whatever the context length; m = :attr:`feature_dim`.
+
+    Grouped keys/values (``kv_heads`` < ``heads``, for a subclass declaring ``grouped_kv="native"``: its key
+    features and decays depend on the key head alone): one ``phi(k)^T [v, 1]`` state per key/value head, which
+    its query heads read (:mod:`attnzoo.functional.grouped`); the decoding state holds ``kv_heads`` heads.
     """
 
     normalizer: str = "sum"
@@ -118,33 +133,53 @@ class KernelizedMechanism(Mechanism):
     ) -> Tensor:
         phi_q, phi_k, _ = self.features(q, k, key_padding_mask, cross)
         phi_k, log_decay = self._keys(k, phi_k)
-        # Inputs were checked by forward(); the features and decays are computed from them.
-        return kernel_attention_unchecked(
-            phi_q, phi_k, v, causal, key_padding_mask, log_decay, self.normalizer, self.chunk_size,
-            self.denominator_eps,
-        )
 
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+        # Inputs were checked by forward(); the features and decays are computed from them.
+        def attend_features(queries: Tensor, masked: bool) -> Tensor:
+            return kernel_attention_unchecked(
+                queries, phi_k, v, masked, key_padding_mask, log_decay, self.normalizer, self.chunk_size,
+                self.denominator_eps,
+            )
+
+        if k.shape[1] != q.shape[1]:
+            return grouped_query_attention(attend_features, phi_q, k.shape[1], causal)
+        return attend_features(phi_q, causal)
+
+    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+        kv_heads = self.heads if kv_heads is None else kv_heads
         return {
-            "kv": ((self.heads, self.feature_dim, self.head_dim + 1), working_dtype(dtype)),
-            "log_scale": ((self.heads, 1, 1), working_dtype(dtype)),
+            "kv": ((kv_heads, self.feature_dim, self.head_dim + 1), working_dtype(dtype)),
+            "log_scale": ((kv_heads, 1, 1), working_dtype(dtype)),
         }
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         phi_q, phi_k, key_log_scale = self.features(q, k, None)
         phi_k, log_decay = self._keys(k, phi_k)
-        return kernel_attention_prefill_unchecked(
-            phi_q, phi_k, v, key_log_scale, log_decay, self.normalizer, self.chunk_size, self.denominator_eps
-        )
+        states = []
+
+        def prefill(queries: Tensor) -> Tensor:
+            out, state = kernel_attention_prefill_unchecked(
+                queries, phi_k, v, key_log_scale, log_decay, self.normalizer, self.chunk_size, self.denominator_eps
+            )
+            states.append(state)  # the same state for every query head of a group: it reads the keys alone
+            return out
+
+        if k.shape[1] != q.shape[1]:
+            return per_query_group(prefill, phi_q, k.shape[1]), states[-1]
+        return prefill(phi_q), states[-1]
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
         phi_q, phi_k, key_log_scale = self.features(q_t, k_t, None)
         phi_k, log_decay = self._keys(k_t, phi_k)
-        return kernel_attention_step_unchecked(
-            phi_q, phi_k, v_t, tensors, key_log_scale, log_decay, self.normalizer, self.denominator_eps
+        heads, kv_heads = q_t.shape[1], k_t.shape[1]
+        # One position: a group's queries read their key/value head's state as rows of one query.
+        out, state = kernel_attention_step_unchecked(
+            grouped_rows(phi_q, kv_heads), phi_k, v_t, tensors, key_log_scale, log_decay, self.normalizer,
+            self.denominator_eps,
         )
+        return ungrouped_rows(out, heads), state
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
@@ -240,6 +275,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         kind=APPROXIMATE,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
+        grouped_kv=NATIVE_KV,
     )
     sweep_option = "nb_features"
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0, "chunk_size": 4}
@@ -282,8 +318,10 @@ class PerformerAttention(_RandomFeatureMechanism):
         # Both options read the whole sequence, so neither a causal mask nor a recurrent step can honour them.
         whole_sequence = [f"{name}=True" for name in ("shrinkage", "optimal_features") if getattr(self, name)]
         if whole_sequence:
+            # Their statistics (FAVOR++'s per-head coefficient, shrinkage's halves) pair each query head with
+            # its own keys: grouped keys/values are repeated for them.
             self.capabilities = self.capabilities.narrowed(
-                " and ".join(whole_sequence), causal=False, recurrent_step=False
+                " and ".join(whole_sequence), causal=False, recurrent_step=False, grouped_kv=REPEAT_KV
             )
 
     def _quadratic(
@@ -354,6 +392,7 @@ class LinearAttention(_FeatureMapMechanism):
         kind=OWN,
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
+        grouped_kv=NATIVE_KV,
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
@@ -398,6 +437,8 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         kind=OWN,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="random feature attention: trigonometric features on unit q, k, optional gate (Peng et al. 2021)",
+        # The learned sharpness (and gate) is per query head and scales the keys: one state per query head.
+        grouped_kv=REPEAT_KV,
     )
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.

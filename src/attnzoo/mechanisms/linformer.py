@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int
 from ..functional.linformer import linformer_attention_reference, linformer_attention_unchecked
-from .base import APPROXIMATE, Capabilities, Mechanism, UnsupportedOptionError, register
+from .base import APPROXIMATE, NO_GROUPED_KV, Capabilities, Mechanism, UnsupportedOptionError, register
 
 SHARING = ("none", "headwise", "kv")
 """The paper's projection sharing within a layer (section 4): ``"none"``, one ``E`` and one ``F`` per head;
@@ -102,6 +102,8 @@ class LinformerAttention(Mechanism):
         kind=APPROXIMATE,
         complexity="time O(N k d), memory O(N k); k = rank, N <= max_seq_len",
         summary="softmax over keys and values projected along the sequence to rank rows (Wang et al. 2020)",
+        # Learned projections along the sequence, per head or layer, compress each head's keys: no sharing.
+        grouped_kv=NO_GROUPED_KV,
     )
     sweep_option = "rank"
     length_option = "max_seq_len"

@@ -15,13 +15,14 @@ from ..functional.blocksparse import (
     window_cache_prefill,
     window_cache_step,
 )
+from ..functional.grouped import grouped_query_attention
 from ..functional.softmax import (
     masked_sdpa,
     masked_softmax_reference,
     softmax_attention_reference,
     softmax_attention_unchecked,
 )
-from .base import EXACT, OWN, Capabilities, Mechanism, StateLayout, register
+from .base import EXACT, NATIVE_KV, OWN, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
 
 CACHE_BLOCK = 256
 """The KV cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
@@ -68,6 +69,9 @@ class SoftmaxAttention(Mechanism):
     the free room instead of copying the whole cache. ``filled`` records how far the shared buffers have been
     written: a step from a state that is no longer the newest on its buffers (stepping twice from one state,
     to branch) copies them first, so every state stays valid however it is reused.
+
+    Grouped-query attention is native: keys and values of ``kv_heads`` heads are never repeated (see
+    :func:`attnzoo.functional.grouped.grouped_query_attention`), and the KV cache holds ``kv_heads`` heads.
     """
 
     name = "softmax"
@@ -79,6 +83,7 @@ class SoftmaxAttention(Mechanism):
         kind=EXACT,
         complexity="time O(N^2), memory O(N) (fused kernel)",
         summary="exact scaled dot-product attention (Vaswani et al. 2017)",
+        grouped_kv=NATIVE_KV,
     )
     test_variants = ({"quiet": True},)
     test_variants += ({"window": 3, "sink_tokens": 2}, {"window": 2})
@@ -94,7 +99,9 @@ class SoftmaxAttention(Mechanism):
         self.window, self.sink_tokens = _window_and_sinks(window, sink_tokens, self.quiet)
         if self.window is not None:
             # Positions of one sequence are compared: no cross-attention; the window is not exact softmax.
-            self.capabilities = self.capabilities.narrowed(f"window={self.window}", kind=OWN, cross=False)
+            # Its masked kernel takes as many key/value heads as query heads: grouped inputs are repeated.
+            self.capabilities = self.capabilities.narrowed(f"window={self.window}", kind=OWN, cross=False,
+                                                           grouped_kv=REPEAT_KV)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -110,6 +117,17 @@ class SoftmaxAttention(Mechanism):
                     for x in (k, v))
             return masked_sdpa(q, k, v, allowed, self.scale)
         # forward() checked the inputs and __init__ the options: validate once.
+        return self._softmax(q, k, v, causal, key_padding_mask)
+
+    def _softmax(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """Softmax attention on checked inputs, k and v with as many heads as q or fewer (never repeated)."""
+        if k.shape[1] != q.shape[1]:
+            return grouped_query_attention(
+                lambda queries, masked: softmax_attention_unchecked(
+                    queries, k, v, masked, key_padding_mask, self.quiet, self.scale
+                ),
+                q, k.shape[1], causal,
+            )
         return softmax_attention_unchecked(q, k, v, causal, key_padding_mask, self.quiet, self.scale)
 
     def reference(
@@ -127,13 +145,13 @@ class SoftmaxAttention(Mechanism):
         return softmax_attention_reference(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+        kv_heads = self.heads if kv_heads is None else kv_heads
         if self.window is not None:
-            heads = getattr(self, "kv_heads", None) or self.heads  # the key/value heads the buffers hold
-            return window_cache_layout(heads, self.window, self.sink_tokens, self.head_dim, dtype)
+            return window_cache_layout(kv_heads, self.window, self.sink_tokens, self.head_dim, dtype)
         return {
-            "k": ((self.heads, None, self.head_dim), dtype),
-            "v": ((self.heads, None, self.head_dim), dtype),
+            "k": ((kv_heads, None, self.head_dim), dtype),
+            "v": ((kv_heads, None, self.head_dim), dtype),
             "filled": ((), torch.long),
         }
 
@@ -157,7 +175,7 @@ class SoftmaxAttention(Mechanism):
             cache["filled"].fill_(length + 1)
         # The new position sees the whole cache and itself: no mask needed.
         keys, values = cache["k"][:, :, : length + 1], cache["v"][:, :, : length + 1]
-        return softmax_attention_unchecked(q_t, keys, values, False, None, self.quiet, self.scale), cache
+        return self._softmax(q_t, keys, values, False, None), cache
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         if self.window is not None:

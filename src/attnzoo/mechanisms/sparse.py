@@ -402,6 +402,7 @@ class LongformerAttention(Mechanism):
         """:meth:`Mechanism.forward`, plus ``global_mask``: (batch, seq) bool, True marks further global
         positions of each batch element for this call (with those of the options), or None."""
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        k, v = self.repeated_kv(q, k, v)
         check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
         if global_mask is not None and torch.jit.is_tracing():
             raise UnsupportedOptionError(

@@ -25,7 +25,7 @@ from ..functional.synthesizer import (
     synthesizer_attention_unchecked,
 )
 from ..functional.ties import tied_to_unused
-from .base import OWN, Capabilities, Mechanism, register
+from .base import NO_GROUPED_KV, OWN, Capabilities, Mechanism, register
 
 RANDOM_MODES = ("random", "factorized_random")
 """The modes whose logits do not depend on the input (and may be ``fixed``)."""
@@ -94,6 +94,8 @@ class SynthesizerAttention(Mechanism):
         complexity="time O(N^2), memory O(N) (dense, factorized_random) to O(N^2) (random, factorized_dense)",
         summary="Synthesizer: logits from each position alone (dense) or learned per position pair (random), "
         "optionally factorised or mixed with dot products (Tay et al. 2021)",
+        # Logits learned per head and position pair stand in for each head's keys: no sharing.
+        grouped_kv=NO_GROUPED_KV,
     )
     length_option = "max_seq_len"
     # chunk_size 4: the suite's causal calls cross block boundaries of the materialised-logits path.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
-from ..mechanisms import available
+from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
@@ -136,6 +136,9 @@ class BlockConfig:
     Args:
         dim: model width; layers map (batch, seq, dim) -> (batch, seq, dim).
         heads: attention heads; ``dim`` must be divisible by it (head width ``dim // heads``).
+        kv_heads: key/value heads of the self-attention, dividing ``heads`` (grouped-query attention; 1 is
+            multi-query attention); ``heads`` when None. A mechanism declaring ``grouped_kv="none"`` refuses
+            fewer, naming kv_heads; so does a gated block (single-head).
         ff_dim: hidden width of the feed-forward network, ``4 * dim`` when None (see :attr:`feed_forward_dim`).
         activation: of the feed-forward network, "relu", "gelu" or "swiglu".
         norm_first: pre-norm (``x + f(norm(x))``, True) or post-norm (``norm(x + f(x))``, False).
@@ -179,12 +182,16 @@ class BlockConfig:
     ff_chunks: int = 1
     block: str = "attention"
     block_options: Optional[Mapping[str, Any]] = None
+    kv_heads: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_positive_int("dim", self.dim)
         check_positive_int("heads", self.heads)
         if self.dim % self.heads:
             raise ValueError(f"dim={self.dim} is not divisible by heads={self.heads}")
+        check_number("kv_heads", self.kv_heads, integer=True, minimum=1, optional=True)
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads={self.kv_heads} must divide heads={self.heads} (grouped-query attention)")
         check_number("ff_dim", self.ff_dim, integer=True, minimum=1, optional=True)
         check_choice("activation", self.activation, ACTIVATIONS)
         check_bool("norm_first", self.norm_first)
@@ -203,7 +210,16 @@ class BlockConfig:
         if options is not None and not (isinstance(options, Mapping) and all(isinstance(key, str) for key in options)):
             raise TypeError(f"block_options must be a dict of options (names to values) or None, got "
                             f"{type(options).__name__}")
+        grouped = self.kv_heads is not None and self.kv_heads != self.heads
+        if grouped and self.block != "attention":
+            raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: a gated attention "
+                             f"unit is single-head; leave kv_heads at None")
         if self.block == "attention":
+            if grouped and capabilities(self.self_attention.mechanism).grouped_kv == NO_GROUPED_KV:
+                raise UnsupportedOptionError(
+                    f"kv_heads={self.kv_heads}: self_attention={self.self_attention.mechanism!r} does not support "
+                    f"grouped-query attention (capability grouped_kv='none'); leave kv_heads at None"
+                )
             if options:
                 raise ValueError("block_options given but block='attention': they are options of a gated attention "
                                  "unit (block='gau' or block='flash_gau')")
@@ -260,6 +276,8 @@ class ModelConfig:
 
     Args:
         vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
+        kv_heads: key/value heads of every self-attention, dividing ``heads`` (grouped-query attention, see
+            :class:`BlockConfig`); ``heads`` when None.
         ff_dim, activation, norm_first, dropout, layer_norm_eps, ff_chunks, block, block_options: as for
             :class:`BlockConfig`; ``block`` "gau" or "flash_gau" makes every layer a gated attention unit, and
             ``depth`` then counts units.
@@ -293,6 +311,7 @@ class ModelConfig:
     block: str = "attention"
     block_options: Optional[Mapping[str, Any]] = None
     token_shift: bool = False
+    kv_heads: Optional[int] = None
     block_config: BlockConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -310,7 +329,7 @@ class ModelConfig:
             self.dim, self.heads, ff_dim=self.ff_dim, activation=self.activation, norm_first=self.norm_first,
             dropout=self.dropout, layer_norm_eps=self.layer_norm_eps, rotary=self.positional == "rotary",
             self_attention=AttentionSpec(self.self_attention, self.self_attention_options),
-            ff_chunks=self.ff_chunks, block=self.block, block_options=self.block_options,
+            ff_chunks=self.ff_chunks, block=self.block, block_options=self.block_options, kv_heads=self.kv_heads,
         )
         check_positive_int("depth", self.depth)
         if check_bool("reversible", self.reversible):

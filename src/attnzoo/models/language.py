@@ -59,6 +59,8 @@ class LanguageModel(nn.Module):
             A unit has about half the parameters of an attention + feed-forward layer, so ``depth`` counts units.
         token_shift: half of each position's embedding features come from the token before it (see
             :class:`TokenEmbedding`); the decoding state then keeps the last token.
+        kv_heads: key/value heads of every self-attention, dividing ``heads`` (grouped-query attention; the
+            decoding state of a native mechanism then holds kv_heads); ``heads`` when None.
 
     ``LanguageModel.from_config(config)`` builds one from a :class:`ModelConfig`; ``model.config`` is its config.
 
@@ -87,6 +89,7 @@ class LanguageModel(nn.Module):
         block: str = "attention",
         block_options: Optional[Dict[str, Any]] = None,
         token_shift: bool = False,
+        kv_heads: Optional[int] = None,
     ) -> None:
         super().__init__()
         self._build(ModelConfig(
@@ -94,6 +97,7 @@ class LanguageModel(nn.Module):
             dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
             self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
             reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
+            kv_heads=kv_heads,
         ))
 
     @classmethod
@@ -172,6 +176,7 @@ class SequenceClassifier(nn.Module):
         block: str = "attention",
         block_options: Optional[Dict[str, Any]] = None,
         token_shift: bool = False,
+        kv_heads: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
@@ -180,6 +185,7 @@ class SequenceClassifier(nn.Module):
             dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
             self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
             reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
+            kv_heads=kv_heads,
         ), num_classes, pooling)
 
     @classmethod
@@ -246,6 +252,7 @@ class SequenceTagger(nn.Module):
         block: str = "attention",
         block_options: Optional[Dict[str, Any]] = None,
         token_shift: bool = False,
+        kv_heads: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
@@ -254,6 +261,7 @@ class SequenceTagger(nn.Module):
             dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
             self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
             reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
+            kv_heads=kv_heads,
         ), num_classes)
 
     @classmethod

@@ -117,15 +117,16 @@ class _Block(nn.Module):
         self.config = config
 
     def _attention(
-        self, spec: AttentionSpec, *, rotary: bool = False, context_dim: Optional[int] = None
+        self, spec: AttentionSpec, *, rotary: bool = False, context_dim: Optional[int] = None,
+        kv_heads: Optional[int] = None,
     ) -> MultiHeadAttention:
         return MultiHeadAttention(
             self.config.dim, self.config.heads, spec.mechanism, rotary=rotary, context_dim=context_dim,
-            **(spec.options or {}),
+            kv_heads=kv_heads, **(spec.options or {}),
         )
 
     def _self_attention(self) -> MultiHeadAttention:
-        return self._attention(self.config.self_attention, rotary=self.config.rotary)
+        return self._attention(self.config.self_attention, rotary=self.config.rotary, kv_heads=self.config.kv_heads)
 
     def _feed_forward(self) -> FeedForward:
         config = self.config

@@ -40,6 +40,7 @@ class TrainConfig:
         block, block_options: "attention" (attention + feed-forward layers), or "gau" / "flash" (every layer a
             gated attention unit, with ``block_options`` such as ``chunk_size``; ``mechanism`` stays softmax).
         dim, depth, heads, ff_dim, dropout, positional, pooling: the model (pooling for classification only).
+        kv_heads: key/value heads of the self-attention (grouped-query attention), dividing ``heads``; None: heads.
         token_shift: half of each position's embedding features come from the token before it
             (:class:`~attnzoo.models.TokenEmbedding`); not for seq2seq tasks.
         batch_size, steps: sequences per step and optimiser steps in all.
@@ -79,6 +80,7 @@ class TrainConfig:
     dim: int = 64
     depth: int = 2
     heads: int = 4
+    kv_heads: Optional[int] = None
     ff_dim: Optional[int] = None
     dropout: float = 0.0
     positional: str = "sinusoidal"
@@ -158,6 +160,9 @@ class TrainConfig:
             raise ValueError(f"copy_mechanism is built for autoregressive decoding; decoding is {self.decoding!r}")
         if self.dim % self.heads:
             raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
+        check_number("kv_heads", self.kv_heads, integer=True, minimum=1, optional=True)
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads must divide heads, got kv_heads={self.kv_heads} and heads={self.heads}")
 
     @property
     def model_label(self) -> str:

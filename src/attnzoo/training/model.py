@@ -40,7 +40,7 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
         return [str(error)]
     length = model_length(config, task)
     padding = None if task.pad_id is None else torch.zeros(1, length, dtype=torch.bool, device="meta")
-    q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads)
+    q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads, kv_heads=config.kv_heads)
     reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
     if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention: causal unless NAT
         target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads)
@@ -88,7 +88,7 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
     common: Dict[str, Any] = dict(
-        dim=config.dim, heads=config.heads, depth=config.depth, ff_dim=config.ff_dim, dropout=config.dropout,
+        dim=config.dim, heads=config.heads, kv_heads=config.kv_heads, depth=config.depth, ff_dim=config.ff_dim, dropout=config.dropout,
         positional=config.positional, max_length=task.seq_len, self_attention=config.mechanism,
         self_attention_options=mechanism_options_for(config, task),
     )
@@ -103,6 +103,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         return LanguageModel(task.vocab_size, token_shift=config.token_shift, **common)
     if task.kind == "seq2seq":
         # The mechanism serves both self-attention slots; cross-attention stays exact softmax.
+        if common.pop("kv_heads") not in (None, config.heads):
+            raise UnsupportedOptionError(f"kv_heads={config.kv_heads} cannot train on {task.name}: its model, a "
+                                         f"Seq2SeqTransformer, has no grouped-query attention; leave kv_heads unset")
         options = common.pop("self_attention_options")
         mechanism = common.pop("self_attention")
         depth = common.pop("depth")
