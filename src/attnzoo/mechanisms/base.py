@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
+from ..functional.packing import attend_per_document, check_cu_seqlens, reference_per_document
 from ..state import DecodingState
 
 State = Optional[DecodingState]
@@ -42,6 +43,17 @@ KINDS = {
 }
 """What a mechanism's output is, relative to exact softmax attention (:attr:`Capabilities.kind`)."""
 
+PACKED_NATIVE = "native"
+PACKED_SPLIT = "split"
+NOT_PACKED = "none"
+PACKINGS = {
+    PACKED_NATIVE: "takes packed batches (cu_seqlens) in a path of its own",
+    PACKED_SPLIT: "takes packed batches (cu_seqlens) by running each document alone (equal lengths batched)",
+    NOT_PACKED: "refuses packed batches (cu_seqlens): its output for a document would depend on the others",
+}
+"""How a mechanism honours ``cu_seqlens`` (:attr:`Capabilities.packing`): each document attends only within
+itself, giving exactly what it gives that document alone."""
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -60,6 +72,8 @@ class Capabilities:
         length_multiple: query and key lengths must be multiples of it (blocks, buckets), or None.
         limited_by: for an instance whose options switched capabilities off (see :meth:`narrowed`), those
             options, so that error messages can name them; None in a class's declaration.
+        packing: one of :data:`PACKINGS`: whether :meth:`Mechanism.forward` takes ``cu_seqlens`` (a packed
+            batch of documents), natively, by splitting the row into documents, or not at all.
     """
 
     causal: bool
@@ -72,10 +86,18 @@ class Capabilities:
     max_length: Optional[int] = None
     length_multiple: Optional[int] = None
     limited_by: Optional[str] = None
+    packing: str = NOT_PACKED
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+
+    @property
+    def packed(self) -> bool:
+        """Whether packed batches (``cu_seqlens``) are accepted."""
+        return self.packing != NOT_PACKED
 
     @property
     def exact(self) -> bool:
@@ -152,6 +174,7 @@ class Mechanism(nn.Module):
         key_padding_mask: Optional[Tensor] = None,
         *,
         cross: bool = False,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """Attend.
 
@@ -164,11 +187,17 @@ class Mechanism(nn.Module):
             cross: the keys and values come from another sequence than the queries (cross-attention). Said
                 explicitly, never guessed from the lengths: self-attention (the default) needs
                 ``seq_q == seq_kv``, and cross-attention may have any lengths, equal ones included.
+            cu_seqlens: a packed batch (self-attention, batch 1): int64 document offsets ``[0, ..., seq]``,
+                each document attending only within itself (see :mod:`attnzoo.functional.packing`); for a
+                mechanism whose ``capabilities.packing`` accepts it. None: one sequence per batch row.
 
         Returns:
             (batch, heads, seq_q, head_dim_v)
         """
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        if cu_seqlens is not None:
+            spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)
+            return self.attend_packed(q, k, v, causal, spans)
         return self.attend(q, k, v, causal, key_padding_mask, cross)
 
     def attend(
@@ -194,6 +223,38 @@ class Mechanism(nn.Module):
         returns float64 (batch, heads, seq_q, head_dim_v).
         """
         raise NotImplementedError(f"{type(self).__qualname__} must implement reference()")
+
+    # -- packed batches (cu_seqlens) -----------------------------------------------------------------------------
+    def check_packing(
+        self, q: Tensor, key_padding_mask: Optional[Tensor], cross: bool, cu_seqlens: object
+    ) -> List[Tuple[int, int]]:
+        """Refuse ``cu_seqlens`` where this instance cannot honour it, check it, and return each document's
+        (start, end). Errors name ``cu_seqlens``; raised before any computation."""
+        caps = self.capabilities
+        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        if not caps.packed:
+            raise UnsupportedOptionError(
+                f"{who} does not take cu_seqlens (packed batches): its output for a document would not be what it "
+                f"gives that document alone; pad the documents into rows instead"
+            )
+        if cross:
+            raise UnsupportedOptionError("cu_seqlens describes packed self-attention: it cannot be used with cross=True")
+        if key_padding_mask is not None:
+            raise ValueError("cu_seqlens and key_padding_mask cannot be used together: a packed row has no padding")
+        if torch.jit.is_tracing():
+            raise UnsupportedOptionError(f"{who}: cu_seqlens cannot be traced: the documents are read from its values")
+        return check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        """Attention over a checked packed row (1, heads, N, dim), each document (start, end) of ``spans``
+        alone. By default :meth:`attend` on every document, equal lengths batched (``packing="split"``);
+        a ``"native"`` mechanism overrides it."""
+        return attend_per_document(lambda *qkv: self.attend(*qkv, causal, None, False), q, k, v, spans)
+
+    def reference_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, *, cu_seqlens: Tensor) -> Tensor:
+        """:meth:`reference` of a packed row: float64, each document's reference computed alone in turn."""
+        spans = self.check_packing(q, None, False, cu_seqlens)
+        return reference_per_document(lambda *qkv: self.reference(*qkv, causal), q, k, v, spans)
 
     def check_inputs(
         self,

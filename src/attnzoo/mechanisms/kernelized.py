@@ -34,7 +34,9 @@ from ..functional.linear import (
     kernel_attention_step_unchecked,
     kernel_attention_unchecked,
 )
-from .base import APPROXIMATE, OWN, Capabilities, Mechanism, StateLayout, register, seeded_generator
+from .base import (
+    APPROXIMATE, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register, seeded_generator,
+)
 
 
 class KernelizedMechanism(Mechanism):
@@ -240,6 +242,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         kind=APPROXIMATE,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
+        packing=PACKED_SPLIT,
     )
     sweep_option = "nb_features"
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0, "chunk_size": 4}
@@ -354,6 +357,7 @@ class LinearAttention(_FeatureMapMechanism):
         kind=OWN,
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
+        packing=PACKED_SPLIT,
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
@@ -398,6 +402,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         kind=OWN,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="random feature attention: trigonometric features on unit q, k, optional gate (Peng et al. 2021)",
+        packing=PACKED_SPLIT,
     )
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.
