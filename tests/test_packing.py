@@ -98,3 +98,17 @@ def test_layer_with_rotary_gives_each_document_what_it_gets_alone(name):
     out = layer(x, causal=True, cu_seqlens=offsets(0, 4, LENGTH))
     torch.testing.assert_close(out[:, :4], layer(x[:, :4], causal=True), rtol=0, atol=1e-12)
     torch.testing.assert_close(out[:, 4:], layer(x[:, 4:], causal=True), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
+@pytest.mark.parametrize("gated", [False, True])
+def test_kernelized_state_resets_at_document_starts_for_any_chunk_size(chunk_size, gated):
+    mechanism = attnzoo.build_mechanism("rfa", HEADS, HEAD_DIM, nb_features=16, seed=0, gated=gated,
+                                        chunk_size=chunk_size).double()
+    q, k, v = qkv()
+    cu = offsets(0, 1, 6, 7, LENGTH)
+    out = mechanism(q, k, v, True, cu_seqlens=cu)
+    ends = cu.tolist()
+    for start, end in zip(ends, ends[1:]):
+        alone = mechanism(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], True)
+        torch.testing.assert_close(out[:, :, start:end], alone, rtol=0, atol=1e-12)

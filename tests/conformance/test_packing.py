@@ -19,9 +19,9 @@ from attnzoo.mechanisms import Mechanism, SoftmaxAttention, UnsupportedOptionErr
 
 from . import checks
 
-# Lengths 1, 3, 5, 8 in a row of 17: documents of one position, and documents that start and end inside and
-# across chunks and blocks of 2, 4 and 8 (every chunk size the test options use).
-DOCUMENT_LENGTHS = (3, 1, 8, 5)
+# Lengths 1, 5, 3, 8 in a row of 17 (offsets 0, 1, 6, 9, 17): a document of one position, and documents that
+# start inside a chunk or block of 2, 4 or 8 (every chunk size the test options use) and end inside another.
+DOCUMENT_LENGTHS = (1, 5, 3, 8)
 EXACT = {"rtol": 0.0, "atol": 1e-10}
 
 MECHANISMS = attnzoo.available()
@@ -91,8 +91,9 @@ def test_packed_documents_equal_documents_alone(name, options):
     check_packing(checks.build(name, options=options))
 
 
-def test_softmax_packs_natively():
-    assert attnzoo.capabilities("softmax").packing == "native"
+@pytest.mark.parametrize("name", ["softmax", "linear", "rfa"])
+def test_packs_natively(name):
+    assert attnzoo.capabilities(name).packing == "native"
 
 
 # -- the check can fail ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ in :mod:`attnzoo.mechanisms.gated` builds on too.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,10 @@ from ..functional.linear import (
     kernel_attention_reference,
     kernel_attention_step_unchecked,
     kernel_attention_unchecked,
+    packed_causal_kernel_attention_unchecked,
 )
 from .base import (
-    APPROXIMATE, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register, seeded_generator,
+    APPROXIMATE, OWN, PACKED_NATIVE, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register, seeded_generator,
 )
 
 
@@ -124,6 +125,17 @@ class KernelizedMechanism(Mechanism):
         return kernel_attention_unchecked(
             phi_q, phi_k, v, causal, key_padding_mask, log_decay, self.normalizer, self.chunk_size,
             self.denominator_eps,
+        )
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        # "native": causal, one chunked pass over the row with the state reset at document starts. Non-causal,
+        # and for features fitted to the whole row (performer's stabiliser): each document alone.
+        if not causal or self.capabilities.packing != PACKED_NATIVE:
+            return super().attend_packed(q, k, v, causal, spans)
+        phi_q, phi_k, _ = self.features(q, k, None)
+        phi_k, log_decay = self._keys(k, phi_k)
+        return packed_causal_kernel_attention_unchecked(
+            phi_q, phi_k, v, spans, log_decay, self.normalizer, self.chunk_size, self.denominator_eps
         )
 
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
@@ -357,7 +369,7 @@ class LinearAttention(_FeatureMapMechanism):
         kind=OWN,
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
-        packing=PACKED_SPLIT,
+        packing=PACKED_NATIVE,
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
@@ -402,7 +414,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         kind=OWN,
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="random feature attention: trigonometric features on unit q, k, optional gate (Peng et al. 2021)",
-        packing=PACKED_SPLIT,
+        packing=PACKED_NATIVE,
     )
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.
