@@ -76,7 +76,8 @@ def test_undeclared_packing_is_refused_before_projecting():
 
 def test_capabilities_refuse_an_unknown_packing():
     with pytest.raises(ValueError, match=r"packing must be one of native, split, none, got 'sometimes'"):
-        attnzoo.capabilities("softmax").__class__(**{**attnzoo.capabilities("softmax").as_dict(), "packing": "sometimes"})
+        caps = attnzoo.capabilities("softmax")
+        type(caps)(**{**caps.as_dict(), "packing": "sometimes"})
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -112,3 +113,31 @@ def test_kernelized_state_resets_at_document_starts_for_any_chunk_size(chunk_siz
     for start, end in zip(ends, ends[1:]):
         alone = mechanism(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], True)
         torch.testing.assert_close(out[:, :, start:end], alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "rfa"])
+def test_prefill_of_a_packed_row_returns_one_state_per_document(name):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2, name, rotary=True).double()
+    x = torch.randn(1, LENGTH + 1, 8, dtype=torch.float64)
+    out, states = layer.prefill_packed(x[:, :LENGTH], offsets(0, 4, LENGTH))
+    assert [state.position for state in states] == [4, LENGTH - 4]
+    for (start, end), state in zip([(0, 4), (4, LENGTH)], states):
+        alone, alone_state = layer.prefill(x[:, start:end])
+        torch.testing.assert_close(out[:, start:end], alone, rtol=0, atol=1e-12)
+        # The next token continues each document as it continues the document alone.
+        torch.testing.assert_close(layer.step(x[:, LENGTH:], state)[0], layer.step(x[:, LENGTH:], alone_state)[0],
+                                   rtol=0, atol=1e-12)
+
+
+def test_prefill_of_a_packed_row_is_refused_without_packing():
+    mechanism = attnzoo.build_mechanism("aft", HEADS, HEAD_DIM, max_seq_len=LENGTH).double()
+    with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens"):
+        mechanism.prefill_packed(*qkv(), cu_seqlens=offsets(0, 4, LENGTH))
+
+
+def test_tracing_a_packed_call_is_refused():
+    mechanism = attnzoo.build_mechanism("softmax", HEADS, HEAD_DIM).double()
+    cu = offsets(0, 4, LENGTH)
+    with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens cannot be traced"):
+        torch.jit.trace(lambda q, k, v: mechanism(q, k, v, cu_seqlens=cu), qkv())

@@ -213,6 +213,17 @@ class MultiHeadAttention(nn.Module):
         out, state = self.mechanism.prefill(q, k, v)
         return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(state)
 
+    def prefill_packed(self, x: Tensor, cu_seqlens: Tensor) -> Tuple[Tensor, List[AttentionState]]:
+        """:meth:`prefill` of a packed row x (1, seq, dim) of prompts at offsets ``cu_seqlens``: the output, each
+        prompt alone, and one decoding state per prompt (batch 1), in order."""
+        self._check_input("x", x, self.dim)
+        spans = self.mechanism.check_packing(x.unsqueeze(1), None, False, cu_seqlens)
+        q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            q, k = self._rotate(q, spans), self._rotate(k, spans)
+        out, states = self.mechanism.prefill_packed(q, k, v, cu_seqlens=cu_seqlens)
+        return self.out_proj(self.dropout(self._merge_heads(out))), [AttentionState(state) for state in states]
+
     def step(self, x_t: Tensor, state: Optional[AttentionState]) -> Tuple[Tensor, AttentionState]:
         """One decoding step: x_t (batch, 1, dim) -> (y_t (batch, 1, dim), new state). Start with state=None."""
         self._check_input("x_t", x_t, self.dim)

@@ -238,7 +238,7 @@ class Mechanism(nn.Module):
                 f"gives that document alone; pad the documents into rows instead"
             )
         if cross:
-            raise UnsupportedOptionError("cu_seqlens describes packed self-attention: it cannot be used with cross=True")
+            raise UnsupportedOptionError("cu_seqlens describes packed self-attention: not with cross=True")
         if key_padding_mask is not None:
             raise ValueError("cu_seqlens and key_padding_mask cannot be used together: a packed row has no padding")
         if torch.jit.is_tracing():
@@ -367,6 +367,21 @@ class Mechanism(nn.Module):
         self.check_inputs(q, k, v, True, None)
         out, tensors = self.attend_prefill(q, k, v)
         return out, DecodingState(self.name, q.shape[2], tensors)
+
+    def prefill_packed(
+        self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor
+    ) -> Tuple[Tensor, List[DecodingState]]:
+        """:meth:`prefill` of a packed row (1, heads, N, head_dim) of prompts: the causal output, each document
+        alone, and one state per document (batch 1), in order, each continuing its own prompt."""
+        self.require_recurrent_step()
+        self.check_inputs(q, k, v, True, None)
+        spans = self.check_packing(q, None, False, cu_seqlens)
+        outputs, states = [], []
+        for start, end in spans:
+            out, tensors = self.attend_prefill(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end])
+            outputs.append(out)
+            states.append(DecodingState(self.name, end - start, tensors))
+        return torch.cat(outputs, dim=2), states
 
     # What a mechanism with recurrent_step=True implements; the public methods above check and wrap.
     def attend_step(
