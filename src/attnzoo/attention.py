@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from ._validation import check_bool, check_floating, check_positive_int, check_probability
@@ -126,14 +127,27 @@ class MultiHeadAttention(nn.Module):
         causal: bool = False,
         key_padding_mask: Optional[Tensor] = None,
         global_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """Self-attention over x, or cross-attention from x to ``context`` (batch, seq_c, context_dim).
 
         ``global_mask``: (batch, seq) bool, True marking global positions for this call, passed on to a
         mechanism that takes it (``"global_mask"`` in its ``call_options``: ``longformer``); refused with an
-        :class:`~attnzoo.UnsupportedOptionError` naming it for any other mechanism."""
+        :class:`~attnzoo.UnsupportedOptionError` naming it for any other mechanism.
+
+        ``cu_seqlens``: a packed batch, x of batch 1 holding documents back to back: int64 offsets ``[0, ...,
+        seq]``, each document attending only within itself (rotary positions restart at each document);
+        for a mechanism whose ``capabilities.packing`` accepts it, refused naming it for any other."""
         self._check_input("x", x, self.dim)
         options = self._call_options(global_mask=global_mask)
+        spans = None
+        if cu_seqlens is not None:
+            if context is not None:
+                raise UnsupportedOptionError("cu_seqlens describes packed self-attention: it cannot be used with "
+                                             "context=...")
+            # Checked before projecting; (batch, 1, seq, dim) reads as q's (batch, heads, seq, dim).
+            spans = self.mechanism.check_packing(x.unsqueeze(1), key_padding_mask, False, cu_seqlens)
+            options["cu_seqlens"] = cu_seqlens
         source = x
         if context is not None:
             self._check_input("context", context, self.context_dim)
@@ -145,10 +159,18 @@ class MultiHeadAttention(nn.Module):
         k = self._split_heads(self.k_proj(source))
         v = self._split_heads(self.v_proj(source))
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self._rotate(q, spans), self._rotate(k, spans)
         out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None,
                              **options)
         return self.out_proj(self.dropout(self._merge_heads(out)))
+
+    def _rotate(self, x: Tensor, spans: Optional[List[Tuple[int, int]]]) -> Tensor:
+        """Rotary embeddings of x (batch, heads, seq, head_dim): positions from 0, or from 0 in each document
+        (start, end) of a packed row, so a document is rotated as it would be alone."""
+        assert self.rotary is not None
+        if spans is None:
+            return self.rotary(x)
+        return torch.cat([self.rotary(x[:, :, start:end]) for start, end in spans], dim=2)
 
     def _call_options(self, **given: Optional[Tensor]) -> Dict[str, Tensor]:
         """The per-call arguments that were given (not None), each checked to be one the mechanism declares in
@@ -202,6 +224,17 @@ class MultiHeadAttention(nn.Module):
             q, k = self.rotary(q), self.rotary(k)
         out, state = self.mechanism.prefill(q, k, v)
         return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(state)
+
+    def prefill_packed(self, x: Tensor, cu_seqlens: Tensor) -> Tuple[Tensor, List[AttentionState]]:
+        """:meth:`prefill` of a packed row x (1, seq, dim) of prompts at offsets ``cu_seqlens``: the output, each
+        prompt alone, and one decoding state per prompt (batch 1), in order."""
+        self._check_input("x", x, self.dim)
+        spans = self.mechanism.check_packing(x.unsqueeze(1), None, False, cu_seqlens)
+        q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.rotary is not None:
+            q, k = self._rotate(q, spans), self._rotate(k, spans)
+        out, states = self.mechanism.prefill_packed(q, k, v, cu_seqlens=cu_seqlens)
+        return self.out_proj(self.dropout(self._merge_heads(out))), [AttentionState(state) for state in states]
 
     def step(self, x_t: Tensor, state: Optional[AttentionState]) -> Tuple[Tensor, AttentionState]:
         """One decoding step: x_t (batch, 1, dim) -> (y_t (batch, 1, dim), new state). Start with state=None."""

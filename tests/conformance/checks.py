@@ -325,8 +325,8 @@ def check_declaration(cls: Type[Mechanism]) -> None:
     check_call_options(cls)
 
 
-# The keyword-only arguments of the contract's forward(q, k, v, causal, key_padding_mask, *, cross).
-_CONTRACT_KEYWORDS = ("cross",)
+# The keyword-only arguments of the contract's forward(q, k, v, causal, key_padding_mask, *, cross, cu_seqlens).
+_CONTRACT_KEYWORDS = ("cross", "cu_seqlens")
 
 
 def check_call_options(cls: Type[Mechanism]) -> None:

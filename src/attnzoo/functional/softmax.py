@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .._validation import check_bool, check_key_padding_mask, check_number, check_qkv
 from .masks import allowed_mask, zero_padded
+from .packing import attend_per_document, check_cu_seqlens
 
 
 def softmax_attention(
@@ -79,6 +80,46 @@ def softmax_attention_unchecked(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
     return masked_sdpa(q, k, v, allowed, scale)
+
+
+def packed_softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    causal: bool = False,
+    *,
+    quiet: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Exact softmax attention over a packed row of documents, each attending only within itself:
+    block-diagonal attention without an (N, N) mask, one fused call per distinct document length.
+
+    Args:
+        q, k: (1, heads, N, head_dim); v: (1, heads, N, head_dim_v): one packed row.
+        cu_seqlens: int64 document offsets ``[0, ..., N]`` (see :mod:`attnzoo.functional.packing`).
+        causal, quiet, scale: as :func:`softmax_attention`, within each document.
+
+    Returns:
+        (1, heads, N, head_dim_v): each document's rows equal :func:`softmax_attention` on it alone.
+    """
+    check_bool("causal", causal)
+    check_bool("quiet", quiet)
+    scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
+    check_qkv(q, k, v)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"cu_seqlens packs self-attention: q has {q.shape[2]} positions, k {k.shape[2]}")
+    spans = check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)
+    return packed_softmax_attention_unchecked(q, k, v, spans, causal, quiet, scale)
+
+
+def packed_softmax_attention_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, spans: List[Tuple[int, int]], causal: bool, quiet: bool,
+    scale: Optional[float],
+) -> Tensor:
+    """:func:`packed_softmax_attention` on checked inputs, the documents given as (start, end) spans."""
+    per_document = lambda *qkv: softmax_attention_unchecked(*qkv, causal, None, quiet, scale)  # noqa: E731
+    return attend_per_document(per_document, q, k, v, spans)
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: Optional[float] = None) -> Tensor:

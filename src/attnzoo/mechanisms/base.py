@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from ..functional.grouped import query_groups, repeat_kv
+from ..functional.packing import attend_per_document, check_cu_seqlens, reference_per_document
 from ..state import DecodingState
 
 State = Optional[DecodingState]
@@ -54,6 +55,16 @@ GROUPED_KV = {
 }
 """How a mechanism takes grouped-query inputs, k and v with ``kv_heads`` < ``heads`` heads
 (:attr:`Capabilities.grouped_kv`), from best to worst: an instance's options may only move it down."""
+PACKED_NATIVE = "native"
+PACKED_SPLIT = "split"
+NOT_PACKED = "none"
+PACKINGS = {
+    PACKED_NATIVE: "takes packed batches (cu_seqlens) in a path of its own",
+    PACKED_SPLIT: "takes packed batches (cu_seqlens) by running each document alone (equal lengths batched)",
+    NOT_PACKED: "refuses packed batches (cu_seqlens): its output for a document would depend on the others",
+}
+"""How a mechanism honours ``cu_seqlens`` (:attr:`Capabilities.packing`): each document attends only within
+itself, giving exactly what it gives that document alone."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,8 @@ class Capabilities:
             materialises the repeated keys/values; decoding states hold ``kv_heads``), ``"repeat"`` (the base
             class repeats them explicitly before :meth:`Mechanism.attend` and :meth:`Mechanism.attend_step`:
             same outputs, full memory; the default) or ``"none"`` (refused, naming kv_heads).
+        packing: one of :data:`PACKINGS`: whether :meth:`Mechanism.forward` takes ``cu_seqlens`` (a packed
+            batch of documents), natively, by splitting the row into documents, or not at all.
     """
 
     causal: bool
@@ -91,12 +104,20 @@ class Capabilities:
     length_multiple: Optional[int] = None
     limited_by: Optional[str] = None
     grouped_kv: str = REPEAT_KV
+    packing: str = NOT_PACKED
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.grouped_kv not in GROUPED_KV:
             raise ValueError(f"grouped_kv must be one of {', '.join(GROUPED_KV)}, got {self.grouped_kv!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+
+    @property
+    def packed(self) -> bool:
+        """Whether packed batches (``cu_seqlens``) are accepted."""
+        return self.packing != NOT_PACKED
 
     @property
     def exact(self) -> bool:
@@ -212,6 +233,7 @@ class Mechanism(nn.Module):
         key_padding_mask: Optional[Tensor] = None,
         *,
         cross: bool = False,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """Attend.
 
@@ -226,12 +248,21 @@ class Mechanism(nn.Module):
             cross: the keys and values come from another sequence than the queries (cross-attention). Said
                 explicitly, never guessed from the lengths: self-attention (the default) needs
                 ``seq_q == seq_kv``, and cross-attention may have any lengths, equal ones included.
+            cu_seqlens: a packed batch (self-attention, batch 1): int64 document offsets ``[0, ..., seq]``,
+                each document attending only within itself (see :mod:`attnzoo.functional.packing`); for a
+                mechanism whose ``capabilities.packing`` accepts it. None: one sequence per batch row.
 
         Returns:
             (batch, heads, seq_q, head_dim_v)
         """
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         k, v = self.repeated_kv(q, k, v)
+        if cu_seqlens is not None:
+            spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)
+            if k.shape[1] != q.shape[1]:  # the packed paths take as many key/value heads as query heads
+                groups = query_groups(q.shape[1], k.shape[1])
+                k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            return self.attend_packed(q, k, v, causal, spans)
         return self.attend(q, k, v, causal, key_padding_mask, cross)
 
     def repeated_kv(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
@@ -266,6 +297,38 @@ class Mechanism(nn.Module):
         before a subclass's ``reference`` sees them (the base class wraps every override).
         """
         raise NotImplementedError(f"{type(self).__qualname__} must implement reference()")
+
+    # -- packed batches (cu_seqlens) -----------------------------------------------------------------------------
+    def check_packing(
+        self, q: Tensor, key_padding_mask: Optional[Tensor], cross: bool, cu_seqlens: object
+    ) -> List[Tuple[int, int]]:
+        """Refuse ``cu_seqlens`` where this instance cannot honour it, check it, and return each document's
+        (start, end). Errors name ``cu_seqlens``; raised before any computation."""
+        caps = self.capabilities
+        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        if not caps.packed:
+            raise UnsupportedOptionError(
+                f"{who} does not take cu_seqlens (packed batches): its output for a document would not be what it "
+                f"gives that document alone; pad the documents into rows instead"
+            )
+        if cross:
+            raise UnsupportedOptionError("cu_seqlens describes packed self-attention: not with cross=True")
+        if key_padding_mask is not None:
+            raise ValueError("cu_seqlens and key_padding_mask cannot be used together: a packed row has no padding")
+        if torch.jit.is_tracing():
+            raise UnsupportedOptionError(f"{who}: cu_seqlens cannot be traced: the documents are read from its values")
+        return check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        """Attention over a checked packed row (1, heads, N, dim), each document (start, end) of ``spans``
+        alone. By default :meth:`attend` on every document, equal lengths batched (``packing="split"``);
+        a ``"native"`` mechanism overrides it."""
+        return attend_per_document(lambda *qkv: self.attend(*qkv, causal, None, False), q, k, v, spans)
+
+    def reference_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, *, cu_seqlens: Tensor) -> Tensor:
+        """:meth:`reference` of a packed row: float64, each document's reference computed alone in turn."""
+        spans = self.check_packing(q, None, False, cu_seqlens)
+        return reference_per_document(lambda *qkv: self.reference(*qkv, causal), q, k, v, spans)
 
     def check_inputs(
         self,
@@ -405,6 +468,21 @@ class Mechanism(nn.Module):
         k, v = self.repeated_kv(q, k, v)
         out, tensors = self.attend_prefill(q, k, v)
         return out, DecodingState(self.name, q.shape[2], tensors)
+
+    def prefill_packed(
+        self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor
+    ) -> Tuple[Tensor, List[DecodingState]]:
+        """:meth:`prefill` of a packed row (1, heads, N, head_dim) of prompts: the causal output, each document
+        alone, and one state per document (batch 1), in order, each continuing its own prompt."""
+        self.require_recurrent_step()
+        self.check_inputs(q, k, v, True, None)
+        spans = self.check_packing(q, None, False, cu_seqlens)
+        outputs, states = [], []
+        for start, end in spans:
+            out, tensors = self.attend_prefill(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end])
+            outputs.append(out)
+            states.append(DecodingState(self.name, end - start, tensors))
+        return torch.cat(outputs, dim=2), states
 
     # What a mechanism with recurrent_step=True implements; the public methods above check and wrap.
     def attend_step(

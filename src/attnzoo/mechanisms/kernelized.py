@@ -8,7 +8,7 @@ in :mod:`attnzoo.mechanisms.gated` builds on too.
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Dict, Optional, Tuple
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +34,14 @@ from ..functional.linear import (
     kernel_attention_reference,
     kernel_attention_step_unchecked,
     kernel_attention_unchecked,
+    packed_causal_kernel_attention_unchecked,
 )
 from .base import (
     APPROXIMATE,
     NATIVE_KV,
     OWN,
+    PACKED_NATIVE,
+    PACKED_SPLIT,
     REPEAT_KV,
     Capabilities,
     Mechanism,
@@ -144,6 +147,17 @@ class KernelizedMechanism(Mechanism):
         if k.shape[1] != q.shape[1]:
             return grouped_query_attention(attend_features, phi_q, k.shape[1], causal)
         return attend_features(phi_q, causal)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        # "native": causal, one chunked pass over the row with the state reset at document starts. Non-causal,
+        # and for features fitted to the whole row (performer's stabiliser): each document alone.
+        if not causal or self.capabilities.packing != PACKED_NATIVE:
+            return super().attend_packed(q, k, v, causal, spans)
+        phi_q, phi_k, _ = self.features(q, k, None)
+        phi_k, log_decay = self._keys(k, phi_k)
+        return packed_causal_kernel_attention_unchecked(
+            phi_q, phi_k, v, spans, log_decay, self.normalizer, self.chunk_size, self.denominator_eps
+        )
 
     def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
         kv_heads = self.heads if kv_heads is None else kv_heads
@@ -276,6 +290,7 @@ class PerformerAttention(_RandomFeatureMechanism):
         complexity="time O(N m d), memory O(N (m + d)); m = nb_features; decoding O(m d) per token",
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
         grouped_kv=NATIVE_KV,
+        packing=PACKED_SPLIT,
     )
     sweep_option = "nb_features"
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0, "chunk_size": 4}
@@ -393,6 +408,7 @@ class LinearAttention(_FeatureMapMechanism):
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
         grouped_kv=NATIVE_KV,
+        packing=PACKED_NATIVE,
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
@@ -439,6 +455,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         summary="random feature attention: trigonometric features on unit q, k, optional gate (Peng et al. 2021)",
         # The learned sharpness (and gate) is per query head and scales the keys: one state per query head.
         grouped_kv=REPEAT_KV,
+        packing=PACKED_NATIVE,
     )
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.

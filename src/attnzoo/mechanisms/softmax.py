@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -19,10 +19,11 @@ from ..functional.grouped import grouped_query_attention
 from ..functional.softmax import (
     masked_sdpa,
     masked_softmax_reference,
+    packed_softmax_attention_unchecked,
     softmax_attention_reference,
     softmax_attention_unchecked,
 )
-from .base import EXACT, NATIVE_KV, OWN, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
+from .base import EXACT, NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
 
 CACHE_BLOCK = 256
 """The KV cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
@@ -84,6 +85,7 @@ class SoftmaxAttention(Mechanism):
         complexity="time O(N^2), memory O(N) (fused kernel)",
         summary="exact scaled dot-product attention (Vaswani et al. 2017)",
         grouped_kv=NATIVE_KV,
+        packing=PACKED_NATIVE,
     )
     test_variants = ({"quiet": True},)
     test_variants += ({"window": 3, "sink_tokens": 2}, {"window": 2})
@@ -129,6 +131,13 @@ class SoftmaxAttention(Mechanism):
                 q, k.shape[1], causal,
             )
         return softmax_attention_unchecked(q, k, v, causal, key_padding_mask, self.quiet, self.scale)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        # Block-diagonal without an (N, N) mask: one fused call per distinct document length. A window is
+        # applied within each document by the windowed form, run per document likewise.
+        if self.window is not None:
+            return super().attend_packed(q, k, v, causal, spans)
+        return packed_softmax_attention_unchecked(q, k, v, spans, causal, self.quiet, self.scale)
 
     def reference(
         self,

@@ -5,6 +5,7 @@ family, one module per form.
   (non-causal, and causal in chunks with a carried state), with the paths and their costs in its docstring;
   :mod:`.causal_chunks`: its hand-written autograd for the causal form without decay.
 * :mod:`.recurrent`: :func:`kernel_attention_prefill` and :func:`kernel_attention_step`, O(m d) per token.
+* :mod:`.packed`: the causal chunked form over a packed row of documents, its state reset at each start.
 * :mod:`.reference`: the float64 quadratic forms every fast path is tested against.
 * :mod:`.checks`, :mod:`.inputs`, :mod:`.normalize`, :mod:`.protocol`: what the forms share (argument checks;
   masking and the ones column of the values; the normaliser and its guards; what a feature map provides).
@@ -15,6 +16,7 @@ the sequence for sequence parallelism in :mod:`attnzoo.functional.state_scan`.
 
 from .chunk import DEFAULT_CHUNK_SIZE, kernel_attention, kernel_attention_unchecked, linear_attention
 from .causal_chunks import GROUP_ROWS, GroupTerms
+from .packed import packed_causal_kernel_attention_unchecked
 from .normalize import NORMALIZERS, SIGNED_DENOMINATOR_EPS, denominator_floor, normalize_output
 from .protocol import FeatureMapArg, FeatureMapLike
 from .recurrent import (
@@ -46,4 +48,5 @@ __all__ = [
     "linear_attention",
     "linear_attention_reference",
     "normalize_output",
+    "packed_causal_kernel_attention_unchecked",
 ]

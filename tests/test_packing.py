@@ -1,0 +1,143 @@
+"""Packed batches (``cu_seqlens``): malformed offsets and unsupported combinations are refused, naming
+``cu_seqlens``, before any computation; the functional and layer forms agree with documents run alone."""
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo import MultiHeadAttention, UnsupportedOptionError
+from attnzoo.functional.packing import check_cu_seqlens
+from attnzoo.functional.softmax import packed_softmax_attention, softmax_attention
+
+HEADS, HEAD_DIM, LENGTH = 2, 4, 9
+
+
+def qkv(batch=1, length=LENGTH, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(batch, HEADS, length, HEAD_DIM, generator=generator, dtype=dtype) for _ in range(3))
+
+
+def offsets(*values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "cu_seqlens, error, message",
+    [
+        (offsets(1, 4, LENGTH), ValueError, r"cu_seqlens must start at 0, got 1"),
+        (offsets(0, 5, 3, LENGTH), ValueError, r"cu_seqlens must be strictly increasing.*5 then 3"),
+        (offsets(0, 4, 4, LENGTH), ValueError, r"cu_seqlens must be strictly increasing.*4 then 4"),
+        (offsets(0, 4, LENGTH - 1), ValueError, rf"cu_seqlens must end at the row length {LENGTH}, got {LENGTH - 1}"),
+        (offsets(0, 4, LENGTH + 1), ValueError, rf"cu_seqlens must end at the row length {LENGTH}"),
+        (torch.tensor([0.0, 4.0, LENGTH]), TypeError, r"cu_seqlens must be int64.*float32"),
+        (torch.tensor([0, 4, LENGTH], dtype=torch.int32), TypeError, r"cu_seqlens must be int64.*int32"),
+        (offsets(0, 4, LENGTH).view(1, 3), ValueError, r"cu_seqlens must be 1-D.*\(1, 3\)"),
+        (offsets(0), ValueError, r"cu_seqlens must be 1-D with at least two offsets"),
+        ([0, 4, LENGTH], TypeError, r"cu_seqlens must be an int64 tensor.*list"),
+    ],
+)
+@pytest.mark.parametrize("name", ["softmax", "linear"])
+def test_malformed_offsets_are_refused_naming_cu_seqlens(name, cu_seqlens, error, message):
+    mechanism = attnzoo.build_mechanism(name, HEADS, HEAD_DIM).double()
+    with pytest.raises(error, match=message):
+        mechanism(*qkv(), cu_seqlens=cu_seqlens)
+    with pytest.raises(error, match=message):
+        packed_softmax_attention(*qkv(), cu_seqlens)
+
+
+def test_batch_over_one_is_refused_naming_cu_seqlens():
+    mechanism = attnzoo.build_mechanism("softmax", HEADS, HEAD_DIM).double()
+    with pytest.raises(ValueError, match=r"cu_seqlens .* one packed row: the batch must be 1, got batch 2"):
+        mechanism(*qkv(batch=2), cu_seqlens=offsets(0, 4, LENGTH))
+
+
+def test_offsets_on_another_device_are_refused():
+    with pytest.raises(ValueError, match=r"cu_seqlens is on meta, the inputs on cpu"):
+        check_cu_seqlens(offsets(0, LENGTH).to("meta"), 1, LENGTH, torch.device("cpu"))
+
+
+def test_cross_attention_and_padding_are_refused_with_cu_seqlens():
+    mechanism = attnzoo.build_mechanism("softmax", HEADS, HEAD_DIM).double()
+    with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens .* cross=True"):
+        mechanism(*qkv(), cross=True, cu_seqlens=offsets(0, 4, LENGTH))
+    mask = torch.zeros(1, LENGTH, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"cu_seqlens and key_padding_mask"):
+        mechanism(*qkv(), key_padding_mask=mask, cu_seqlens=offsets(0, 4, LENGTH))
+
+
+def test_undeclared_packing_is_refused_before_projecting():
+    layer = MultiHeadAttention(8, 2, "linformer", max_seq_len=LENGTH, rank=4).double()
+    x = torch.randn(1, LENGTH, 8, dtype=torch.float64)
+    with pytest.raises(UnsupportedOptionError, match=r"linformer does not take cu_seqlens"):
+        layer(x, cu_seqlens=offsets(0, 4, LENGTH))
+    with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens .* context"):
+        MultiHeadAttention(8, 2).double()(x, x, cu_seqlens=offsets(0, 4, LENGTH))
+
+
+def test_capabilities_refuse_an_unknown_packing():
+    with pytest.raises(ValueError, match=r"packing must be one of native, split, none, got 'sometimes'"):
+        caps = attnzoo.capabilities("softmax")
+        type(caps)(**{**caps.as_dict(), "packing": "sometimes"})
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_softmax_equals_each_document_alone(causal):
+    q, k, v = qkv()
+    cu = offsets(0, 2, 3, 7, LENGTH)  # lengths 2, 1, 4, 2: two documents of one length share one call
+    out = packed_softmax_attention(q, k, v, cu, causal)
+    ends = cu.tolist()
+    for start, end in zip(ends, ends[1:]):
+        alone = softmax_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], causal)
+        torch.testing.assert_close(out[:, :, start:end], alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear"])
+def test_layer_with_rotary_gives_each_document_what_it_gets_alone(name):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2, name, rotary=True).double()
+    x = torch.randn(1, LENGTH, 8, dtype=torch.float64)
+    out = layer(x, causal=True, cu_seqlens=offsets(0, 4, LENGTH))
+    torch.testing.assert_close(out[:, :4], layer(x[:, :4], causal=True), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out[:, 4:], layer(x[:, 4:], causal=True), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 64])
+@pytest.mark.parametrize("gated", [False, True])
+def test_kernelized_state_resets_at_document_starts_for_any_chunk_size(chunk_size, gated):
+    mechanism = attnzoo.build_mechanism("rfa", HEADS, HEAD_DIM, nb_features=16, seed=0, gated=gated,
+                                        chunk_size=chunk_size).double()
+    q, k, v = qkv()
+    cu = offsets(0, 1, 6, 7, LENGTH)
+    out = mechanism(q, k, v, True, cu_seqlens=cu)
+    ends = cu.tolist()
+    for start, end in zip(ends, ends[1:]):
+        alone = mechanism(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], True)
+        torch.testing.assert_close(out[:, :, start:end], alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "rfa"])
+def test_prefill_of_a_packed_row_returns_one_state_per_document(name):
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(8, 2, name, rotary=True).double()
+    x = torch.randn(1, LENGTH + 1, 8, dtype=torch.float64)
+    out, states = layer.prefill_packed(x[:, :LENGTH], offsets(0, 4, LENGTH))
+    assert [state.position for state in states] == [4, LENGTH - 4]
+    for (start, end), state in zip([(0, 4), (4, LENGTH)], states):
+        alone, alone_state = layer.prefill(x[:, start:end])
+        torch.testing.assert_close(out[:, start:end], alone, rtol=0, atol=1e-12)
+        # The next token continues each document as it continues the document alone.
+        torch.testing.assert_close(layer.step(x[:, LENGTH:], state)[0], layer.step(x[:, LENGTH:], alone_state)[0],
+                                   rtol=0, atol=1e-12)
+
+
+def test_prefill_of_a_packed_row_is_refused_without_packing():
+    mechanism = attnzoo.build_mechanism("aft", HEADS, HEAD_DIM, max_seq_len=LENGTH).double()
+    with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens"):
+        mechanism.prefill_packed(*qkv(), cu_seqlens=offsets(0, 4, LENGTH))
+
+
+def test_tracing_a_packed_call_is_refused():
+    mechanism = attnzoo.build_mechanism("softmax", HEADS, HEAD_DIM).double()
+    cu = offsets(0, 4, LENGTH)
+    with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens cannot be traced"):
+        torch.jit.trace(lambda q, k, v: mechanism(q, k, v, cu_seqlens=cu), qkv())
