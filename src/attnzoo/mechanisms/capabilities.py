@@ -1,0 +1,133 @@
+"""What a mechanism declares it can do: :class:`Capabilities`, the kinds of output, how it takes grouped-query
+inputs and packed batches, and the error for what it cannot do.
+
+Re-exported by :mod:`attnzoo.mechanisms.base`, where the contract that reads these declarations lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, Optional
+
+from .._validation import check_bool
+
+
+class UnsupportedOptionError(ValueError):
+    """A mechanism was asked for something its capabilities do not include (the message names the option)."""
+
+
+NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step")
+"""The capabilities an instance's options may switch off (:meth:`Capabilities.narrowed`)."""
+
+EXACT = "exact"
+APPROXIMATE = "approximate"
+OWN = "own"
+KINDS = {
+    EXACT: "computes exact softmax attention",
+    APPROXIMATE: "approximates softmax attention: its distance from softmax is an approximation error",
+    OWN: "an attention of its own (e.g. decayed linear attention): its distance from softmax is no error",
+}
+"""What a mechanism's output is, relative to exact softmax attention (:attr:`Capabilities.kind`)."""
+
+NATIVE_KV = "native"
+REPEAT_KV = "repeat"
+NO_GROUPED_KV = "none"
+GROUPED_KV = {
+    NATIVE_KV: "shares each key/value head among its query heads without copying the keys and values",
+    REPEAT_KV: "repeats each key/value head for its query heads (a copy per query head) before attending",
+    NO_GROUPED_KV: "refuses keys and values with fewer heads than the queries",
+}
+"""How a mechanism takes grouped-query inputs, k and v with ``kv_heads`` < ``heads`` heads
+(:attr:`Capabilities.grouped_kv`), from best to worst: an instance's options may only move it down."""
+PACKED_NATIVE = "native"
+PACKED_SPLIT = "split"
+NOT_PACKED = "none"
+PACKINGS = {
+    PACKED_NATIVE: "takes packed batches (cu_seqlens) in a path of its own",
+    PACKED_SPLIT: "takes packed batches (cu_seqlens) by running each document alone (equal lengths batched)",
+    NOT_PACKED: "refuses packed batches (cu_seqlens): its output for a document would depend on the others",
+}
+"""How a mechanism honours ``cu_seqlens`` (:attr:`Capabilities.packing`): each document attends only within
+itself, giving exactly what it gives that document alone."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a mechanism supports, declared once per mechanism class.
+
+    Attributes:
+        causal: supports ``causal=True`` (autoregressive masking).
+        cross: supports cross-attention (``cross=True``): keys and values from another sequence, of any length.
+        key_padding: supports ``key_padding_mask``.
+        recurrent_step: offers :meth:`Mechanism.step` for incremental decoding.
+        kind: one of :data:`KINDS`: ``"exact"`` softmax attention, an ``"approximate"`` one (whose error
+            against softmax ``attnzoo compare`` reports), or an attention of its ``"own"``.
+        complexity: time/memory in the sequence length N, for people reading ``attnzoo list``.
+        summary: one line describing the mechanism.
+        max_length: the longest query or key sequence it accepts, or None for no limit.
+        length_multiple: query and key lengths must be multiples of it (blocks, buckets), or None.
+        limited_by: for an instance whose options switched capabilities off (see :meth:`narrowed`), those
+            options, so that error messages can name them; None in a class's declaration.
+        grouped_kv: one of :data:`GROUPED_KV`, for k and v with fewer heads (``kv_heads``, dividing ``heads``)
+            than q, query head h using key/value head ``h // (heads // kv_heads)``: ``"native"`` (never
+            materialises the repeated keys/values; decoding states hold ``kv_heads``), ``"repeat"`` (the base
+            class repeats them explicitly before :meth:`Mechanism.attend` and :meth:`Mechanism.attend_step`:
+            same outputs, full memory; the default) or ``"none"`` (refused, naming kv_heads).
+        packing: one of :data:`PACKINGS`: whether :meth:`Mechanism.forward` takes ``cu_seqlens`` (a packed
+            batch of documents), natively, by splitting the row into documents, or not at all.
+    """
+
+    causal: bool
+    cross: bool
+    key_padding: bool
+    recurrent_step: bool
+    kind: str
+    complexity: str
+    summary: str
+    max_length: Optional[int] = None
+    length_multiple: Optional[int] = None
+    limited_by: Optional[str] = None
+    grouped_kv: str = REPEAT_KV
+    packing: str = NOT_PACKED
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.grouped_kv not in GROUPED_KV:
+            raise ValueError(f"grouped_kv must be one of {', '.join(GROUPED_KV)}, got {self.grouped_kv!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+
+    @property
+    def packed(self) -> bool:
+        """Whether packed batches (``cu_seqlens``) are accepted."""
+        return self.packing != NOT_PACKED
+
+    @property
+    def exact(self) -> bool:
+        """Whether the output is exact softmax attention."""
+        return self.kind == EXACT
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def narrowed(
+        self, limited_by: str, *, kind: Optional[str] = None, grouped_kv: Optional[str] = None, **switched_off: bool
+    ) -> "Capabilities":
+        """These capabilities with some switched off by an instance option named in ``limited_by``: any of
+        :data:`NARROWABLE` set to False, an exact mechanism's ``kind`` changed (an option that makes
+        its output differ from exact softmax attention), and/or ``grouped_kv`` moved down :data:`GROUPED_KV`."""
+        unknown = sorted(set(switched_off) - set(NARROWABLE))
+        order = list(GROUPED_KV)
+        worse_grouping = grouped_kv is None or (grouped_kv in order and order.index(grouped_kv) >= order.index(
+            self.grouped_kv))
+        if unknown or any(switched_off.values()) or (kind is not None and (kind not in KINDS or not self.exact)) \
+                or not worse_grouping:
+            raise ValueError(
+                f"narrowed() only switches capabilities off, got kind={kind!r}, grouped_kv={grouped_kv!r}, "
+                f"{switched_off}"
+            )
+        return replace(
+            self, limited_by=limited_by, kind=kind or self.kind, grouped_kv=grouped_kv or self.grouped_kv,
+            **switched_off,
+        )
