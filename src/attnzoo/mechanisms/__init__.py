@@ -29,7 +29,7 @@ from .gau import GauAttention  # noqa: E402
 from .mixed_chunk import MixedChunkAttention  # noqa: E402
 from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 # The delta rule.
-from .delta import DeltaNetAttention  # noqa: E402
+from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
 
 __all__ = [
     "APPROXIMATE",

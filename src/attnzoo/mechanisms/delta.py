@@ -138,3 +138,42 @@ class DeltaNetAttention(_DeltaRuleMechanism):
 
     def __init__(self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
+
+
+@register
+class GatedDeltaNetAttention(_DeltaRuleMechanism):
+    """Gated DeltaNet (Yang et al. 2025): the delta rule with a data-dependent scalar decay per head and
+    position, ``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``.
+
+    The decay follows Mamba-2's parametrisation, as Gated DeltaNet does, computed from the raw key (the
+    mechanism sees only q, k, v): ``log a_t = -exp(A_log_h) * softplus(k_t . w_h + dt_bias_h)``, so
+    ``a_t`` is in (0, 1] for any parameters. ``A_log`` starts at ``log(linspace(1, 16))`` over the heads and
+    ``dt_bias`` at the inverse softplus of steps from 0.001 to 0.1 (geometric over the heads), so heads start
+    with memories from about a thousand positions down to a few; both are learned. beta as in ``delta``.
+
+    Options:
+        chunk_size: chunk length of the parallel form.
+    """
+
+    name = "gated_delta"
+    capabilities = Capabilities(
+        causal=True,
+        cross=False,
+        key_padding=True,
+        recurrent_step=True,
+        kind=OWN,
+        complexity=_COMPLEXITY,
+        summary="Gated DeltaNet: the delta rule with a data-dependent decay, chunked WY form (Yang et al. 2025)",
+    )
+    test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
+
+    def __init__(self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size)
+        self.decay_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
+        self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
+        steps = torch.logspace(math.log10(0.001), math.log10(0.1), heads)
+        self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))  # softplus(dt_bias) = steps
+
+    def log_decay(self, k: Tensor) -> Tensor:
+        step = F.softplus(key_gate_logits(k, self.decay_weight, self.dt_bias))
+        return -self.A_log.to(step.dtype).exp().unsqueeze(-1) * step
