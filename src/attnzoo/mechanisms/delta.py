@@ -175,5 +175,7 @@ class GatedDeltaNetAttention(_DeltaRuleMechanism):
         self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))  # softplus(dt_bias) = steps
 
     def log_decay(self, k: Tensor) -> Tensor:
-        step = F.softplus(key_gate_logits(k, self.decay_weight, self.dt_bias))
-        return -self.A_log.to(step.dtype).exp().unsqueeze(-1) * step
+        # softplus(z) written as -logsigmoid(-z) (the same numbers): softplus's backward fails under
+        # torch.compile's AOTAutograd for gates computed from permuted keys.
+        minus_step = F.logsigmoid(-key_gate_logits(k, self.decay_weight, self.dt_bias))
+        return self.A_log.to(minus_step.dtype).exp().unsqueeze(-1) * minus_step
