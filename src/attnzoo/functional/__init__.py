@@ -22,6 +22,14 @@ from .linear import (
     linear_attention,
     linear_attention_reference,
 )
+from .delta import (
+    delta_rule,
+    delta_rule_prefill,
+    delta_rule_reference,
+    delta_rule_step,
+    gated_delta_rule,
+    gated_delta_rule_step,
+)
 from .shrinkage import (
     shrink_towards_mean,
     shrunk_kernel_attention,

@@ -32,6 +32,8 @@ from . import clustered, reformer, sparse  # noqa: E402,F401
 from .gau import GauAttention  # noqa: E402
 from .mixed_chunk import MixedChunkAttention  # noqa: E402
 from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
+# The delta rule.
+from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
 
 __all__ = [
     "APPROXIMATE",

@@ -1,0 +1,109 @@
+"""Argument checks and input preparation shared by every form of the delta rule (:mod:`attnzoo.functional.delta`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..._dtypes import working_dtype
+from ..._validation import check_bool, check_floating, check_key_padding_mask, check_positive_int, check_qkv
+
+
+def check_gates(
+    k: Tensor, beta: Tensor, log_decay: Optional[Tensor], key_padding_mask: Optional[Tensor]
+) -> None:
+    """``beta`` (and ``log_decay`` where given) shaped (batch, heads, seq) like the keys, finite, and
+    ``log_decay <= 0``, at every position the padding mask keeps (a padded position may hold anything)."""
+    batch, heads, seq = k.shape[:3]
+    for name, gate in (("beta", beta), ("log_decay", log_decay)):
+        if gate is None:
+            continue
+        check_floating(name, gate)
+        if gate.shape != (batch, heads, seq):
+            raise ValueError(
+                f"{name} must have shape (batch, heads, seq) = ({batch}, {heads}, {seq}), got {tuple(gate.shape)}"
+            )
+        if gate.device != k.device:
+            raise ValueError(f"{name} must be on {k.device} with the keys, got {gate.device}")
+        kept = gate if key_padding_mask is None else gate.masked_fill(key_padding_mask[:, None, :], 0.0)
+        if not bool(torch.isfinite(kept).all()):
+            raise ValueError(f"{name} must be finite at every unpadded position (it holds NaN or inf)")
+        if name == "log_decay" and bool((kept > 0).any()):
+            raise ValueError("log_decay must be <= 0 (a decay a_t = exp(log_decay_t) in (0, 1]), got a positive value")
+
+
+def check_state(name: str, state: Optional[Tensor], k: Tensor, v: Tensor) -> None:
+    """A state (batch, heads, d_k, d_v) for these keys and values, or None."""
+    if state is None:
+        return
+    check_floating(name, state)
+    expected = (k.shape[0], k.shape[1], k.shape[3], v.shape[3])
+    if tuple(state.shape) != expected:
+        raise ValueError(f"{name} must have shape (batch, heads, d_k, d_v) = {expected}, got {tuple(state.shape)}")
+    if state.device != k.device:
+        raise ValueError(f"{name} must be on {k.device} with the keys, got {state.device}")
+
+
+def check_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    causal: bool,
+    scale: Optional[float],
+) -> None:
+    """Every check of a self-attention call of the delta rule (queries and keys from one sequence)."""
+    check_qkv(q, k, v)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must share the sequence length (the delta rule is self-attention), got "
+                         f"{q.shape[2]} and {k.shape[2]}")
+    check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    check_gates(k, beta, log_decay, key_padding_mask)
+    check_state("initial_state", initial_state, k, v)
+    check_bool("causal", causal)
+    resolve_scale(scale, q.shape[3])
+
+
+def resolve_scale(scale: Optional[float], head_dim: int) -> float:
+    """The query scale: ``head_dim ** -0.5`` when None; otherwise a finite real number."""
+    if scale is None:
+        # math.sqrt makes a Python constant of it even where torch.jit.trace records sizes as tensors (a traced
+        # ``** -0.5`` on a size becomes a float32 tensor op, which a float64 call would feel).
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+    return float(scale)
+
+
+def prepared(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    scale: float,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Cast to the working dtype, scale the queries, and make padded positions inert whatever they hold: their
+    keys, values and beta zeroed (they write nothing), their log decay zeroed (they do not decay the state).
+    ``masked_fill``, not a product, so that a NaN or inf there cannot leak."""
+    dtype = working_dtype(q.dtype)
+    q, k, v, beta = q.to(dtype) * scale, k.to(dtype), v.to(dtype), beta.to(dtype)
+    log_decay = None if log_decay is None else log_decay.to(dtype)
+    if key_padding_mask is not None:
+        padded = key_padding_mask[:, None, :]
+        k = k.masked_fill(padded[..., None], 0.0)
+        v = v.masked_fill(padded[..., None], 0.0)
+        beta = beta.masked_fill(padded, 0.0)
+        log_decay = None if log_decay is None else log_decay.masked_fill(padded, 0.0)
+    return q, k, v, beta, log_decay
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    return check_positive_int("chunk_size", chunk_size)

@@ -1,0 +1,202 @@
+"""The chunked parallel form of the delta rule, plain and gated: no loop over tokens, one over chunks.
+
+The recurrence (state ``S`` of shape (d_k, d_v), so that ``o_t = S_t^T q_t``)::
+
+    S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   a_t = exp(log_decay_t)  (a_t = 1: plain)
+
+Write ``S_t = a_t S_{t-1} + k_t u_t^T`` with the *pseudo-value* ``u_t = beta_t (v_t - a_t S_{t-1}^T k_t)``.
+Inside a chunk of C positions starting from the state ``S_0``, with ``g_t`` the cumulative log decay from the
+chunk's start (inclusive) and ``gamma_t = exp(g_t)``, unrolling gives
+
+    u_t + beta_t sum_{j<t} exp(g_t - g_j) (k_t . k_j) u_j = beta_t (v_t - gamma_t S_0^T k_t)
+
+a unit lower-triangular system ``(I + A) U = diag(beta) (V - diag(gamma) K S_0)`` with
+``A = tril(diag(beta) (K K^T * Gamma), -1)``, ``Gamma_tj = exp(g_t - g_j)``. Its solution splits into parts
+that do not depend on the state (the WY / UT representation of Yang et al. 2024):
+``U_state_free = T V`` and ``W = T diag(gamma) K`` with ``T = (I + A)^{-1} diag(beta)``, so that
+``U = U_state_free - W S_0``. One batched triangular solve gives both for every chunk at once. Then
+
+    O     = diag(gamma) Q S_0 + (Q K^T * Gamma, lower incl. diagonal) U
+          = (diag(gamma) Q - P W) S_0 + P U_state_free                       (P: the masked Q K^T * Gamma)
+    S_end = gamma_C S_0 + K^T diag(exp(g_C - g)) U  = M S_0 + B,
+    M     = gamma_C I - K^T diag(exp(g_C - g)) W,   B = K^T diag(exp(g_C - g)) U_state_free
+
+Everything but ``S_{c+1} = M_c S_c + B_c`` is batched over chunks; the scan is one (d_k x d_k)(d_k x d_v)
+product per chunk. Every decay factor is ``exp`` of a difference ``g_t - g_j <= 0`` (masked before ``exp``),
+so no factor overflows however strong the decay. Cost: O(N C d + N d^2) time, O(N C + (N / C) d^2) memory.
+
+Non-causal (``causal=False``): every query reads the state after the whole sequence, ``o_i = S_N^T q_i``,
+which is what non-causal linear attention is (the sum over every key); the delta rule's writes still happen
+in sequence order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..._validation import check_floating
+from .checks import check_call, check_chunk_size, prepared, resolve_scale
+
+DEFAULT_CHUNK_SIZE = 64
+"""Chunk length of the parallel form: the triangular solves are C x C, the scan has N / C steps."""
+
+
+def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
+    """(B, H, N, *rest) -> (B, H, n, C, *rest), zero-padded at the end to whole chunks."""
+    if pad:
+        x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, pad))
+    return x.reshape(x.shape[0], x.shape[1], -1, chunk, *x.shape[3:])
+
+
+def _chunk_terms(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], causal: bool
+) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """For chunked (B, H, n, C, d) inputs: the output terms ``(diag(gamma) Q - P W, P U_state_free)`` (None when
+    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks."""
+    chunk = k.shape[3]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    if log_decay is None:
+        within = lower.to(k.dtype)  # Gamma: ones on and below the diagonal
+        gamma = gamma_end = to_end = None
+    else:
+        g = log_decay.cumsum(-1)
+        within = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+        gamma, gamma_end, to_end = g.exp(), g[..., -1].exp(), (g[..., -1:] - g).exp()
+    strictly_lower = (k @ k.transpose(-1, -2) * within * beta.unsqueeze(-1)).tril(-1)
+    gamma_k = k if gamma is None else k * gamma.unsqueeze(-1)
+    rhs = torch.cat([v, gamma_k], dim=-1) * beta.unsqueeze(-1)
+    solved = torch.linalg.solve_triangular(strictly_lower, rhs, upper=False, unitriangular=True)
+    u_free, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    k_to_end = k if to_end is None else k * to_end.unsqueeze(-1)
+    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+    carry = eye if gamma_end is None else gamma_end[..., None, None] * eye
+    transition = carry - k_to_end.transpose(-1, -2) @ w
+    write = k_to_end.transpose(-1, -2) @ u_free
+    if not causal:
+        return None, None, transition, write
+    scores = q @ k.transpose(-1, -2) * within
+    gamma_q = q if gamma is None else q * gamma.unsqueeze(-1)
+    return gamma_q - scores @ w, scores @ u_free, transition, write
+
+
+def delta_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Optional[Tensor],
+    causal: bool,
+    chunk_size: int,
+    initial_state: Optional[Tensor],
+) -> Tuple[Tensor, Tensor]:
+    """The chunked delta rule on prepared inputs (working dtype, scaled queries, inert padding; see
+    :func:`attnzoo.functional.delta.checks.prepared`). Returns (out (B, H, N, d_v), final state
+    (B, H, d_k, d_v)), both in the working dtype."""
+    batch, heads, length, d_k = k.shape
+    d_v = v.shape[-1]
+    chunk = min(chunk_size, length)
+    pad = -length % chunk
+    chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v)]
+    gates = [None if x is None else _in_chunks(x, pad, chunk) for x in (beta, log_decay)]
+    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, *gates, causal)
+    state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
+    starts = []
+    for c in range(transition.shape[2]):
+        starts.append(state)
+        state = transition[:, :, c] @ state + write[:, :, c]
+    if not causal:
+        return q @ state, state
+    out = out_state_term @ torch.stack(starts, dim=2) + out_free_term
+    return out.reshape(batch, heads, -1, d_v)[:, :, :length], state
+
+
+def delta_rule_unchecked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`delta_rule` (``log_decay`` None) or :func:`gated_delta_rule` on checked arguments. Returns
+    (out in q's dtype, final state in the working dtype)."""
+    scale = resolve_scale(scale, q.shape[3])
+    inputs = prepared(q, k, v, beta, log_decay, key_padding_mask, scale)
+    out, state = delta_chunked(*inputs, causal, chunk_size, initial_state)
+    return out.to(q.dtype), state
+
+
+def delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: Optional[Tensor] = None,
+) -> Tensor:
+    """The delta rule (DeltaNet; Schlag et al. 2021, Yang et al. 2024), chunked (see the module docstring).
+
+    ``S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = S_t^T q_t * scale``. Queries and keys
+    are used as given (DeltaNet L2-normalises them first; :class:`attnzoo.mechanisms.delta.DeltaNetAttention`
+    does). Padded positions write nothing, whatever they hold.
+
+    Args:
+        q, k: (batch, heads, seq, d_k); v: (batch, heads, seq, d_v).
+        beta: (batch, heads, seq) write strengths, finite (in [0, 1] from a sigmoid, as DeltaNet has them;
+            (0, 2) keeps ``I - beta k k^T`` contracting for unit keys).
+        scale: applied to the queries; ``d_k ** -0.5`` when None.
+        causal: each query reads the state after its own position; False: every query reads the final state.
+        key_padding_mask: (batch, seq) bool, True marks padding.
+        chunk_size: chunk length of the parallel form.
+        initial_state: (batch, heads, d_k, d_v) state before the first position, or None for zeros.
+
+    Returns:
+        (batch, heads, seq, d_v) in q's dtype.
+    """
+    check_call(q, k, v, beta, None, key_padding_mask, initial_state, causal, scale)
+    check_chunk_size(chunk_size)
+    return delta_rule_unchecked(q, k, v, beta, None, key_padding_mask, scale, causal, chunk_size, initial_state)[0]
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: Optional[Tensor] = None,
+) -> Tensor:
+    """The gated delta rule (Gated DeltaNet, Yang et al. 2025), chunked (see the module docstring).
+
+    ``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` with ``a_t = exp(log_decay_t)``,
+    ``o_t = S_t^T q_t * scale``. Arguments as :func:`delta_rule`, plus ``log_decay`` (batch, heads, seq),
+    finite and <= 0; a padded position neither writes nor decays the state.
+
+    Returns:
+        (batch, heads, seq, d_v) in q's dtype.
+    """
+    check_floating("log_decay", log_decay)  # required here: None would silently be the plain delta rule
+    check_call(q, k, v, beta, log_decay, key_padding_mask, initial_state, causal, scale)
+    check_chunk_size(chunk_size)
+    return delta_rule_unchecked(q, k, v, beta, log_decay, key_padding_mask, scale, causal, chunk_size,
+                                initial_state)[0]
+
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "delta_chunked", "delta_rule", "delta_rule_unchecked", "gated_delta_rule"]
