@@ -17,7 +17,14 @@ import torch
 from attnzoo import available
 from attnzoo.bench.compare import CompareConfig, ConfigError, cores_busy_elsewhere, sweep_plan
 from attnzoo.bench.launch import Launcher
-from attnzoo.bench.measure import PeakMemory, make_inputs, reference_output, relative_error, uniform_attention
+from attnzoo.bench.measure import (
+    PeakMemory,
+    fix_malloc_threshold,
+    make_inputs,
+    reference_output,
+    relative_error,
+    uniform_attention,
+)
 from attnzoo.bench.peers import PEERS, build_peer, peer_installed
 from attnzoo.bench.results import (
     CSV_COLUMNS,
@@ -113,6 +120,9 @@ def test_relative_error_rejects_a_wrong_shape():
 
 @pytest.mark.skipif(not PeakMemory.cpu_supported(), reason="needs Linux /proc clear_refs")
 def test_peak_memory_sees_a_temporary_allocation_and_not_earlier_ones():
+    # As the memory worker does before measuring: a test that ran attnzoo train in this process may have told
+    # glibc to keep freed memory, which would hide the allocation inside the heap's freed pages.
+    fix_malloc_threshold()
     earlier = torch.ones(64 * 2**20 // 4)  # 64 MiB allocated and freed before the measured block
     del earlier
     with PeakMemory("cpu") as peak:
