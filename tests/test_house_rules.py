@@ -51,8 +51,8 @@ def _modules() -> List[Path]:
 def _docstrings(tree: ast.AST) -> Set[int]:
     """ids of the string constants that are documentation: a string standing alone as a statement (a module,
     class or function docstring, or an attribute's docstring below it)."""
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
 
 
 def mechanism_names_in(source: str, names: Set[str]) -> Iterator[Tuple[int, str]]:

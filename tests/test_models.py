@@ -750,3 +750,20 @@ def test_the_old_module_paths_and_exports_keep_working():
                  "SequenceClassifier", "SequenceTagger", "TokenEmbedding"):
         assert getattr(transformer, name) is getattr(attnzoo.models, name), name
     assert callable(transformer.check_tokens) and callable(transformer.check_padding_mask)
+
+
+@pytest.mark.parametrize("model_class, own", [(LanguageModel, set()), (SequenceClassifier, {"num_classes", "pooling"}),
+                                              (SequenceTagger, {"num_classes"})])
+def test_keyword_constructors_take_exactly_the_config_fields_with_its_defaults(model_class, own):
+    """The keyword constructors are thin wrappers that make a ModelConfig: a field added to the config and
+    forgotten in a wrapper (or a default that drifts) fails here."""
+    import dataclasses
+    import inspect
+
+    fields = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.init}
+    parameters = dict(inspect.signature(model_class.__init__).parameters)
+    parameters.pop("self")
+    assert set(parameters) - own == set(fields)
+    for name, default in fields.items():
+        expected = inspect.Parameter.empty if default is dataclasses.MISSING else default
+        assert parameters[name].default == expected, name
