@@ -20,7 +20,7 @@ from ..functional.aft import (
     aft_simple_unchecked,
     local_position_bias,
 )
-from .base import NO_GROUPED_KV, OWN, Capabilities, Mechanism, StateLayout, register
+from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
 
 VARIANTS = ("simple", "full", "local")
 
@@ -73,6 +73,7 @@ class AttentionFreeTransformer(Mechanism):
                 "(Zhai et al. 2021)",
         # Learned per-head position biases along the sequence act on each head's keys: no sharing.
         grouped_kv=NO_GROUPED_KV,
+        packing=PACKED_SPLIT,
     )
     length_option = "max_seq_len"
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal paths.

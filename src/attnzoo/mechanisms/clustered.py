@@ -18,7 +18,7 @@ from ..functional.clustered import (
     clustered_attention_reference,
     clustered_attention_unchecked,
 )
-from .base import APPROXIMATE, Capabilities, Mechanism, register, seeded_generator
+from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, register, seeded_generator
 
 
 @register
@@ -60,6 +60,7 @@ class ClusteredAttention(Mechanism):
                    "+ O(N k d)",
         summary="queries clustered by Hamming k-means on LSH codes, one softmax per centroid; improved: exact "
                 "attention on each cluster's top-k keys (Vyas et al. 2020)",
+        packing=PACKED_SPLIT,
     )
     sweep_option = "clusters"
     # 3 clusters over the suite's 11 queries (5 in its short cross-attention case) run the k-means; 16 gives

@@ -17,7 +17,7 @@ from ..functional.efficient import (
     efficient_attention_step_unchecked,
     efficient_attention_unchecked,
 )
-from .base import OWN, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
 
 
 @register
@@ -51,6 +51,7 @@ class EfficientAttention(Mechanism):
         kind=OWN,
         complexity="time O(N d^2), memory O(N d); decoding O(d^2) per token",
         summary="softmax of queries over features, of keys over positions, K^T V first (Shen et al. 2021)",
+        packing=PACKED_SPLIT,
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}

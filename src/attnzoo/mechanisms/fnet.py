@@ -10,7 +10,7 @@ from torch import Tensor
 from .._validation import check_bool
 from ..functional.fnet import fourier_mixing_reference, fourier_mixing_unchecked
 from ..functional.ties import tied_to_unused
-from .base import OWN, Capabilities, Mechanism, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, register
 
 
 @register
@@ -43,6 +43,7 @@ class FNetMixing(Mechanism):
         complexity="time O(N log N), memory O(N)",
         summary="FNet: real part of the 2-D Fourier transform of the values over (sequence, head_dim), "
         "no attention weights (Lee-Thorp et al. 2022)",
+        packing=PACKED_SPLIT,
     )
     test_variants = ({"normalized": True},)
 

@@ -25,7 +25,7 @@ from .._dtypes import working_dtype
 from .._validation import check_bool, check_number, check_numbers
 from ..functional.gated import constant_log_decay, gla_log_gates, key_gate_logits, retention_log_decays
 from ..functional.linear import DEFAULT_CHUNK_SIZE
-from .base import OWN, REPEAT_KV, Capabilities, register
+from .base import OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, register
 from .kernelized import KernelizedMechanism
 
 
@@ -76,6 +76,7 @@ class RetentionAttention(_DotProductDecayed):
         summary="retention with a fixed per-head decay, chunkwise and recurrent (Sun et al. 2023, RetNet)",
         # Each query head decays at its own rate, so a key/value head's state differs per query head.
         grouped_kv=REPEAT_KV,
+        packing=PACKED_NATIVE,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"normalize": False, "chunk_size": 4},)
@@ -140,6 +141,7 @@ class GatedLinearAttention(_DotProductDecayed):
         summary="gated linear attention with data-dependent per-head forget gates (Yang et al. 2024)",
         # The gates are learned per query head, so a key/value head's state differs per query head.
         grouped_kv=REPEAT_KV,
+        packing=PACKED_NATIVE,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"normalize": False, "chunk_size": 4},)

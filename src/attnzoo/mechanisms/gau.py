@@ -31,7 +31,7 @@ from ..functional.gau import (
     scale_offset,
 )
 from ..functional.masks import zero_padded
-from .base import OWN, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
 
 
 class ScaleOffsetForms(Mechanism):
@@ -96,6 +96,7 @@ class GauAttention(ScaleOffsetForms):
         complexity="time O(N^2 d), memory O(N^2)",
         summary="gated attention unit's attention: squared-ReLU scores of per-dimension scale-offset forms of "
                 "shared q/k, scaled by the keys seen (Hua et al. 2022)",
+        packing=PACKED_SPLIT,
     )
     test_variants = ({"scores": "softmax"}, {"rotary": True})
     forms = (("q", "q"), ("k", "k"))

@@ -17,7 +17,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_positive_int
 from ..functional.mixed_chunk import mixed_chunk_attention_reference, mixed_chunk_attention_unchecked
-from .base import OWN, Capabilities, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, StateLayout, register
 from .gau import ScaleOffsetForms
 
 
@@ -54,6 +54,7 @@ class MixedChunkAttention(ScaleOffsetForms):
                    "per token",
         summary="FLASH mixed chunk attention: squared-ReLU attention inside chunks plus linear attention across "
                 "them, scale-offset forms of shared q/k (Hua et al. 2022)",
+        packing=PACKED_SPLIT,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"chunk_size": 3, "scores": "softmax"}, {"chunk_size": 4, "rotary": True})

@@ -16,7 +16,7 @@ from ..functional.nystrom import (
     nystrom_attention_reference,
     nystrom_attention_unchecked,
 )
-from .base import APPROXIMATE, Capabilities, Mechanism, register
+from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, register
 
 
 @register
@@ -46,6 +46,7 @@ class NystromAttention(Mechanism):
         kind=APPROXIMATE,
         complexity="time O(N m d + m^3) for m landmarks, memory O(N d + m^2) (fused kernels)",
         summary="Nyström landmarks (segment means) with an iterative pseudo-inverse (Xiong et al. 2021)",
+        packing=PACKED_SPLIT,
     )
     sweep_option = "landmarks"
     # 4 landmarks over the suite's 11 positions make uneven segments (3, 3, 3, 2), and its padding pattern

@@ -19,7 +19,7 @@ from ..functional.lsh import (
     lsh_rotations_unchecked,
 )
 from ..functional.ties import tied_to_unused
-from .base import OWN, Capabilities, Mechanism, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, register
 
 
 @register
@@ -70,6 +70,7 @@ class ReformerAttention(Mechanism):
         complexity="time O(h N (b d + log N)), memory O(h N b) (b = bucket_size, h = n_hashes)",
         summary="Reformer LSH attention: shared-QK attention within chunks sorted by angular-LSH bucket, several "
         "hash rounds (Kitaev et al. 2020)",
+        packing=PACKED_SPLIT,
     )
     test_options = {"bucket_size": 4, "n_hashes": 2}
     test_variants = (

@@ -17,7 +17,7 @@ from ..functional.sinkhorn import (
     sinkhorn_attention_reference,
     sinkhorn_attention_unchecked,
 )
-from .base import OWN, Capabilities, Mechanism, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, register
 
 
 @register
@@ -62,6 +62,7 @@ class SinkhornAttention(Mechanism):
         complexity="time O(N b d + N^2 d / b), memory O(N d + N b); causal balancing adds time O((N/b)^3) per "
         "Sinkhorn round and memory O((N/b)^3) (b = block_size)",
         summary="sparse Sinkhorn attention: learned soft block sorting plus local blocks (Tay et al. 2020)",
+        packing=PACKED_SPLIT,
     )
     test_options = {"block_size": 4, "sinkhorn_iterations": 3}
     test_variants = (

@@ -25,7 +25,7 @@ from ..functional.synthesizer import (
     synthesizer_attention_unchecked,
 )
 from ..functional.ties import tied_to_unused
-from .base import NO_GROUPED_KV, OWN, Capabilities, Mechanism, register
+from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, register
 
 RANDOM_MODES = ("random", "factorized_random")
 """The modes whose logits do not depend on the input (and may be ``fixed``)."""
@@ -96,6 +96,7 @@ class SynthesizerAttention(Mechanism):
         "optionally factorised or mixed with dot products (Tay et al. 2021)",
         # Logits learned per head and position pair stand in for each head's keys: no sharing.
         grouped_kv=NO_GROUPED_KV,
+        packing=PACKED_SPLIT,
     )
     length_option = "max_seq_len"
     # chunk_size 4: the suite's causal calls cross block boundaries of the materialised-logits path.
