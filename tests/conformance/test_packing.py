@@ -22,6 +22,8 @@ from . import checks
 # Lengths 1, 5, 3, 8 in a row of 17 (offsets 0, 1, 6, 9, 17): a document of one position, and documents that
 # start inside a chunk or block of 2, 4 or 8 (every chunk size the test options use) and end inside another.
 DOCUMENT_LENGTHS = (1, 5, 3, 8)
+# Repeated lengths, which a split mechanism runs as one batch per length: documents must not see each other there.
+REPEATED_LENGTHS = (2, 3, 2, 3, 2)
 EXACT = {"rtol": 0.0, "atol": 1e-10}
 
 MECHANISMS = attnzoo.available()
@@ -46,10 +48,20 @@ def _forward_and_grads(mechanism: Mechanism, qkv, causal: bool, weights: Tensor,
     return (out.detach(), *(x.grad for x in leaves))
 
 
-def check_packing(mechanism: Mechanism) -> None:
+def within(lengths: Tuple[int, ...], max_length) -> Tuple[int, ...]:
+    """``lengths`` with the row cut to ``max_length`` (None: no limit): a longer row is refused as a whole."""
+    kept, room = [], sum(lengths) if max_length is None else max_length
+    for length in lengths:
+        if room > 0:
+            kept.append(min(length, room))
+            room -= kept[-1]
+    return tuple(kept)
+
+
+def check_packing(mechanism: Mechanism, lengths: Tuple[int, ...] = DOCUMENT_LENGTHS) -> None:
     """Each document of a packed row gets what it gets alone, forward and gradients; or, undeclared, refused."""
     caps = mechanism.capabilities
-    lengths = DOCUMENT_LENGTHS
+    lengths = within(lengths, mechanism.max_length)
     n = sum(lengths)
     if not caps.packed:
         expect_refused(mechanism)
@@ -91,7 +103,13 @@ def test_packed_documents_equal_documents_alone(name, options):
     check_packing(checks.build(name, options=options))
 
 
-@pytest.mark.parametrize("name", ["softmax", "linear", "rfa"])
+@pytest.mark.parametrize("name, options", [case for case in CASES if attnzoo.capabilities(case[0]).packed],
+                         ids=[i for i, case in zip(IDS, CASES) if attnzoo.capabilities(case[0]).packed])
+def test_documents_of_equal_length_stay_apart(name, options):
+    check_packing(checks.build(name, options=options), REPEATED_LENGTHS)
+
+
+@pytest.mark.parametrize("name", ["softmax", "linear", "rfa", "retention", "gla"])
 def test_packs_natively(name):
     assert attnzoo.capabilities(name).packing == "native"
 
@@ -130,6 +148,18 @@ class UndeclaredButAccepts(Toy):
         return spans(DOCUMENT_LENGTHS)
 
 
+class MixesBatchRows(Toy):
+    """Split, but each row's values leak into the other rows of its batch (documents of one length batched)."""
+
+    capabilities = SoftmaxAttention.capabilities.__class__(
+        **{**SoftmaxAttention.capabilities.as_dict(), "packing": "split"})
+    attend_packed = Mechanism.attend_packed
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        out = super().attend(q, k, v, causal, key_padding_mask, cross)
+        return out + v.mean(0, keepdim=True) - v  # nothing added to a batch of one
+
+
 def test_good_toy_passes():
     check_packing(Toy(checks.HEADS, checks.HEAD_DIM).double())
 
@@ -138,3 +168,10 @@ def test_good_toy_passes():
 def test_broken_toys_fail(toy):
     with pytest.raises(AssertionError):
         check_packing(toy(checks.HEADS, checks.HEAD_DIM).double())
+
+
+def test_batching_toy_fails_only_with_equal_lengths():
+    toy = MixesBatchRows(checks.HEADS, checks.HEAD_DIM).double()
+    check_packing(toy)  # distinct lengths: every batch holds one document
+    with pytest.raises(AssertionError):
+        check_packing(toy, REPEATED_LENGTHS)
