@@ -57,7 +57,7 @@ from torch import Tensor
 from .._autocast import without_autocast
 from ..._dtypes import working_dtype
 from ..._validation import check_bool, check_key_padding_mask, check_qkv
-from .causal_chunks import _CausalChunks
+from .causal_chunks import _CausalChunks, causal_chunks_traceable
 from .checks import _check_features, _check_log_decay, _check_options
 from .inputs import _masked_keys, _masked_log_decay, _pad_seq, _with_ones
 from .normalize import SIGNED_DENOMINATOR_EPS, normalize_output
@@ -93,6 +93,8 @@ def _chunked_causal(
     if log_decay is None:
         # chunk_size, not a length derived from a shape: under torch.jit.trace shapes are tensors, which
         # autograd.Function would take for inputs.
+        if torch.compiler.is_compiling():
+            return causal_chunks_traceable(phi_q, phi_k, v, initial_state, chunk_size)
         return _CausalChunks.apply(phi_q, phi_k, v, initial_state, chunk_size)
     chunk = min(chunk_size, n)
 
