@@ -20,7 +20,9 @@ Paths:
   time (batched matmuls over the group's chunks), forward in order and backward in reverse, and the backward
   recomputes a group's chunk scores and states from q, k, v and the one state kept per group: training memory
   is the features, values, outputs and gradients plus one group's working set,
-  O(N (m + d) + GROUP_ROWS (chunk_size + m d / chunk_size)). With a decay, chunk
+  O(N (m + d) + GROUP_ROWS (chunk_size + m d / chunk_size)); under ``torch.compile``, which does not trace
+  its writes into slices, :func:`.causal_chunks.causal_chunks_traceable` (the same maths in plain
+  operations, all chunks at once). With a decay, chunk
   scores (batched over all chunks at once) and states (a short loop over chunks) cover the whole sequence,
   O(N (m + d) + (N / chunk_size) m d); the states take no more memory than the features once
   ``chunk_size >= d``.
