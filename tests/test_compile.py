@@ -1,24 +1,20 @@
 """torch.compile on MultiHeadAttention: compiled forward and backward equal eager, on CPU.
 
 Inductor (the real backend, generating and compiling C++) on a representative set: exact softmax on SDPA and the
-hand-written causal kernel of linear attention (with graph breaks), some 30 s each on two busy cores, cold.
-Every registered mechanism through dynamo and AOTAutograd (backend ``aot_eager``: the same graphs without code
-generation, seconds instead of tens of seconds each), which also holds docs/dropin.md's list of mechanisms that
-compile with graph breaks to the truth."""
+causal path of linear attention (whose hand-written eager kernel gives way to plain operations when compiled),
+some 30 s each on two busy cores, cold. Every registered mechanism through dynamo and AOTAutograd (backend
+``aot_eager``: the same graphs without code generation, seconds instead of tens of seconds each), each to one
+graph (``fullgraph=True``), as docs/dropin.md says."""
 
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnzoo
+from attnzoo.functional.linear import causal_chunks
 from attnzoo.mechanisms import mechanism_class
 
 DIM, HEADS = 16, 2
-
-# docs/dropin.md, "torch.compile": these compile with graph breaks (fullgraph=False, the default), each for the
-# reason given there; every other mechanism compiles to one graph.
-GRAPH_BREAKS = {"linear", "performer", "rfa", "bigbird"}
-
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -64,11 +60,11 @@ def forward_backward(module, x, kwargs):
     return [out.detach(), x.grad] + grads
 
 
-def assert_compiled_matches_eager(name, backend, fullgraph, atol, every=False):
+def assert_compiled_matches_eager(name, backend, atol, every=False):
     module = build(name)
     n = length_for(name)
     counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(module, backend=counter, fullgraph=fullgraph)
+    compiled = torch.compile(module, backend=counter, fullgraph=True)
     x = torch.randn(2, n, DIM, generator=torch.Generator().manual_seed(1))
     for kwargs in calls(name, n, every):
         expected = forward_backward(module, x, kwargs)
@@ -81,7 +77,7 @@ def assert_compiled_matches_eager(name, backend, fullgraph, atol, every=False):
 
 @pytest.mark.parametrize("name", ["softmax", pytest.param("linear", marks=pytest.mark.slow)])
 def test_inductor_matches_eager(name):
-    assert_compiled_matches_eager(name, "inductor", fullgraph=name not in GRAPH_BREAKS, atol=2e-5)
+    assert_compiled_matches_eager(name, "inductor", atol=2e-5)
 
 
 @pytest.mark.slow
@@ -89,19 +85,27 @@ def test_inductor_matches_eager(name):
 def test_every_mechanism_compiles(name):
     # Every form of the call for a few, one for the rest: each form is a compilation of its own.
     every = name in {"softmax", "performer"}
-    assert_compiled_matches_eager(name, "aot_eager", fullgraph=name not in GRAPH_BREAKS, atol=1e-6, every=every)
+    assert_compiled_matches_eager(name, "aot_eager", atol=1e-6, every=every)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(GRAPH_BREAKS))
-def test_listed_graph_breaks_are_real(name):
-    """If one of these ever compiles to one graph, the list (and docs/dropin.md) must lose it."""
-    module = build(name)
-    n = length_for(name)
-    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
-    kwargs = calls(name, n)[-1]
-    with pytest.raises(torch._dynamo.exc.TorchDynamoException):
-        compiled(torch.randn(2, n, DIM), **kwargs)
+def test_traceable_causal_chunks_match_the_kernel(monkeypatch):
+    """The plain form compiled graphs take equals the hand-written kernel, over several groups of chunks
+    (a shorter group than usual: several spans per head and a ragged last chunk), with an initial state:
+    outputs, final state and every gradient."""
+    monkeypatch.setattr(causal_chunks, "GROUP_ROWS", 8)
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(2, 2, 23, 3), (2, 2, 23, 3), (2, 2, 23, 4), (2, 2, 3, 5)]
+    inputs = [torch.rand(*shape, generator=generator, dtype=torch.float64) for shape in shapes]
+    weights = [torch.randn(2, 2, 23, 5, generator=generator, dtype=torch.float64),
+               torch.randn(2, 2, 3, 5, generator=generator, dtype=torch.float64)]
+    results = []
+    for run in (causal_chunks._CausalChunks.apply, causal_chunks.causal_chunks_traceable):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out, final = run(*leaves, 4)
+        ((out * weights[0]).sum() + (final * weights[1]).sum()).backward()
+        results.append([out.detach(), final.detach()] + [leaf.grad for leaf in leaves])
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow

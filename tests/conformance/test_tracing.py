@@ -29,17 +29,7 @@ VARIANTS = [(name, None) for name in MECHANISMS] + [
 ]
 IDS = [n + ("" if o is None else "-" + "-".join(f"{k}={v}" for k, v in o.items())) for n, o in VARIANTS]
 LENGTH = 7
-CLOSE = {"rtol": 1e-10, "atol": 1e-12}  # float64; the same operations in the same order
-
-# docs/dropin.md, "torch.compile": these compile with graph breaks by design (tests/test_compile.py holds the
-# list to the truth with fullgraph=False); fullgraph=True must keep failing for them, visibly.
-GRAPH_BREAKS = {
-    "linear": "hand-written kernels write into non-contiguous out= slices, which dynamo does not trace",
-    "performer": "hand-written kernels write into non-contiguous out= slices, which dynamo does not trace",
-    "rfa": "hand-written kernels write into non-contiguous out= slices, which dynamo does not trace",
-    "bigbird": "its block plan is cached on the random-block buffer's data pointer, which dynamo cannot compare",
-}
-
+CLOSE = {"rtol": 1e-10, "atol": 1e-12}  # float64; the same maths (a compiled kernel may sum in another order)
 
 class _Call(torch.nn.Module):
     """A mechanism as a module of tensors only (what tracing takes), causal or not, with a key padding mask."""
@@ -92,14 +82,6 @@ def test_traced_first_call_with_gradients_matches_eager(name, options, one_threa
         _assert_same(_forward_backward(traced, qkv, mask), expected, what)
 
 
-def _compile_cases():
-    for name in MECHANISMS:
-        marks = ()
-        if name in GRAPH_BREAKS:
-            marks = pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported, reason=GRAPH_BREAKS[name])
-        yield pytest.param(name, marks=marks, id=name)
-
-
 @pytest.fixture
 def fresh_dynamo():
     # Each case compiles new modules of shared classes: without a reset, dynamo's recompilation limit would
@@ -109,7 +91,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", list(_compile_cases()))
+@pytest.mark.parametrize("name", MECHANISMS)
 def test_compiles_to_one_graph_and_matches_eager(name, fresh_dynamo, one_thread):
     mechanism = checks.build(name)
     qkv, mask = _inputs(mechanism)

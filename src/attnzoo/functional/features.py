@@ -62,7 +62,13 @@ class _ExpFeatures(torch.autograd.Function):
         ctx, projected: Tensor, offset: Tensor, symmetric: bool, bias: Optional[Tensor]
     ) -> Tensor:
         m = projected.shape[-1]
-        if symmetric:
+        if symmetric and torch.compiler.is_compiling():
+            # The same sums without out= into slices, which dynamo does not trace; the graph fuses them anyway.
+            if bias is None:
+                out = torch.cat([projected - offset, -offset - projected], dim=-1)
+            else:
+                out = torch.cat([(projected + bias) - offset, (bias - projected) - offset], dim=-1)
+        elif symmetric:
             out = projected.new_empty(*projected.shape[:-1], 2 * m)
             if bias is None:
                 torch.sub(projected, offset, out=out[..., :m])

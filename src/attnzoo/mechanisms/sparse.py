@@ -544,8 +544,11 @@ class BigBirdAttention(BlockSparseAttention):
         return self.max_seq_len
 
     def pattern(self) -> BlockPattern:
-        # One pattern object per state of the buffer, so the block plan is reused across calls.
+        # One pattern object per state of the buffer, so the block plan is reused across calls. Dynamo cannot
+        # compare data pointers, so a compiled call builds the pattern afresh (its graph holds the plan anyway).
         table = self.random_table
+        if torch.compiler.is_compiling():
+            return BigBirdPattern(self.block_size, self.window_blocks, self.global_blocks, table)
         key = (id(table), table.data_ptr(), table._version, table.device)
         cached = getattr(self, "_last_pattern", None)
         if cached is None or cached[0] != key:

@@ -82,8 +82,10 @@ def _dedupe_rows(table: Tensor) -> Tensor:
     repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
     ordered = torch.where(repeat | (ordered == big), torch.full_like(ordered, big), ordered)
     ordered = torch.sort(ordered, dim=1).values
-    width = max(1, int((ordered != big).sum(1).max()))
-    ordered = ordered[:, :width]
+    if not torch.compiler.is_compiling():
+        # The trimmed width depends on the values, which a compiled graph cannot size a tensor by; there the
+        # rows keep their -1 tail, masked out like any unused slot.
+        ordered = ordered[:, :max(1, int((ordered != big).sum(1).max()))]
     return torch.where(ordered == big, torch.full_like(ordered, -1), ordered)
 
 

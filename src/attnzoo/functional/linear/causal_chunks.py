@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
+from .inputs import _with_ones
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -257,3 +258,30 @@ class _CausalChunks(torch.autograd.Function):
             terms = None
         grad_q, grad_k, grad_v = grads
         return grad_q.view_as(q), grad_k.view_as(k), grad_v.view_as(v), carry.view(batch, heads, m, d1), None
+
+
+def causal_chunks_traceable(q: Tensor, k: Tensor, v: Tensor, initial: Tensor, chunk_size: int) -> Tuple[Tensor, Tensor]:
+    """:class:`_CausalChunks`'s maths in plain differentiable operations, for ``torch.compile``: dynamo does not
+    trace the hand-written kernel's writes into non-contiguous ``out=`` slices, and a compiled graph fuses and
+    plans memory itself. All chunks at once, so the chunk states take O((N / chunk_size) m d) memory.
+
+    Shapes as :class:`_CausalChunks`: q, k (B, H, N, m); v (B, H, N, d); initial (B, H, m, d + 1). Returns
+    ((B, H, N, d + 1) unnormalised outputs, (B, H, m, d + 1) state after position N - 1).
+    """
+    batch, heads, n, m = q.shape
+    d1 = v.shape[-1] + 1
+    chunk = min(chunk_size, n)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    # Zero-padded tail positions: a zero key or value changes no sum, a zero query's row is discarded.
+    q_c = F.pad(q, (0, 0, 0, pad)).reshape(batch, heads, n_chunks, chunk, m)
+    k_c = F.pad(k, (0, 0, 0, pad)).reshape(batch, heads, n_chunks, chunk, m)
+    values = F.pad(_with_ones(v), (0, 0, 0, pad)).reshape(batch, heads, n_chunks, chunk, d1)
+    # tril sets the future keys' scores to zero (never multiplies them): a non-finite future key stays out.
+    scores = (q_c @ k_c.transpose(-1, -2)).tril()
+    local = k_c.transpose(-1, -2) @ values
+    # The state joins the first chunk's term, and P_c is an exclusive sum proper (see _chunk_terms).
+    inclusive = torch.cat([local[:, :, :1] + initial.unsqueeze(2), local[:, :, 1:]], dim=2).cumsum(2)
+    previous = torch.cat([initial.unsqueeze(2), inclusive[:, :, :-1]], dim=2)
+    out = q_c @ previous + scores @ values
+    return out.reshape(batch, heads, n_chunks * chunk, d1)[:, :, :n], inclusive[:, :, -1]

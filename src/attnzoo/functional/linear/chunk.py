@@ -20,7 +20,9 @@ Paths:
   time (batched matmuls over the group's chunks), forward in order and backward in reverse, and the backward
   recomputes a group's chunk scores and states from q, k, v and the one state kept per group: training memory
   is the features, values, outputs and gradients plus one group's working set,
-  O(N (m + d) + GROUP_ROWS (chunk_size + m d / chunk_size)). With a decay, chunk
+  O(N (m + d) + GROUP_ROWS (chunk_size + m d / chunk_size)); under ``torch.compile``, which does not trace
+  its writes into slices, :func:`.causal_chunks.causal_chunks_traceable` (the same maths in plain
+  operations, all chunks at once). With a decay, chunk
   scores (batched over all chunks at once) and states (a short loop over chunks) cover the whole sequence,
   O(N (m + d) + (N / chunk_size) m d); the states take no more memory than the features once
   ``chunk_size >= d``.
@@ -57,7 +59,7 @@ from torch import Tensor
 from .._autocast import without_autocast
 from ..._dtypes import working_dtype
 from ..._validation import check_bool, check_key_padding_mask, check_qkv
-from .causal_chunks import _CausalChunks
+from .causal_chunks import _CausalChunks, causal_chunks_traceable
 from .checks import _check_features, _check_log_decay, _check_options
 from .inputs import _masked_keys, _masked_log_decay, _pad_seq, _with_ones
 from .normalize import SIGNED_DENOMINATOR_EPS, normalize_output
@@ -93,6 +95,8 @@ def _chunked_causal(
     if log_decay is None:
         # chunk_size, not a length derived from a shape: under torch.jit.trace shapes are tensors, which
         # autograd.Function would take for inputs.
+        if torch.compiler.is_compiling():
+            return causal_chunks_traceable(phi_q, phi_k, v, initial_state, chunk_size)
         return _CausalChunks.apply(phi_q, phi_k, v, initial_state, chunk_size)
     chunk = min(chunk_size, n)
 

@@ -74,9 +74,12 @@ class _SumNormalise(torch.autograd.Function):
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         out, safe, live = ctx.saved_tensors
         safe = _at_least(safe, denominator_floor(safe.dtype))
-        grad_num_den = grad.new_empty(*grad.shape[:-1], grad.shape[-1] + 1)
-        torch.div(grad, safe, out=grad_num_den[..., :-1])
         # d(num / den) / d den = -out / den; a guarded (constant) denominator gets no gradient.
         grad_den = (grad * out).sum(-1, keepdim=True).div_(safe).neg_()
+        if torch.compiler.is_compiling():
+            # Dynamo does not trace out= into a slice; a compiled graph fuses the concatenation anyway.
+            return torch.cat([grad / safe, grad_den * live], dim=-1), None
+        grad_num_den = grad.new_empty(*grad.shape[:-1], grad.shape[-1] + 1)
+        torch.div(grad, safe, out=grad_num_den[..., :-1])
         grad_num_den[..., -1:] = grad_den * live
         return grad_num_den, None
