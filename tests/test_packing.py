@@ -131,7 +131,7 @@ def test_prefill_of_a_packed_row_returns_one_state_per_document(name):
 
 
 def test_prefill_of_a_packed_row_is_refused_without_packing():
-    mechanism = attnzoo.build_mechanism("aft", HEADS, HEAD_DIM, max_seq_len=LENGTH).double()
+    mechanism = attnzoo.build_mechanism("local", HEADS, HEAD_DIM, window=4).double()  # packing: "none"
     with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens"):
         mechanism.prefill_packed(*qkv(), cu_seqlens=offsets(0, 4, LENGTH))
 
