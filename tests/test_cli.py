@@ -393,3 +393,16 @@ def test_resume_naming_a_file_is_one_line_exit_2(capsys, tmp_path, no_work):
     (tmp_path / "a-file").write_text("")
     line = _usage_error_line(["train", "--resume", str(tmp_path / "a-file")], capsys)
     assert line == f"attnzoo train: error: --resume {tmp_path / 'a-file'}: exists and is not a directory"
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """``attnzoo list | head -0``: the write into a closed pipe stops the command with 141, no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the command writes anything
+    try:
+        done = subprocess.run([sys.executable, "-m", "attnzoo", "list"], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert done.stderr == ""

@@ -12,12 +12,13 @@ Every usage error is one line on stderr with exit code 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import List, Optional
 
-from .common import EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Parser
+from .common import EXIT_BROKEN_PIPE, EXIT_FAILED_ROWS, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, Parser
 
-__all__ = ["EXIT_FAILED_ROWS", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_FAILED_ROWS", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 
 def build_parser() -> Parser:
@@ -38,7 +39,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.raw_argv = argv[1:]
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # inside the try: a closed pipe must surface here, not in the interpreter's exit
+        return code
     except KeyboardInterrupt:
         print("attnzoo: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`attnzoo eval --json | head`): stop quietly, as other Unix tools do, and
+        # point stdout at /dev/null so the interpreter's final flush does not raise a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

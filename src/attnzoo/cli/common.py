@@ -28,6 +28,7 @@ EXIT_OK = 0
 EXIT_FAILED_ROWS = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader closed the pipe
 
 # A mechanism option: (mechanism, or None where the command's one mechanism is meant; option; value).
 Setting = Tuple[Optional[str], str, Any]

@@ -1,0 +1,7 @@
+"""``python -m attnzoo ...``: the ``attnzoo`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
