@@ -26,7 +26,7 @@ LAYERS = [
     {"training"},
     {"bench"},  # the kernel benchmark behind attnzoo compare
     {"experiments"},  # training experiments: attnzoo lra, the seq2seq report, their cell runner
-    {"cli"},
+    {"cli", "__main__"},  # __main__: python -m attnzoo, the command itself
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
