@@ -29,9 +29,11 @@ the query, on either side); Mamba-2 itself is causal.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .._dtypes import working_dtype
@@ -241,6 +243,26 @@ def ssd_step_unchecked(
     return _with_skip(queries @ written, x_t, D), written
 
 
+# -- Mamba-2's parametrisation ------------------------------------------------------------------------------
+def mamba2_step_bias(heads: int, low: float = 0.001, high: float = 0.1) -> Tensor:
+    """Mamba-2's ``dt_bias`` initialisation, deterministic: the inverse softplus of step sizes from ``low`` to
+    ``high``, geometric over the heads (mamba_ssm draws them log-uniformly in the same range). (heads,)."""
+    steps = torch.logspace(math.log10(low), math.log10(high), heads) if heads > 1 else torch.tensor([low])
+    return steps + torch.log(-torch.expm1(-steps))  # softplus(bias) = steps
+
+
+def mamba2_log_rates(heads: int) -> Tensor:
+    """Mamba-2's ``A_log`` initialisation, deterministic: ``log(A)`` for rates from 1 to 16 over the heads
+    (mamba_ssm draws them uniformly in [1, 16]). (heads,)."""
+    return torch.linspace(1.0, 16.0, heads).log()
+
+
+def step_sizes(logits: Tensor) -> Tensor:
+    """``softplus(logits)``, written as ``-logsigmoid(-logits)`` (the same numbers): softplus's backward fails
+    under torch.compile's AOTAutograd for gates computed from permuted keys."""
+    return -F.logsigmoid(-logits)
+
+
 # -- the float64 reference ---------------------------------------------------------------------------------------
 def ssd_reference(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, *, D: Optional[Tensor] = None, causal: bool = True,
@@ -278,6 +300,8 @@ def ssd_reference(
 
 __all__ = [
     "check_ssd_call",
+    "mamba2_log_rates",
+    "mamba2_step_bias",
     "per_head",
     "ssd",
     "ssd_as_linear_attention",
@@ -287,4 +311,5 @@ __all__ = [
     "ssd_step",
     "ssd_step_unchecked",
     "ssd_unchecked",
+    "step_sizes",
 ]

@@ -25,33 +25,14 @@ import math
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._dtypes import working_dtype
 from ..functional.gated import key_gate_logits
 from ..functional.linear import DEFAULT_CHUNK_SIZE
+from ..functional.ssd import mamba2_log_rates, mamba2_step_bias, step_sizes
 from .base import OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, register
 from .kernelized import KernelizedMechanism
-
-
-def mamba2_step_bias(heads: int, low: float = 0.001, high: float = 0.1) -> Tensor:
-    """Mamba-2's ``dt_bias`` initialisation, deterministic: the inverse softplus of step sizes from ``low`` to
-    ``high``, geometric over the heads (mamba_ssm draws them log-uniformly in the same range). (heads,)."""
-    steps = torch.logspace(math.log10(low), math.log10(high), heads) if heads > 1 else torch.tensor([low])
-    return steps + torch.log(-torch.expm1(-steps))  # softplus(bias) = steps
-
-
-def mamba2_log_rates(heads: int) -> Tensor:
-    """Mamba-2's ``A_log`` initialisation, deterministic: ``log(A)`` for rates from 1 to 16 over the heads
-    (mamba_ssm draws them uniformly in [1, 16]). (heads,)."""
-    return torch.linspace(1.0, 16.0, heads).log()
-
-
-def step_sizes(logits: Tensor) -> Tensor:
-    """``softplus(logits)``, written as ``-logsigmoid(-logits)`` (the same numbers): softplus's backward fails
-    under torch.compile's AOTAutograd for gates computed from permuted keys."""
-    return -F.logsigmoid(-logits)
 
 
 @register
