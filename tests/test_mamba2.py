@@ -71,7 +71,8 @@ def mamba2_branch_definition(block, h):
     for t in range(seq):
         group = torch.arange(heads) // (heads // g)
         bt, ct = b[:, t, group], c[:, t, group]  # (batch, heads, n)
-        state = torch.exp(dt[:, t] * a)[..., None, None] * state + (dt[:, t, :, None] * bt)[..., None] * x[:, t, :, None]
+        written = (dt[:, t, :, None] * bt)[..., None] * x[:, t, :, None]  # (batch, heads, n, p)
+        state = torch.exp(dt[:, t] * a)[..., None, None] * state + written
         ys.append(torch.einsum("bhn,bhnp->bhp", ct, state) + block.D[:, None] * x[:, t])
     y = torch.stack(ys, dim=1).reshape(batch, seq, e) * F.silu(z)
     y = y.view(batch, seq, g, e // g)

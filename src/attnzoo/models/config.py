@@ -219,8 +219,8 @@ class BlockConfig:
         if grouped and self.block != "attention":
             unit = "a Mamba-2 block shares B and C by block_options['groups']" if self.block == "mamba2" else \
                 "a gated attention unit is single-head"
-            raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: {unit}; leave kv_heads "
-                             f"at None")
+            raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: {unit}; leave "
+                             f"kv_heads at None")
         if self.block == "attention":
             if grouped and capabilities(self.self_attention.mechanism).grouped_kv == NO_GROUPED_KV:
                 raise UnsupportedOptionError(
