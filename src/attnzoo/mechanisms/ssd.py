@@ -42,7 +42,8 @@ class StateSpaceDualityAttention(KernelizedMechanism):
     unscaled, no normaliser. Chunked, bidirectional, packed and recurrent paths give the same output.
 
     ``A_log`` starts at ``log(linspace(1, 16))`` over the heads and ``dt_bias`` at the inverse softplus of steps
-    from 0.001 to 0.1 (geometric over the heads), as Mamba-2 draws them; ``w`` starts small and random.
+    from 0.001 to 0.1 (geometric over the heads): spread over the ranges Mamba-2 draws them from at random;
+    ``w`` starts random with rows of norm about 1.
 
     Options:
         chunk_size: chunk length of the causal path.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
-from .._validation import check_number, check_positive_int
+from .._validation import check_positive_int
 
 MAMBA2_OPTIONS: Dict[str, Any] = {"state_dim": 128, "expansion": 2, "conv_size": 4, "groups": 1, "chunk_size": 64}
 """The options of a Mamba-2 block with their defaults (mamba_ssm's ``d_state``, ``expand``, ``d_conv`` and
@@ -40,7 +40,6 @@ def mamba2_options(dim: int, heads: int, options: Optional[Mapping[str, Any]]) -
     resolved = {**MAMBA2_OPTIONS, **given}
     for name in MAMBA2_OPTIONS:
         resolved[name] = check_positive_int(name, resolved[name])
-    check_number("expansion", resolved["expansion"], integer=True, minimum=1)
     if heads % resolved["groups"]:
         raise ValueError(f"groups={resolved['groups']} must divide heads={heads} (B and C are shared by the heads "
                          f"of a group)")
