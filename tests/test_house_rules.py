@@ -35,6 +35,7 @@ ALLOWED = {
     ("models/gau.py", "flash_gau"): "the gated block of that name",
     ("models/__init__.py", "gau"): "imports models/gau.py, the gated blocks' module",
     ("models/stacks.py", "gau"): "imports models/gau.py, the gated blocks' module",
+    ("models/mamba2.py", "ssd"): "block='mamba2' runs Mamba-2's SSD core (functional/ssd.py)",
     # Scheduled sampling's "linear" decay of the teacher-forcing probability, a word that is also a mechanism's.
     ("training/config.py", "linear"): "the sampling decay",
     ("training/seq2seq.py", "linear"): "the sampling decay",

@@ -407,8 +407,9 @@ def _add_model_options(train: argparse.ArgumentParser) -> None:
     add_import_option(train)
     gated = [block for block in BLOCKS if block != "attention"]
     train.add_argument("--block-options", type=parse_options, action="append", metavar="OPTIONS",
-                       help=f"options of the gated units of --block {'|'.join(gated)} (shared_dim, expansion_dim, "
-                            "scores, chunk_size) as JSON or KEY=VALUE,... (repeatable)")
+                       help=f"options of the blocks of --block {'|'.join(gated)} (gated units: shared_dim, "
+                            "expansion_dim, scores, chunk_size; mamba2: state_dim, expansion, conv_size, groups, "
+                            "chunk_size) as JSON or KEY=VALUE,... (repeatable)")
     train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     choices = _choices()

@@ -30,6 +30,7 @@ from .delta import (
     gated_delta_rule,
     gated_delta_rule_step,
 )
+from .ssd import ssd, ssd_prefill, ssd_reference, ssd_step
 from .shrinkage import (
     shrink_towards_mean,
     shrunk_kernel_attention,

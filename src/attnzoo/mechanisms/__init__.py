@@ -34,6 +34,7 @@ from .mixed_chunk import MixedChunkAttention  # noqa: E402
 from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 # The delta rule.
 from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
+from .ssd import StateSpaceDualityAttention  # noqa: E402  (Mamba-2's SSD)
 
 __all__ = [
     "APPROXIMATE",

@@ -1,6 +1,6 @@
 """Transformer layers and models built on :class:`attnzoo.MultiHeadAttention`.
 
-By role: :mod:`.config` (BlockConfig, ModelConfig), :mod:`.layers` and :mod:`.gau` (one layer),
+By role: :mod:`.config` (BlockConfig, ModelConfig), :mod:`.layers`, :mod:`.gau` and :mod:`.mamba2` (one layer),
 :mod:`.stacks` and :mod:`.reversible` (stacks of layers), :mod:`.embeddings` and :mod:`.inputs`,
 :mod:`.language` (language model, classifier, tagger), :mod:`.seq2seq` (encoder-decoder) with its
 :mod:`.pointer`, :mod:`.nat`, :mod:`.cross_attention` and :mod:`.monotonic` options, :mod:`.fusion`.
@@ -10,6 +10,7 @@ from .config import AttentionSpec, BlockConfig, ModelConfig
 from .fusion import AttentionFusion
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, FeedForward, LayerState
+from .mamba2 import Mamba2Block, Mamba2DecoderLayer, Mamba2EncoderLayer, Mamba2State
 from .reversible import ReversibleDecoder, ReversibleEncoder
 from .pointer import CopyMemory, PointerGenerator
 from .embeddings import TokenEmbedding
@@ -30,6 +31,10 @@ __all__ = [
     "GatedDecoderLayer",
     "GatedEncoderLayer",
     "LayerState",
+    "Mamba2Block",
+    "Mamba2DecoderLayer",
+    "Mamba2EncoderLayer",
+    "Mamba2State",
     "Decoder",
     "DecoderState",
     "Encoder",

@@ -10,7 +10,8 @@ depth, positions and embedding, and the options of its layers, from which it mak
 
 ``block`` chooses what a layer is: attention + feed-forward (``"attention"``, the default), or one gated
 attention unit (Hua et al. 2022) in their place, with quadratic attention (``"gau"``) or FLASH's mixed chunk
-attention (``"flash_gau"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit_options`.
+attention (``"flash_gau"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit_options`; or a Mamba-2 block
+(``"mamba2"``, :mod:`attnzoo.models.mamba2`, options checked by :func:`attnzoo.models.mamba2_options.mamba2_options`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
+from .mamba2_options import mamba2_options
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
-BLOCKS = ("attention", "gau", "flash_gau")
-"""What a layer is: attention + feed-forward, or one gated attention unit with quadratic ("gau") or mixed chunk
-("flash_gau", FLASH) attention."""
+BLOCKS = ("attention", "gau", "flash_gau", "mamba2")
+"""What a layer is: attention + feed-forward, one gated attention unit with quadratic ("gau") or mixed chunk
+("flash_gau", FLASH) attention, or one Mamba-2 block ("mamba2")."""
+GATED_UNIT_BLOCKS = ("gau", "flash_gau")
 
 RENAMED_BLOCKS = {"flash": "flash_gau"}
 """Old block names and their new ones: "flash" read as Dao et al.'s FlashAttention, which FLASH is not."""
@@ -60,7 +63,7 @@ def gated_unit_options(block: str, dim: int, rotary: bool, options: Optional[Map
     Returns:
         All four options, ``shared_dim`` and ``expansion_dim`` resolved (``chunk_size`` None for "gau").
     """
-    check_block(block, BLOCKS[1:])
+    check_block(block, GATED_UNIT_BLOCKS)
     given = dict(options or {})
     unknown = sorted(set(given) - set(GATED_UNIT_OPTIONS))
     if unknown:
@@ -160,8 +163,10 @@ class BlockConfig:
             own attention and gating, so ``self_attention`` (other than the default), ``self_attention_options``,
             ``cross_attention``, ``ff_dim``, ``activation`` (other than the default) and ``ff_chunks`` are refused
             with it, naming the option; ``heads`` only has to divide ``dim``. ``rotary`` rotates its query and
-            key forms.
-        block_options: the gated unit's options (see :func:`gated_unit_options`); only with a gated block.
+            key forms. "mamba2": one Mamba-2 block (:mod:`attnzoo.models.mamba2`) in their place, ``heads`` SSM
+            heads; the same options are refused with it, and ``rotary`` too (an SSM has no queries and keys).
+        block_options: the gated unit's options (see :func:`gated_unit_options`) or the Mamba-2 block's (see
+            :func:`attnzoo.models.mamba2_options.mamba2_options`); only with such a block.
 
     Every option is checked when the config is made: a yes/no option must be a bool (``norm_first="False"`` is
     a TypeError, not a truthy yes), numbers are checked for type, finiteness and range, and each error names
@@ -212,8 +217,10 @@ class BlockConfig:
                             f"{type(options).__name__}")
         grouped = self.kv_heads is not None and self.kv_heads != self.heads
         if grouped and self.block != "attention":
-            raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: a gated attention "
-                             f"unit is single-head; leave kv_heads at None")
+            unit = "a Mamba-2 block shares B and C by block_options['groups']" if self.block == "mamba2" else \
+                "a gated attention unit is single-head"
+            raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: {unit}; leave "
+                             f"kv_heads at None")
         if self.block == "attention":
             if grouped and capabilities(self.self_attention.mechanism).grouped_kv == NO_GROUPED_KV:
                 raise UnsupportedOptionError(
@@ -222,7 +229,7 @@ class BlockConfig:
                 )
             if options:
                 raise ValueError("block_options given but block='attention': they are options of a gated attention "
-                                 "unit (block='gau' or block='flash_gau')")
+                                 "unit (block='gau' or block='flash_gau') or a Mamba-2 block (block='mamba2')")
             return
         self._check_gated_unit()
 
@@ -230,6 +237,8 @@ class BlockConfig:
         """Refuse, naming them, the options a gated attention unit has no use for; check its own options."""
         why = (f"block={self.block!r} replaces attention + feed-forward by one gated attention unit with its own "
                f"single-head attention and gate")
+        if self.block == "mamba2":
+            why = "block='mamba2' replaces attention + feed-forward by one Mamba-2 block (an SSM, no attention)"
         if self.self_attention.mechanism != "softmax":
             raise ValueError(f"self_attention={self.self_attention.mechanism!r} cannot be used: {why}; leave "
                              f"self_attention at its default")
@@ -241,9 +250,16 @@ class BlockConfig:
         for option, value, default in (("ff_dim", self.ff_dim, None), ("activation", self.activation, "gelu"),
                                        ("ff_chunks", self.ff_chunks, 1)):
             if value != default:
-                hint = " (its expansion width is block_options['expansion_dim'])" if option == "ff_dim" else ""
+                width = "expansion" if self.block == "mamba2" else "expansion_dim"
+                hint = f" (its expansion width is block_options['{width}'])" if option == "ff_dim" else ""
                 raise ValueError(f"{option}={value!r} cannot be used: {why}, no feed-forward network{hint}")
-        gated_unit_options(self.block, self.dim, self.rotary, self.block_options)
+        if self.block != "mamba2":
+            gated_unit_options(self.block, self.dim, self.rotary, self.block_options)
+            return
+        if self.rotary:
+            raise ValueError(f"rotary=True (positional='rotary') cannot be used: {why}, no queries and keys to rotate; "
+                             f"use positional='none' or 'sinusoidal'")
+        mamba2_options(self.dim, self.heads, self.block_options)
 
     @property
     def feed_forward_dim(self) -> int:

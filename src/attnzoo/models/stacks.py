@@ -9,7 +9,7 @@ Each stack holds ``depth`` layers of one kind, chosen by the config's ``block``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 from torch import Tensor, nn
 
@@ -17,6 +17,7 @@ from .._validation import check_bool, check_positive_int
 from .config import AttentionSpec, BlockConfig, attention_slot
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
+from .mamba2 import Mamba2Block, Mamba2DecoderLayer, Mamba2EncoderLayer, Mamba2State
 
 StackT = TypeVar("StackT", bound="_LayerStack")
 
@@ -28,13 +29,16 @@ class _LayerStack(nn.Module):
     layer_type: ClassVar[Type[_Block]]
     gated_layer_type: ClassVar[Type[GatedAttentionUnit]]
     """The layer of a stack whose config names a gated block (``block="gau"`` or ``block="flash_gau"``)."""
+    mamba2_layer_type: ClassVar[Type[Mamba2Block]]
+    """The layer of a stack whose config says ``block="mamba2"``."""
 
     def __init__(self, config: BlockConfig, depth: int) -> None:
         super().__init__()
         check_positive_int("depth", depth)
         self._check_config(config)
         self.config = config
-        layer_type = self.layer_type if config.block == "attention" else self.gated_layer_type
+        layer_type = {"attention": self.layer_type, "mamba2": self.mamba2_layer_type}.get(config.block,
+                                                                                        self.gated_layer_type)
         self.layers = nn.ModuleList(layer_type(config) for _ in range(depth))
         self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
 
@@ -63,6 +67,7 @@ class Encoder(_LayerStack):
 
     layer_type = EncoderLayer
     gated_layer_type = GatedEncoderLayer
+    mamba2_layer_type = Mamba2EncoderLayer
 
     def __init__(
         self,
@@ -99,13 +104,14 @@ class Encoder(_LayerStack):
 
 @dataclass
 class DecoderState:
-    """Decoding state of a :class:`Decoder`: one :class:`LayerState` per layer, the next position, and the
-    memory's padding mask (batch, seq_mem) or None. Reorder beams with :func:`attnzoo.state.select_batch`.
+    """Decoding state of a :class:`Decoder`: one :class:`LayerState` per layer (a :class:`Mamba2State` for
+    ``block="mamba2"``), the next position, and the memory's padding mask (batch, seq_mem) or None. Reorder
+    beams with :func:`attnzoo.state.select_batch`.
 
     ``last_tokens`` (batch,): the last token fed, kept by a :class:`LanguageModel` with ``token_shift`` (its
     next embedding needs it); None otherwise."""
 
-    layers: List[LayerState]
+    layers: List[Union[LayerState, Mamba2State]]
     position: int
     memory_padding_mask: Optional[Tensor] = None
     last_tokens: Optional[Tensor] = None
@@ -122,6 +128,7 @@ class Decoder(_LayerStack):
 
     layer_type = DecoderLayer
     gated_layer_type = GatedDecoderLayer
+    mamba2_layer_type = Mamba2DecoderLayer
 
     def __init__(
         self,
