@@ -86,17 +86,17 @@ def _chunk_terms(
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], state: Tensor, pad: int,
            chunk: int) -> Tuple[Tensor, Tensor]:
-    """The causal form through :class:`.fused.ChunkedDeltaRule`, in its (chunks, batch * heads, C, d) layout."""
+    """The causal form through :class:`.fused.ChunkedDeltaRule`, in its (batch * heads, chunks, C, d) layout."""
     batch, heads, length, _ = k.shape
 
-    def chunks_first(x: Tensor) -> Tensor:
+    def chunked(x: Tensor) -> Tensor:
         x = _in_chunks(x, pad, chunk)
-        return x.reshape(batch * heads, *x.shape[2:]).transpose(0, 1).contiguous()
+        return x.reshape(batch * heads, *x.shape[2:]).contiguous()
 
-    g = None if log_decay is None else chunks_first(log_decay).cumsum(-1)
-    out, state = ChunkedDeltaRule.apply(chunks_first(q), chunks_first(k), chunks_first(v), chunks_first(beta), g,
+    g = None if log_decay is None else chunked(log_decay).cumsum(-1)
+    out, state = ChunkedDeltaRule.apply(chunked(q), chunked(k), chunked(v), chunked(beta), g,
                                         state.reshape(batch * heads, *state.shape[2:]))
-    out = out.transpose(0, 1).reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
+    out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
     return out, state.reshape(batch, heads, *state.shape[1:])
 
 

@@ -13,7 +13,7 @@ Same maths as :mod:`.chunk` (its docstring has the derivation), organised for sp
 * The backward walks the chunks in reverse with the same two products per chunk; everything else in either
   direction is batched over every chunk. Nothing is differentiated twice (``gradcheck`` covers first order).
 
-Layout inside: (chunks, batch * heads, C, d), so that one chunk's slice is contiguous for the scan.
+Layout inside: (batch * heads, chunks, C, d), the inputs' own memory order (no copy to enter or leave).
 """
 
 from __future__ import annotations
@@ -28,19 +28,24 @@ from .._autocast import outside_autocast
 Saved = Tuple[Tensor, ...]
 
 
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``(a * b).sum(-1)`` as one batched matmul: no product tensor of a's size is made."""
+    return (a.reshape(-1, 1, a.shape[-1]) @ b.reshape(-1, b.shape[-1], 1)).view(a.shape[:-1])
+
+
 def _flat(x: Tensor) -> Tensor:
-    """(n, Z, r, c) -> (n * Z, r, c), a view, for the batched matmuls that accumulate (baddbmm)."""
+    """(Z, n, r, c) -> (Z * n, r, c), a view, for the batched matmuls that accumulate (baddbmm)."""
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
 def _gate_terms(g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """From the within-chunk cumulative log decay g (n, Z, C): (gamma = exp(g) (n, Z, C), to_end = exp(g_C - g)
-    (n, Z, C), gamma_C (n, Z))."""
+    """From the within-chunk cumulative log decay g (Z, n, C): (gamma = exp(g) (Z, n, C), to_end = exp(g_C - g)
+    (Z, n, C), gamma_C (Z, n))."""
     return g.exp(), (g[..., -1:] - g).exp(), g[..., -1].exp()
 
 
 def _within(g: Tensor) -> Tensor:
-    """Gamma (n, Z, C, C) = exp(g_t - g_j) on and below the diagonal, 0 above. Every exponent is a difference
+    """Gamma (Z, n, C, C) = exp(g_t - g_j) on and below the diagonal, 0 above. Every exponent is a difference
     <= 0 (masked before exp), so nothing overflows however strong the decay."""
     chunk = g.shape[-1]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).triu(1)
@@ -49,7 +54,7 @@ def _within(g: Tensor) -> Tensor:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], state: Tensor
              ) -> Tuple[Tensor, Tensor, Saved]:
-    """Chunked inputs (n, Z, C, d), gates (n, Z, C), state (Z, d_k, d_v). Returns (out (n, Z, C, d_v), final
+    """Chunked inputs (Z, n, C, d), gates (Z, n, C), state (Z, d_k, d_v). Returns (out (Z, n, C, d_v), final
     state, what the backward needs)."""
     chunk = k.shape[-2]
     kk = k @ k.transpose(-1, -2)
@@ -68,13 +73,13 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
     t = torch.linalg.solve_triangular(a, eye.expand_as(a), upper=False, unitriangular=True)
     # Two products, not one with [V, K] side by side: a 2d-wide right-hand side runs slower than two d-wide.
     u_free, w = t @ (v * beta.unsqueeze(-1)), t @ (gamma_k * beta.unsqueeze(-1))
-    states = k.new_empty(k.shape[0], *state.shape)
+    states = k.new_empty(k.shape[0], k.shape[1], *state.shape[1:])
     u = torch.empty_like(u_free)
-    for c in range(k.shape[0]):
-        states[c] = state
-        u[c] = torch.baddbmm(u_free[c], w[c], state, alpha=-1.0)
-        carried = state if gamma_end is None else state * gamma_end[c, :, None, None]
-        state = torch.baddbmm(carried, k_to_end[c].transpose(-1, -2), u[c])
+    for c in range(k.shape[1]):
+        states[:, c] = state
+        u[:, c] = torch.baddbmm(u_free[:, c], w[:, c], state, alpha=-1.0)
+        carried = state if gamma_end is None else state * gamma_end[:, c, None, None]
+        state = torch.baddbmm(carried, k_to_end[:, c].transpose(-1, -2), u[:, c])
     out = torch.baddbmm(_flat(gamma_q @ states), _flat(p), _flat(u)).view_as(v)
     # kk is K K^T * Gamma where gated; p the causal Q K^T * Gamma.
     saved = (q, k, v, beta, kk, p, t, u_free, w, u, states) + (() if g is None else (g, within))
@@ -83,17 +88,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
 
 def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Tensor, k_to_end: Tensor, w: Tensor,
                    gamma_end: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """The reverse walk over chunks: (dU (n, Z, C, d_v), dS_{c+1} per chunk (n, Z, d_k, d_v), dS_0)."""
+    """The reverse walk over chunks: (dU (Z, n, C, d_v), dS_{c+1} per chunk (Z, n, d_k, d_v), dS_0)."""
     grad_u_local = p.transpose(-1, -2) @ grad_out
     grad_state_local = gamma_q.transpose(-1, -2) @ grad_out
     grad_u = torch.empty_like(grad_u_local)
-    grad_next = grad_out.new_empty(grad_out.shape[0], *grad_final.shape)
+    grad_next = grad_out.new_empty(grad_out.shape[0], grad_out.shape[1], *grad_final.shape[1:])
     grad_state = grad_final
-    for c in reversed(range(grad_out.shape[0])):
-        grad_next[c] = grad_state
-        grad_u[c] = torch.baddbmm(grad_u_local[c], k_to_end[c], grad_state)
-        carried = grad_state if gamma_end is None else grad_state * gamma_end[c, :, None, None]
-        grad_state = torch.baddbmm(grad_state_local[c] + carried, w[c].transpose(-1, -2), grad_u[c], alpha=-1.0)
+    for c in reversed(range(grad_out.shape[1])):
+        grad_next[:, c] = grad_state
+        grad_u[:, c] = torch.baddbmm(grad_u_local[:, c], k_to_end[:, c], grad_state)
+        carried = grad_state if gamma_end is None else grad_state * gamma_end[:, c, None, None]
+        grad_state = torch.baddbmm(grad_state_local[:, c] + carried, w[:, c].transpose(-1, -2), grad_u[:, c],
+                                   alpha=-1.0)
     return grad_u, grad_next, grad_state
 
 
@@ -120,32 +126,33 @@ def _backward(saved: Saved, gated: bool, grad_out: Tensor, grad_final: Tensor
     grad_r_k = t_transposed @ (grad_u @ states.transpose(-1, -2)).neg_()
     grad_a = _flat(grad_r_v @ u_free.transpose(-1, -2))
     grad_a = torch.baddbmm(grad_a, _flat(grad_r_k), _flat(w).transpose(-1, -2)).view_as(t).tril_(-1).neg_()
-    grad_v, grad_gamma_k = grad_r_v * beta.unsqueeze(-1), grad_r_k * beta.unsqueeze(-1)
-    grad_beta = (grad_r_v * v).sum(-1) + (grad_r_k * gamma_k).sum(-1) + (grad_a * kk).sum(-1)
+    grad_beta = _row_dot(grad_r_v, v).add_(_row_dot(grad_r_k, gamma_k)).add_(_row_dot(grad_a, kk))
+    grad_v, grad_gamma_k = grad_r_v.mul_(beta.unsqueeze(-1)), grad_r_k.mul_(beta.unsqueeze(-1))
     grad_kk_within = grad_a.mul_(beta.unsqueeze(-1))
     grad_kk, grad_qk = (grad_kk_within, grad_p) if not gated else (grad_kk_within * within, grad_p * within)
     grad_q = grad_qk @ k
-    grad_k = _flat((grad_kk + grad_kk.transpose(-1, -2)) @ k)
+    grad_k = torch.baddbmm(_flat(grad_kk @ k), _flat(grad_kk).transpose(-1, -2), _flat(k))
     grad_k = torch.baddbmm(grad_k, _flat(grad_qk).transpose(-1, -2), _flat(q)).view_as(k)
     if not gated:
-        return grad_q + grad_gamma_q, grad_k + grad_gamma_k + grad_k_to_end, grad_v, grad_beta, None, grad_initial
-    grad_q = grad_q + grad_gamma_q * gamma.unsqueeze(-1)
-    grad_k = grad_k + grad_gamma_k * gamma.unsqueeze(-1) + grad_k_to_end * to_end.unsqueeze(-1)
+        return grad_q.add_(grad_gamma_q), grad_k.add_(grad_gamma_k).add_(grad_k_to_end), grad_v, grad_beta, None, \
+            grad_initial
+    grad_q.addcmul_(grad_gamma_q, gamma.unsqueeze(-1))
+    grad_k.addcmul_(grad_gamma_k, gamma.unsqueeze(-1)).addcmul_(grad_k_to_end, to_end.unsqueeze(-1))
     # d/dg through Gamma_tj = exp(g_t - g_j), gamma_t = exp(g_t), to_end_t = exp(g_C - g_t), gamma_C = exp(g_C).
     through_within = grad_kk_within * kk + grad_p * p  # the gradient reaching Gamma, times Gamma
     grad_g = through_within.sum(-1) - through_within.sum(-2)
-    grad_g += ((grad_gamma_q * q).sum(-1) + (grad_gamma_k * k).sum(-1)) * gamma
-    through_to_end = (grad_k_to_end * k).sum(-1) * to_end
+    grad_g += _row_dot(grad_gamma_q, q).add_(_row_dot(grad_gamma_k, k)).mul_(gamma)
+    through_to_end = _row_dot(grad_k_to_end, k).mul_(to_end)
     grad_g -= through_to_end
-    grad_g[..., -1] += through_to_end.sum(-1) + (states * grad_next).sum((-1, -2)) * gamma_end
+    grad_g[..., -1] += through_to_end.sum(-1) + _row_dot(states.flatten(-2), grad_next.flatten(-2)) * gamma_end
     return grad_q, grad_k, grad_v, grad_beta, grad_g, grad_initial
 
 
 class ChunkedDeltaRule(torch.autograd.Function):
     """The causal (gated) delta rule on chunked inputs, with a hand-written backward (module docstring).
 
-    Shapes: q (scaled), k (n, Z, C, d_k); v (n, Z, C, d_v); beta (n, Z, C); g (n, Z, C) the cumulative log
-    decay from each chunk's start, inclusive, or None; initial (Z, d_k, d_v). Returns (out (n, Z, C, d_v),
+    Shapes: q (scaled), k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C) the cumulative log
+    decay from each chunk's start, inclusive, or None; initial (Z, d_k, d_v). Returns (out (Z, n, C, d_v),
     state after the last chunk (Z, d_k, d_v)).
     """
 
