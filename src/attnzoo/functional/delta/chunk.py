@@ -42,8 +42,10 @@ from ..._validation import check_floating
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
 from .fused import ChunkedDeltaRule
 
-DEFAULT_CHUNK_SIZE = 64
-"""Chunk length of the parallel form: the triangular solves are C x C, the scan has N / C steps."""
+DEFAULT_CHUNK_SIZE = 32
+"""Chunk length of the parallel form: the triangular solves are C x C, the scan has N / C steps. 32 is the
+fastest at head dim 64 on CPUs (docs/delta.md): the C x C work per position halves from 64, while the d x d work
+per position stays and the scan's steps double."""
 
 
 def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
