@@ -75,11 +75,16 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
     u_free, w = t @ (v * beta.unsqueeze(-1)), t @ (gamma_k * beta.unsqueeze(-1))
     states = k.new_empty(k.shape[0], k.shape[1], *state.shape[1:])
     u = torch.empty_like(u_free)
+    # The state is updated in place (it is contiguous; a chunk's slice of u is not, and an in-place product
+    # into a strided slice runs one matrix at a time). The caller's state is not touched.
+    state = state.clone()
     for c in range(k.shape[1]):
         states[:, c] = state
-        u[:, c] = torch.baddbmm(u_free[:, c], w[:, c], state, alpha=-1.0)
-        carried = state if gamma_end is None else state * gamma_end[:, c, None, None]
-        state = torch.baddbmm(carried, k_to_end[:, c].transpose(-1, -2), u[:, c])
+        u_c = torch.baddbmm(u_free[:, c], w[:, c], state, alpha=-1.0)
+        u[:, c] = u_c
+        if gamma_end is not None:
+            state.mul_(gamma_end[:, c, None, None])
+        state.baddbmm_(k_to_end[:, c].transpose(-1, -2), u_c)
     out = torch.baddbmm(_flat(gamma_q @ states), _flat(p), _flat(u)).view_as(v)
     # kk is K K^T * Gamma where gated; p the causal Q K^T * Gamma.
     saved = (q, k, v, beta, kk, p, t, u_free, w, u, states) + (() if g is None else (g, within))
@@ -93,13 +98,14 @@ def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Ten
     grad_state_local = gamma_q.transpose(-1, -2) @ grad_out
     grad_u = torch.empty_like(grad_u_local)
     grad_next = grad_out.new_empty(grad_out.shape[0], grad_out.shape[1], *grad_final.shape[1:])
-    grad_state = grad_final
+    grad_state = grad_final.clone()  # updated in place, as the state in the forward
     for c in reversed(range(grad_out.shape[1])):
         grad_next[:, c] = grad_state
-        grad_u[:, c] = torch.baddbmm(grad_u_local[:, c], k_to_end[:, c], grad_state)
-        carried = grad_state if gamma_end is None else grad_state * gamma_end[:, c, None, None]
-        grad_state = torch.baddbmm(grad_state_local[:, c] + carried, w[:, c].transpose(-1, -2), grad_u[:, c],
-                                   alpha=-1.0)
+        grad_u_c = torch.baddbmm(grad_u_local[:, c], k_to_end[:, c], grad_state)
+        grad_u[:, c] = grad_u_c
+        if gamma_end is not None:
+            grad_state.mul_(gamma_end[:, c, None, None])
+        grad_state.add_(grad_state_local[:, c]).baddbmm_(w[:, c].transpose(-1, -2), grad_u_c, alpha=-1.0)
     return grad_u, grad_next, grad_state
 
 
