@@ -3,6 +3,7 @@ pure-PyTorch chunked references, side by side in one process (docs/delta.md, "Sp
 
     PYTHONPATH=src python scripts/bench_delta.py --lengths 4096,16384 --threads 1
 
+``--chunk-sizes 16,64`` adds rows ``delta@16`` etc. at other chunk sizes than the default.
 Each row is the attnzoo mechanism (or the fla peer of `attnzoo compare --peers`, whose gates are computed
 the same way) on the same q, k, v; the rows take turns, round after round, and each keeps its fastest
 round, so a burst of load elsewhere slows every row alike or none. Both the wall time and the thread's
@@ -27,11 +28,13 @@ ROWS = [("linear", None), ("delta", None), ("gated_delta", None),
 
 
 def _callable(name: str, heads: int, head_dim: int, length: int) -> Callable | str:
+    """A row's forward: ``NAME`` or ``NAME@C`` (an attnzoo mechanism, at chunk size C) or an fla peer."""
     if name.startswith("fla-"):
         if not peer_installed(name):
             return "not installed (scripts/install-peers.sh)"
         return build_peer(name, heads, head_dim, length, True)
-    module = build_mechanism(name, heads, head_dim)
+    mechanism, _, chunk = name.partition("@")
+    module = build_mechanism(mechanism, heads, head_dim, **({"chunk_size": int(chunk)} if chunk else {}))
     return lambda q, k, v, causal: module(q, k, v, causal=causal)
 
 
@@ -40,7 +43,8 @@ def _time_rows(length: int, args: argparse.Namespace) -> List[Tuple[str, str]]:
     q, k, v = (torch.randn(args.batch, args.heads, length, args.head_dim, generator=g) for _ in range(3))
     fns: Dict[str, Callable] = {}
     lines = []
-    for name, _ in ROWS:
+    rows = ROWS + [(f"{name}@{chunk}", None) for chunk in args.chunk_sizes for name in ("delta", "gated_delta")]
+    for name, _ in rows:
         fn = _callable(name, args.heads, args.head_dim, length)
         if isinstance(fn, str):
             lines.append((name, fn))
@@ -61,7 +65,7 @@ def _time_rows(length: int, args: argparse.Namespace) -> List[Tuple[str, str]]:
                 wall[name].append(time.perf_counter() - start_wall)
                 cpu[name].append(time.thread_time() - start_cpu)
     linear = min(cpu["linear"]) if "linear" in cpu else None
-    for name, counterpart in ROWS:
+    for name, counterpart in rows:
         if name not in fns:
             continue
         best_wall, best_cpu = 1000 * min(wall[name]), 1000 * min(cpu[name])
@@ -82,7 +86,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunk-sizes", default="", help="also time delta and gated_delta at these chunk sizes")
     args = parser.parse_args()
+    args.chunk_sizes = [int(x) for x in args.chunk_sizes.split(",") if x]
     torch.set_num_threads(args.threads)
     print(f"batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, float32, causal, forward+backward, "
           f"{args.threads} thread(s), best of {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}")

@@ -157,3 +157,19 @@ def test_a_wrong_mapping_is_caught():
     with pytest.raises(AssertionError, match="wrong beta"):
         assert_matches(case, torch.float32)
 
+
+
+@pytest.mark.parametrize("mechanism, peer", [("delta", "fla-delta_rule"), ("gated_delta", "fla-gated_delta_rule"),
+                                             ("linear", "fla-linear_attn")])
+def test_compare_peers_compute_what_their_counterparts_compute(mechanism, peer):
+    """`attnzoo compare --peers` times fla's references at equal settings: built under one seed, the peer row
+    and the attnzoo row give the same outputs."""
+    from attnzoo.bench.peers import build_peer
+
+    torch.manual_seed(0)
+    ours = build_mechanism(mechanism, 2, 16)
+    torch.manual_seed(0)
+    theirs = build_peer(peer, 2, 16, 128, True)
+    q, k, v = torch.randn(3, 1, 2, 128, 16, generator=torch.Generator().manual_seed(1)).unbind(0)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(q, k, v, causal=True), theirs(q, k, v, True), rtol=0, atol=1e-5)
