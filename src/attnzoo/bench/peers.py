@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..mechanisms import available, mechanism_options
@@ -46,10 +47,15 @@ Adapter = Callable[[int, int, int, bool, Options], Union[PeerAttention, str]]
 class Peer:
     """One peer library: how to find it, what it is compared with, and how to build it."""
 
-    name: str  # the PyPI distribution name
+    name: str  # the row's name: the PyPI distribution, or ``fla-<function family>`` for fla's references
     module: str  # the import name that tells whether it is installed
     counterparts: Tuple[str, ...]  # attnzoo mechanisms it implements, the first registered one is used
     build: Adapter
+    distribution: Optional[str] = None  # what pip installs, where it differs from ``name``
+
+    @property
+    def installs(self) -> str:
+        return self.distribution or self.name
 
     def counterpart(self) -> Optional[str]:
         registered = set(available())
@@ -113,6 +119,8 @@ _NYSTROM = ("nystrom", "nystromformer")
 _LOCAL = ("local", "sliding_window", "window", "sparse")
 _REFORMER = ("reformer", "lsh")
 _LINEAR = ("linear",)
+_DELTA = ("delta",)
+_GATED_DELTA = ("gated_delta",)
 
 
 def _performer(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
@@ -205,6 +213,74 @@ def _x_transformers(heads: int, head_dim: int, length: int, causal: bool, option
     return PeerAttention(Attend(causal=causal), lambda m, q, k, v: m(q, k, v)[0])
 
 
+class _DeltaRuleGates(nn.Module):
+    """The inputs attnzoo's delta-rule mechanisms give their core, in plain torch: L2-normalised q and k,
+    ``beta = sigmoid(k . w + b)`` and, gated, Mamba-2's decay ``-exp(A_log) softplus(k . w + dt_bias)``, all
+    from the raw keys, with parameters of the same shapes, created in the same order and way: built under the
+    same seed, the two rows compute the same outputs (the error column shows it). Only the core differs."""
+
+    def __init__(self, heads: int, head_dim: int, gated: bool) -> None:
+        super().__init__()
+        self.beta_weight = nn.Parameter(torch.randn(heads, head_dim) / head_dim ** 0.5)
+        self.beta_bias = nn.Parameter(torch.zeros(heads))
+        self.gated = gated
+        if gated:
+            self.decay_weight = nn.Parameter(torch.randn(heads, head_dim) / head_dim ** 0.5)
+            self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
+            steps = torch.logspace(-3.0, -1.0, heads)  # softplus(dt_bias) from 0.001 to 0.1, geometric
+            self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))
+
+    def forward(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        beta = torch.sigmoid(torch.einsum("bhnd,hd->bhn", k, self.beta_weight) + self.beta_bias[:, None])
+        log_decay = None
+        if self.gated:
+            step = F.softplus(torch.einsum("bhnd,hd->bhn", k, self.decay_weight) + self.dt_bias[:, None])
+            log_decay = -self.A_log.exp()[:, None] * step
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), beta, log_decay
+
+
+def _fla_delta_rule(gated: bool) -> Adapter:
+    """fla's pure-PyTorch chunked delta rule (``delta_rule_chunkwise``, or ``naive_chunk_gated_delta_rule``),
+    at the chunk size of attnzoo's counterpart, behind the same gates."""
+    counterparts = _GATED_DELTA if gated else _DELTA
+
+    def build(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+        if not causal:
+            return "unsupported: fla's delta-rule references are causal only"
+        chunk = _option(options, counterparts, ("chunk_size",), 64)
+        if not gated and length % chunk:
+            return f"unsupported: fla's delta_rule_chunkwise needs the length to be a multiple of chunk_size = {chunk}"
+        from fla.ops.delta_rule.naive import delta_rule_chunkwise
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+
+        def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            unit_q, unit_k, beta, log_decay = module(q, k)
+            if log_decay is None:
+                return delta_rule_chunkwise(unit_q, unit_k, v, beta, chunk_size=chunk)[0]
+            # The gated reference works on (batch, seq, heads, dim); it computes in float32.
+            inputs = [x.transpose(1, 2) for x in (unit_q, unit_k, v, log_decay, beta)]
+            return naive_chunk_gated_delta_rule(*inputs, chunk_size=chunk)[0].transpose(1, 2).to(q.dtype)
+
+        return PeerAttention(_DeltaRuleGates(heads, head_dim, gated), call)
+
+    return build
+
+
+def _fla_linear_attn(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+    """fla's pure-PyTorch chunked linear attention, normalised, on attnzoo's default features (elu + 1)."""
+    if not causal:
+        return "unsupported: fla's naive_chunk_linear_attn is causal only"
+    if length % 64:
+        return "unsupported: fla's naive_chunk_linear_attn needs the length to be a multiple of its chunk, 64"
+    from fla.ops.linear_attn.naive import naive_chunk_linear_attn
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        phi_q, phi_k = (F.elu(x.transpose(1, 2)) + 1 for x in (q, k))
+        return naive_chunk_linear_attn(phi_q, phi_k, v.transpose(1, 2), normalize=True).transpose(1, 2)
+
+    return PeerAttention(nn.Identity(), call)
+
+
 PEERS: Dict[str, Peer] = {
     peer.name: peer
     for peer in [
@@ -215,6 +291,10 @@ PEERS: Dict[str, Peer] = {
         Peer("reformer-pytorch", "reformer_pytorch", _REFORMER, _reformer),
         Peer("pytorch-fast-transformers", "fast_transformers", _LINEAR, _fast_transformers),
         Peer("x-transformers", "x_transformers", ("softmax",), _x_transformers),
+        # flash-linear-attention's pure-PyTorch references (its Triton kernels need a GPU).
+        Peer("fla-delta_rule", "fla", _DELTA, _fla_delta_rule(gated=False), distribution="fla-core"),
+        Peer("fla-gated_delta_rule", "fla", _GATED_DELTA, _fla_delta_rule(gated=True), distribution="fla-core"),
+        Peer("fla-linear_attn", "fla", _LINEAR, _fla_linear_attn, distribution="fla-core"),
     ]
 }
 
@@ -230,7 +310,8 @@ def installed_peers() -> Tuple[List[str], List[Dict[str, str]]]:
         if peer_installed(name):
             present.append(name)
         else:
-            missing.append({"name": name, "reason": f"not installed (pip install {name}, or scripts/install-peers.sh)"})
+            missing.append({"name": name, "reason": f"not installed (pip install {PEERS[name].installs}, or "
+                                                     "scripts/install-peers.sh)"})
     return present, missing
 
 
@@ -242,7 +323,7 @@ def build_peer(
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; valid choices: {', '.join(PEERS)}")
     if not peer_installed(name):
-        return f"not installed (pip install {name})"
+        return f"not installed (pip install {PEERS[name].installs})"
     try:
         return PEERS[name].build(heads, head_dim, length, causal, dict(options or {}))
     except ImportError as error:

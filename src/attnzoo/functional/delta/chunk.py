@@ -40,9 +40,12 @@ from torch import Tensor
 
 from ..._validation import check_floating
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
+from .fused import ChunkedDeltaRule
 
-DEFAULT_CHUNK_SIZE = 64
-"""Chunk length of the parallel form: the triangular solves are C x C, the scan has N / C steps."""
+DEFAULT_CHUNK_SIZE = 32
+"""Chunk length of the parallel form: the triangular solves are C x C, the scan has N / C steps. 32 is the
+fastest at head dim 64 on CPUs (docs/delta.md): the C x C work per position halves from 64, while the d x d work
+per position stays and the scan's steps double."""
 
 
 def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
@@ -83,6 +86,22 @@ def _chunk_terms(
     return gamma_q - scores @ w, scores @ u_free, transition, write
 
 
+def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], state: Tensor, pad: int,
+           chunk: int) -> Tuple[Tensor, Tensor]:
+    """The causal form through :class:`.fused.ChunkedDeltaRule`, in its (batch * heads, chunks, C, d) layout."""
+    batch, heads, length, _ = k.shape
+
+    def chunked(x: Tensor) -> Tensor:
+        x = _in_chunks(x, pad, chunk)
+        return x.reshape(batch * heads, *x.shape[2:]).contiguous()
+
+    g = None if log_decay is None else chunked(log_decay).cumsum(-1)
+    out, state = ChunkedDeltaRule.apply(chunked(q), chunked(k), chunked(v), chunked(beta), g,
+                                        state.reshape(batch * heads, *state.shape[2:]))
+    out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
+    return out, state.reshape(batch, heads, *state.shape[1:])
+
+
 def delta_chunked(
     q: Tensor,
     k: Tensor,
@@ -100,14 +119,18 @@ def delta_chunked(
     d_v = v.shape[-1]
     chunk = min(chunk_size, length)
     pad = -length % chunk
+    state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
+    if causal and not torch.compiler.is_compiling():
+        # dynamo traces the plain operations below instead (a compiled graph plans its own memory).
+        return _fused(q, k, v, beta, log_decay, state, pad, chunk)
     chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v)]
     gates = [None if x is None else _in_chunks(x, pad, chunk) for x in (beta, log_decay)]
     out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, *gates, causal)
-    state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
     starts = []
-    for c in range(transition.shape[2]):
+    # unbind: one backward node for every chunk's slice (indexing made one full-size gradient per chunk).
+    for chunk_transition, chunk_write in zip(transition.unbind(2), write.unbind(2)):
         starts.append(state)
-        state = transition[:, :, c] @ state + write[:, :, c]
+        state = chunk_transition @ state + chunk_write
     if not causal:
         return q @ state, state
     out = out_state_term @ torch.stack(starts, dim=2) + out_free_term
