@@ -24,6 +24,7 @@ from ..functional.blocksparse import (
     BlockPattern,
     BlockPlan,
     DilatedPattern,
+    PackedBlockPlan,
     FixedPattern,
     LocalPattern,
     SinkLocalPattern,
@@ -32,6 +33,8 @@ from ..functional.blocksparse import (
     blocksparse_attention_unchecked,
     blocksparse_plan,
     check_sink_tokens,
+    packed_blocksparse_attention_unchecked,
+    packed_blocksparse_plan,
     window_cache_layout,
     window_cache_prefill,
     window_cache_step,
@@ -48,7 +51,23 @@ from ..functional.longformer import (
     window_plan,
 )
 from ..functional.softmax import masked_sdpa
-from .base import OWN, Capabilities, Mechanism, StateLayout, UnsupportedOptionError, register
+from .base import OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, UnsupportedOptionError, register
+
+
+def check_packed_call(mechanism: Mechanism, q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                      key_padding_mask: Optional[Tensor], cross: bool, cu_seqlens: object) -> List[Tuple[int, int]]:
+    """Check a packed call (errors name the argument, before any computation) and return its documents'
+    (start, end). As :meth:`Mechanism.forward` checks it, except that ``max_length`` binds each document, not
+    the row: a pattern runs on each document alone, counting its positions from the document's start."""
+    check_bool("causal", causal)
+    check_bool("cross", cross)
+    mechanism.check_grouping(q, k, v, refuse=False)
+    if k.shape[2] != q.shape[2] or cross:  # refused there, naming what
+        mechanism.check_inputs(q, k, v, causal, key_padding_mask, cross)
+    spans = mechanism.check_packing(q, key_padding_mask, cross, cu_seqlens)
+    longest = max(end - start for start, end in spans)
+    mechanism.check_inputs(q[:, :, :longest], k[:, :, :longest], v[:, :, :longest], causal, None, cross)
+    return spans
 
 
 class BlockSparseAttention(Mechanism):
@@ -72,6 +91,39 @@ class BlockSparseAttention(Mechanism):
             cached = (key, blocksparse_plan(pattern, length, causal, device))
             self._last_plan = cached
         return cached[1]
+
+    def packed_plan(self, spans: List[Tuple[int, int]], causal: bool, device: torch.device) -> PackedBlockPlan:
+        """The block plan of a packed row of documents ``spans``, each laid out as it is alone (the last one is
+        kept, while the documents, causality, device and pattern stay the same)."""
+        pattern = self.pattern()
+        key = (pattern, tuple(spans), causal, device)
+        cached = getattr(self, "_last_packed_plan", None)
+        if cached is None or cached[0] != key:
+            cached = (key, packed_blocksparse_plan(pattern, spans, causal, device))
+            self._last_packed_plan = cached
+        return cached[1]
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
+        cu_seqlens: Optional[Tensor] = None,
+    ) -> Tensor:
+        """:meth:`Mechanism.forward`; with ``cu_seqlens``, ``max_length`` binds each document, not the row."""
+        if cu_seqlens is None:
+            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+        spans = check_packed_call(self, q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+        k, v = self.repeated_kv(q, k, v)
+        return self.attend_packed(q, k, v, causal, spans)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        plan = self.packed_plan(spans, causal, q.device)
+        return packed_blocksparse_attention_unchecked(q, k, v, plan, None)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -133,6 +185,7 @@ class LocalAttention(BlockSparseAttention):
         complexity="time O(N w), memory O(N w)",
         summary="sliding-window attention: each query sees the w nearest keys (Beltagy et al. 2020; "
                 "Child et al. 2019)",
+        packing=PACKED_NATIVE,
     )
     test_options = {"window": 3, "block_size": 2}
     test_variants = ({"window": 5}, {"window": 1, "block_size": 4}, {"window": 40, "block_size": 3})
@@ -239,6 +292,7 @@ class StridedAttention(BlockSparseAttention):
         kind=OWN,
         complexity="time O(N sqrt N) at stride ~ sqrt N (strided, fixed), O(N^2 / stride) (dilated)",
         summary="Sparse Transformer strided/fixed patterns and dilated attention (Child et al. 2019)",
+        packing=PACKED_NATIVE,
     )
     test_options = {"pattern": "strided", "stride": 3, "block_size": 2}
     test_variants = (
@@ -508,6 +562,7 @@ class BigBirdAttention(BlockSparseAttention):
         kind=OWN,
         complexity="time O(N b (2w + 1 + g + r)), memory alike",
         summary="window, global and random blocks (Zaheer et al. 2020)",
+        packing=PACKED_NATIVE,
     )
     test_options = {"block_size": 2, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "max_seq_len": 24}
     test_variants = (

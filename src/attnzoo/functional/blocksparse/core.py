@@ -151,6 +151,21 @@ def _merged_parts(q: Tensor, k0: Tensor, v0: Tensor, parts: Tuple[BlockPlan, ...
     return out.to(out_dtype)
 
 
+def blockwise_rows(q: Tensor, k0: Tensor, v0: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor],
+                   scale: Optional[float]) -> Tensor:
+    """The blocks of ``plan`` (its parts merged into one softmax), by position: (batch, heads, seq, dim_v).
+    Keys and values already zero-padded; the dense rows of global queries are the caller's."""
+    batch, heads, length, _ = q.shape
+    if plan.parts:
+        return _merged_parts(q, k0, v0, plan.parts, key_padding_mask, scale)
+    q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
+    if key_padding_mask is None and plan.full_rows:
+        # Every row sees a key (which rows do is fixed by the shapes, not by input values): plain SDPA.
+        out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
+    else:
+        out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)  # (batch * nqb, heads, bs, dim_v)
+    return _to_positions(out, plan, batch, heads, length)
+
 
 def blocksparse_attention_unchecked(
     q: Tensor,
@@ -175,17 +190,7 @@ def blocksparse_attention_unchecked(
         if key_padding_mask is not None:
             allowed = allowed & ~key_padding_mask.view(batch, 1, 1, length)
         return masked_sdpa(q, k0, v0, allowed, scale)
-    if plan.parts:
-        out = _merged_parts(q, k0, v0, plan.parts, key_padding_mask, scale)
-    else:
-        q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
-        if key_padding_mask is None and plan.full_rows:
-            # Every row sees a key (which rows do is fixed by the shapes, not by input values): plain SDPA.
-            out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
-        else:
-            out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)  # (batch * nqb, heads, bs, dim_v)
-        out = _to_positions(out, plan, batch, heads, length)
-
+    out = blockwise_rows(q, k0, v0, plan, key_padding_mask, scale)
     g = plan.layout.global_queries
     if g:
         # Global queries see every key: a dense (g x N) pass replaces their rows.

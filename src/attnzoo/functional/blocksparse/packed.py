@@ -1,0 +1,132 @@
+"""Packed rows (``cu_seqlens``) on the blockwise core: every document laid out exactly as the pattern lays it
+out alone, the documents' layouts side by side in one plan.
+
+A fixed pattern's blocks, windows, strides, segments, sinks, global and random blocks all count positions from
+the start of the sequence. In a packed row a document starts anywhere, so its blocks are not the row's
+blocks: :func:`packed_blocksparse_plan` makes the plan of each distinct document length once (as for that
+document alone, its lengths not a multiple of the block size padded inside the document), moves its positions
+to the document's place in the row, and stacks the query blocks of all documents into one plan. A query block
+then gathers only keys of its own document, under the mask the document alone has, so every document gets
+exactly the keys, and so the output, it gets alone; one gather and one softmax run over the whole row.
+
+Documents whose blocks differ in size (a dilated pattern shrinks its blocks to short sequences) are padded to
+the widest: extra query rows are padding slots, extra key slots are never allowed. A pattern's global queries
+(BigBird's global blocks) are the first positions of each document: their dense rows run per distinct
+document length, over that document's keys. Memory O(N * blocks_per_row * block_size) plus the padding of
+each document to whole blocks; nothing N x N.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..packing import spans_by_length
+from ..softmax import masked_sdpa
+from .core import blockwise_rows
+from .layout import BlockLayout, BlockPattern
+from .plan import BlockPlan, _block_plan
+
+
+class GlobalRows(NamedTuple):
+    """The global queries of the documents of one length, each seeing every key of its document.
+
+    Attributes:
+        queries: (docs, g) row positions of the documents' first g positions.
+        keys: (docs, length) row positions of the documents' keys.
+        allowed: (1, 1, g, length) bool (causality within the document), or None: every key.
+    """
+
+    queries: Tensor
+    keys: Tensor
+    allowed: Optional[Tensor]
+
+
+class PackedBlockPlan(NamedTuple):
+    """The input-independent part of a packed block-sparse call (:func:`packed_blocksparse_plan`).
+
+    Attributes:
+        blocks: one :class:`~.plan.BlockPlan` of the whole row (its ``parts`` each packed alike): query slots
+            and gather indices in row positions, every document's element mask, ``order`` always given.
+        global_rows: one :class:`GlobalRows` per document length whose layout has global queries.
+    """
+
+    blocks: BlockPlan
+    global_rows: Tuple[GlobalRows, ...]
+
+
+def packed_blocksparse_plan(pattern: BlockPattern, spans: List[Tuple[int, int]], causal: bool,
+                            device: torch.device) -> PackedBlockPlan:
+    """The plan of a packed row whose documents are ``spans`` ((start, end), covering the row in order, as
+    :func:`~attnzoo.functional.packing.check_cu_seqlens` returns them): each document as it is laid out alone."""
+    groups = {length: torch.tensor(starts, device=device) for length, starts in spans_by_length(spans).items()}
+    row = spans[-1][1]
+    parts = pattern.parts()
+    if parts:
+        plans = tuple(_stacked(part, groups, row, causal, device) for part in parts)
+        blocks = plans[0]._replace(parts=plans)
+    else:
+        blocks = _stacked(pattern, groups, row, causal, device)
+    global_rows = []
+    for length, starts in groups.items():
+        g = pattern.layout(length, causal, device).global_queries if not parts else 0
+        if g:
+            allowed = None
+            if causal:
+                i = torch.arange(length, device=device)
+                allowed = (i[None, :] <= i[:g, None]).view(1, 1, g, length)
+            global_rows.append(GlobalRows(starts[:, None] + torch.arange(g, device=device),
+                                          starts[:, None] + torch.arange(length, device=device), allowed))
+    return PackedBlockPlan(blocks, tuple(global_rows))
+
+
+def _stacked(pattern: BlockPattern, groups: Dict[int, Tensor], row: int, causal: bool,
+             device: torch.device) -> BlockPlan:
+    """One plan of the row: for each document length, the document's own plan moved to every start."""
+    alone = {length: _block_plan(pattern, length, causal, device) for length in groups}
+    bs = max(plan.query_positions.shape[1] for plan in alone.values())
+    width = max(plan.index.shape[1] for plan in alone.values())
+    query_positions, index, allowed, slots, places = [], [], [], [], []
+    used = 0  # query slots of the groups before
+    for length, starts in groups.items():
+        plan = alone[length]
+        n_blocks, own_bs = plan.query_positions.shape
+        docs, shift = starts.numel(), starts.view(-1, 1, 1)
+        positions = F.pad(plan.query_positions, (0, bs - own_bs), value=-1)
+        query_positions.append(torch.where(positions >= 0, positions + shift, -1).reshape(-1, bs))
+        keys = F.pad(plan.index, (0, width - plan.index.shape[1]), value=length)
+        index.append(torch.where(keys < length, keys + shift, row).reshape(-1, width))
+        # Extra key slots are never seen; extra query rows are padding slots, which may see any slot.
+        mask = F.pad(plan.allowed, (0, width - plan.index.shape[1]), value=False)
+        allowed.append(F.pad(mask, (0, 0, 0, bs - own_bs), value=True).repeat(docs, 1, 1, 1))
+        own = torch.arange(length, device=device) if plan.order is None else plan.order
+        own = own // own_bs * bs + own % own_bs  # the slot of each document position, in blocks of bs
+        first = used + n_blocks * bs * torch.arange(docs, device=device)
+        slots.append((first[:, None] + own).reshape(-1))
+        places.append((starts[:, None] + torch.arange(length, device=device)).reshape(-1))
+        used += docs * n_blocks * bs
+    order = torch.empty(row, dtype=torch.long, device=device)
+    order[torch.cat(places)] = torch.cat(slots)  # the slot of each row position
+    query_positions, index = torch.cat(query_positions), torch.cat(index)
+    layout = BlockLayout(bs, query_positions, None, None, index.new_empty(query_positions.shape[0], 0))
+    full_rows = all(plan.full_rows for plan in alone.values())
+    return BlockPlan(layout, row, causal, query_positions, index, torch.cat(allowed), full_rows, order)
+
+
+def packed_blocksparse_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, plan: PackedBlockPlan,
+                                           scale: Optional[float]) -> Tensor:
+    """Block-sparse attention over a packed row q, k (1, heads, N, head_dim), v (1, heads, N, head_dim_v), each
+    document as it is alone, by a :func:`packed_blocksparse_plan` of its documents: (1, heads, N, head_dim_v)."""
+    out = blockwise_rows(q, k, v, plan.blocks, None, scale)
+    heads, dim_v = q.shape[1], v.shape[3]
+    for rows in plan.global_rows:
+        # (docs, heads, g or length, dim): each document a batch element, over its own keys densely.
+        q_rows = q[0][:, rows.queries].transpose(0, 1)
+        k_rows, v_rows = (x[0][:, rows.keys].transpose(0, 1) for x in (k, v))
+        dense = masked_sdpa(q_rows, k_rows, v_rows, rows.allowed, scale)
+        dense = dense.transpose(0, 1).reshape(1, heads, -1, dim_v)
+        out = out.index_copy(2, rows.queries.reshape(-1), dense.to(out.dtype))
+    return out
