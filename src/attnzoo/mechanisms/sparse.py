@@ -47,6 +47,9 @@ from ..functional.longformer import (
     longformer_block_mask,
     longformer_attention_unchecked,
     out_of_range,
+    packed_longformer_attention_unchecked,
+    packed_static_global_mask,
+    packed_window_plan,
     static_global_mask,
     window_plan,
 )
@@ -387,6 +390,7 @@ class LongformerAttention(Mechanism):
         complexity="time O(N (w + g)), memory O(N (w + g))",
         summary="sliding window plus global positions by count, index or per-call mask, optional separate "
                 "global projections (Beltagy et al. 2020)",
+        packing=PACKED_NATIVE,
     )
     call_options = ("global_mask",)
     # Index -1 is in range at every length: the property tests run test_options from one position up.
@@ -452,22 +456,59 @@ class LongformerAttention(Mechanism):
         *,
         cross: bool = False,
         global_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """:meth:`Mechanism.forward`, plus ``global_mask``: (batch, seq) bool, True marks further global
-        positions of each batch element for this call (with those of the options), or None."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        k, v = self.repeated_kv(q, k, v)
+        positions of each batch element for this call (with those of the options), or None. With
+        ``cu_seqlens`` (a packed row), each document has the global positions it has alone, and
+        ``global_mask`` (1, seq) marks positions of the row."""
+        spans = None
+        if cu_seqlens is None:
+            self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        else:
+            spans = check_packed_call(self, q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+            self.check_document_indices(spans)
         check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
         if global_mask is not None and torch.jit.is_tracing():
             raise UnsupportedOptionError(
                 "longformer: global_mask cannot be traced: the number of global positions is read from its values"
             )
+        k, v = self.repeated_kv(q, k, v)
+        if spans is not None:
+            return self._attend_packed(q, k, v, causal, spans, global_mask)
         return self._attend(q, k, v, causal, key_padding_mask, global_mask)
+
+    def check_document_indices(self, spans: List[Tuple[int, int]]) -> None:
+        """Refuse, naming ``global_indices``, a packed row with a document too short for them (as that
+        document alone is refused)."""
+        for start, end in spans:
+            outside = out_of_range(self.global_indices, end - start)
+            if outside:
+                raise UnsupportedOptionError(
+                    f"{self.name}: global_indices {list(outside)} name no position of the document [{start}, {end}) "
+                    f"of cu_seqlens, of length {end - start} (an index i needs {start - end} <= i < {end - start})")
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         return self._attend(q, k, v, causal, key_padding_mask, None)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        return self._attend_packed(q, k, v, causal, spans, None)
+
+    def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]],
+                       global_mask: Optional[Tensor]) -> Tensor:
+        key = (tuple(spans), causal, q.device)
+        cached = getattr(self, "_last_packed_plan", None)
+        if cached is None or cached[0] != key:
+            block = self.block_size or min(self.window, DEFAULT_BLOCK)
+            fixed = packed_static_global_mask(spans, self.global_tokens, self.global_indices, q.device)
+            cached = (key, (packed_window_plan(self.window, block, spans, causal, q.device), fixed))
+            self._last_packed_plan = cached
+        plan, fixed = cached[1]
+        mask = fixed if global_mask is None else fixed | global_mask
+        return packed_longformer_attention_unchecked(q, k, v, self.window, plan, spans, mask, causal, None,
+                                                     self.projections())
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor],
