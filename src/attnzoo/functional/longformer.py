@@ -45,11 +45,11 @@ from .._validation import (
     check_positive_int,
     check_qkv,
 )
-from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, packed_blocksparse_plan
+from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, grouped_sdpa, packed_blocksparse_plan
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions, blockwise_rows
 from .masks import zero_padded
 from .packing import spans_by_length
-from .softmax import masked_sdpa, masked_softmax_reference
+from .softmax import masked_softmax_reference
 
 DEFAULT_BLOCK = 128
 """The default block size of the window part (or the window, if smaller). Each block of queries reads its
@@ -144,7 +144,9 @@ def longformer_attention(
     """Longformer attention: a sliding window plus the global positions of each batch element.
 
     Args:
-        q, k: (batch, heads, seq, head_dim); v: (batch, heads, seq, head_dim_v). Self-attention: one sequence.
+        q: (batch, heads, seq, head_dim); k: (batch, kv_heads, seq, head_dim); v: (batch, kv_heads, seq,
+            head_dim_v), ``kv_heads`` dividing ``heads`` (grouped-query attention, never repeated; with
+            ``global_projections``, ``kv_heads == heads``). Self-attention: one sequence.
         window: query i sees keys with ``|i - j| < window`` (causally the ``window`` positions up to i), >= 1.
         global_mask: (batch, seq) bool, True marks a global position (attends to every key, seen by every
             query); None: none (plain sliding-window attention).
@@ -162,7 +164,10 @@ def longformer_attention(
     window = check_positive_int("window", window)
     block_size = check_number("block_size", block_size, integer=True, minimum=1, optional=True)
     scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, grouped=True)
+    if global_projections is not None and k.shape[1] != q.shape[1]:
+        raise ValueError(f"global_projections map each query head's keys: k and v need q's {q.shape[1]} heads, "
+                         f"got kv_heads={k.shape[1]}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"longformer attention pairs positions of one sequence: q seq={q.shape[2]} and "
                          f"k seq={k.shape[2]} must be equal")
@@ -234,8 +239,9 @@ def longformer_attention_unchecked(
     k_global = v_global = None
     if count:
         index = globals_.positions.view(-1, 1, count, 1)
-        k_global = k0.gather(2, index.expand(batch, heads, count, k0.shape[3]))  # (batch, heads, count, dim)
-        v_global = v0.gather(2, index.expand(batch, heads, count, dim_v))
+        kv_heads = k0.shape[1]
+        k_global = k0.gather(2, index.expand(batch, kv_heads, count, k0.shape[3]))  # (batch, kv_heads, count, dim)
+        v_global = v0.gather(2, index.expand(batch, kv_heads, count, dim_v))
     q_blocks = _gather_queries(q, plan)  # (batch * nqb, heads, bs, dim)
     # Each block's window keys, then the global keys: (batch * nqb, heads, width + count, dim).
     k_blocks = _gather_keys(k0, plan.layout, plan.index, k_global)
@@ -244,12 +250,9 @@ def longformer_attention_unchecked(
         block_mask = longformer_block_mask(plan, window, globals_, causal, key_padding_mask)
     # One (batch * nqb, 1, bs, keys) mask, so that SDPA sees 4-D inputs and may pick a fused kernel.
     allowed = block_mask.expand(batch, *block_mask.shape[1:]).reshape(batch * n_query_blocks, 1, bs, -1)
-    if key_padding_mask is None:
-        # Every row sees a key (its own, from the window or as a global key; which rows do is fixed by the
-        # shapes and by which masks are given, not by values): plain SDPA, no empty-row handling.
-        out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
-    else:
-        out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)
+    # Without padding every row sees a key (its own, from the window or as a global key; which rows do is fixed
+    # by the shapes and by which masks are given, not by values): plain SDPA, no empty-row handling.
+    out = grouped_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale, empty_rows=key_padding_mask is not None)
     out = _to_positions(out, plan, batch, heads, length)  # (batch, heads, seq, dim_v)
     if not count:
         return out
@@ -267,7 +270,7 @@ def longformer_attention_unchecked(
     if causal:
         before = torch.arange(length, device=q.device).view(1, 1, 1, length) <= positions.view(-1, 1, count, 1)
         rows_allowed = before if rows_allowed is None else rows_allowed & before
-    global_rows = masked_sdpa(q_global, keys, values, rows_allowed, scale)  # (batch, heads, count, dim_v)
+    global_rows = grouped_sdpa(q_global, keys, values, rows_allowed, scale)  # (batch, heads, count, dim_v)
     # Written over their positions' rows: slots past an element's own count go to an extra row, cut off.
     target = torch.where(globals_.valid, positions, length).view(-1, 1, count, 1)
     out = F.pad(out, (0, 0, 0, 1)).scatter(2, target.expand(batch, heads, count, dim_v), global_rows)
@@ -402,6 +405,6 @@ def packed_longformer_attention_unchecked(
         allowed = seen.view(-1, 1, count, 1)
         if causal:
             allowed = allowed & (keys.view(-1, 1, 1, length) <= queries.view(-1, 1, count, 1))
-        rows = masked_sdpa(q_rows, k_rows, v_rows, allowed, scale).transpose(0, 1)[:, seen]  # (heads, n, dim_v)
+        rows = grouped_sdpa(q_rows, k_rows, v_rows, allowed, scale).transpose(0, 1)[:, seen]  # (heads, n, dim_v)
         out = out.index_copy(2, queries[seen], rows.unsqueeze(0).to(out.dtype))
     return out

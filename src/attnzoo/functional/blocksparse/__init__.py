@@ -36,7 +36,7 @@ blockwise kernel), :mod:`.reference` (the dense float64 reference and each patte
 (packed rows of documents, ``cu_seqlens``: each document laid out as it is alone).
 """
 
-from .core import blocksparse_attention, blocksparse_attention_unchecked
+from .core import blocksparse_attention, blocksparse_attention_unchecked, grouped_sdpa
 from .layout import BlockLayout, BlockPattern
 from .patterns import (
     BigBirdPattern,
@@ -76,6 +76,7 @@ __all__ = [
     "blocksparse_attention_unchecked",
     "blocksparse_plan",
     "check_sink_tokens",
+    "grouped_sdpa",
     "blockwise_logits",
     "packed_blocksparse_attention_unchecked",
     "packed_blocksparse_plan",

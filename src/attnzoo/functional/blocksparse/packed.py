@@ -25,8 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..packing import spans_by_length
-from ..softmax import masked_sdpa
-from .core import blockwise_rows
+from .core import blockwise_rows, grouped_sdpa
 from .layout import BlockLayout, BlockPattern
 from .plan import BlockPlan, _block_plan
 
@@ -118,15 +117,15 @@ def _stacked(pattern: BlockPattern, groups: Dict[int, Tensor], row: int, causal:
 
 def packed_blocksparse_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, plan: PackedBlockPlan,
                                            scale: Optional[float]) -> Tensor:
-    """Block-sparse attention over a packed row q, k (1, heads, N, head_dim), v (1, heads, N, head_dim_v), each
-    document as it is alone, by a :func:`packed_blocksparse_plan` of its documents: (1, heads, N, head_dim_v)."""
+    """Block-sparse attention over a packed row q (1, heads, N, head_dim), k (1, kv_heads, N, head_dim), v (1,
+    kv_heads, N, head_dim_v) (``kv_heads`` dividing ``heads``), each document as it is alone, by a :func:`packed_blocksparse_plan` of its documents: (1, heads, N, head_dim_v)."""
     out = blockwise_rows(q, k, v, plan.blocks, None, scale)
     heads, dim_v = q.shape[1], v.shape[3]
     for rows in plan.global_rows:
         # (docs, heads, g or length, dim): each document a batch element, over its own keys densely.
         q_rows = q[0][:, rows.queries].transpose(0, 1)
         k_rows, v_rows = (x[0][:, rows.keys].transpose(0, 1) for x in (k, v))
-        dense = masked_sdpa(q_rows, k_rows, v_rows, rows.allowed, scale)
+        dense = grouped_sdpa(q_rows, k_rows, v_rows, rows.allowed, scale)
         dense = dense.transpose(0, 1).reshape(1, heads, -1, dim_v)
         out = out.index_copy(2, rows.queries.reshape(-1), dense.to(out.dtype))
     return out
