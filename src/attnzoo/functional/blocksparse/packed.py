@@ -110,6 +110,7 @@ def _stacked(pattern: BlockPattern, groups: Dict[int, Tensor], row: int, causal:
     order = torch.empty(row, dtype=torch.long, device=device)
     order[torch.cat(places)] = torch.cat(slots)  # the slot of each row position
     query_positions, index = torch.cat(query_positions), torch.cat(index)
+    # The row has no one key sequence to list blocks of: its keys are gathered by position (``index``).
     layout = BlockLayout(bs, query_positions, None, None, index.new_empty(query_positions.shape[0], 0))
     full_rows = all(plan.full_rows for plan in alone.values())
     return BlockPlan(layout, row, causal, query_positions, index, torch.cat(allowed), full_rows, order)
@@ -118,7 +119,8 @@ def _stacked(pattern: BlockPattern, groups: Dict[int, Tensor], row: int, causal:
 def packed_blocksparse_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, plan: PackedBlockPlan,
                                            scale: Optional[float]) -> Tensor:
     """Block-sparse attention over a packed row q (1, heads, N, head_dim), k (1, kv_heads, N, head_dim), v (1,
-    kv_heads, N, head_dim_v) (``kv_heads`` dividing ``heads``), each document as it is alone, by a :func:`packed_blocksparse_plan` of its documents: (1, heads, N, head_dim_v)."""
+    kv_heads, N, head_dim_v) (``kv_heads`` dividing ``heads``), each document as it is alone, by a
+    :func:`packed_blocksparse_plan` of its documents. Returns (1, heads, N, head_dim_v)."""
     out = blockwise_rows(q, k, v, plan.blocks, None, scale)
     heads, dim_v = q.shape[1], v.shape[3]
     for rows in plan.global_rows:

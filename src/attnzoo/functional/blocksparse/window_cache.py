@@ -77,10 +77,10 @@ def window_cache_step(
     q_t: Tensor, k_t: Tensor, v_t: Tensor, state: Optional[Dict[str, Tensor]], length: int, window: int,
     sinks: int, scale: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Attention of position ``length`` (q_t: (batch, heads, 1, dim); k_t, v_t: (batch, kv_heads, 1, dim)) over the sinks and the window
-    up to itself, and the new state (None: the start). The previous state's tensors are never written (a state
-    may be stepped from twice, to branch): the ring is copied (O(window), like the attention), the sinks only
-    while they are being filled. Returns ((batch, heads, 1, dim_v), state)."""
+    """Attention of position ``length`` (q_t: (batch, heads, 1, dim); k_t, v_t: (batch, kv_heads, 1, dim)) over
+    the sinks and the window up to itself, and the new state (None: the start). The previous state's tensors
+    are never written (a state may be stepped from twice, to branch): the ring is copied (O(window), like the
+    attention), the sinks only while they are being filled. Returns ((batch, heads, 1, dim_v), state)."""
     if state is None:
         batch, heads = k_t.shape[:2]
         state = {
