@@ -22,8 +22,9 @@ from attnzoo.functional.blocksparse import (
 )
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
 
-# Block size 3: lengths 1..7 start and end at every offset within a block, and repeat (batched by length).
-LENGTHS = (1, 2, 3, 4, 5, 6, 7, 5, 1, 8, 3)
+# Block size 3: lengths 1..7 start and end at every offset within a block, and repeat (batched by length); the
+# long ones run blockwise even where short documents run densely (dense_when_cheaper).
+LENGTHS = (1, 2, 3, 4, 5, 40, 6, 7, 5, 1, 8, 3, 41)
 PATTERNS = [
     LocalPattern(4, 3),
     SinkLocalPattern(4, 3, 3),
@@ -31,7 +32,7 @@ PATTERNS = [
     StridedPattern(3, 3),  # two parts, merged
     FixedPattern(4, 2, 3),
     LongformerPattern(3, 2, 3),  # dense global rows per document
-    BigBirdPattern(3, 1, 1, torch.tensor([[4], [9], [0], [6], [1], [2], [5]])),
+    BigBirdPattern(3, 1, 1, torch.randint(0, 1 << 30, (14, 2), generator=torch.Generator().manual_seed(0))),
 ]
 
 
@@ -51,9 +52,13 @@ def row(length, heads=2, dim=4, seed=0):
 
 @pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: type(p).__name__)
 @pytest.mark.parametrize("causal", [False, True])
-def test_each_document_gets_its_reference_alone(pattern, causal):
+@pytest.mark.parametrize("dense_when_cheaper", [False, True])
+def test_each_document_gets_its_reference_alone(pattern, causal, dense_when_cheaper):
     q, k, v = row(sum(LENGTHS))
-    plan = packed_blocksparse_plan(pattern, spans(LENGTHS), causal, q.device)
+    plan = packed_blocksparse_plan(pattern, spans(LENGTHS), causal, q.device, dense_when_cheaper=dense_when_cheaper)
+    assert (plan.dense != ()) == dense_when_cheaper
+    if type(pattern) is LocalPattern:  # short documents dense, long ones blockwise, in one row
+        assert plan.blocks is not None and plan.blockwise is not None or not dense_when_cheaper
     out = packed_blocksparse_attention_unchecked(q, k, v, plan, None)
     for start, end in spans(LENGTHS):
         alone = blocksparse_attention_reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], pattern,

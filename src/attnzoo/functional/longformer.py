@@ -332,7 +332,8 @@ def packed_window_plan(window: int, block_size: int, spans: List[Tuple[int, int]
                        device: torch.device) -> BlockPlan:
     """The window part of a packed row of documents ``spans`` ((start, end) in order): each document's window
     laid out as it is alone (:func:`~.blocksparse.packed_blocksparse_plan`)."""
-    return packed_blocksparse_plan(LocalPattern(window, block_size), spans, causal, device).blocks
+    return packed_blocksparse_plan(LocalPattern(window, block_size), spans, causal, device,
+                                   dense_when_cheaper=False).blocks
 
 
 def packed_static_global_mask(spans: List[Tuple[int, int]], global_tokens: int, global_indices: Sequence[int],
@@ -389,6 +390,7 @@ def packed_longformer_attention_unchecked(
         w_q, w_k, w_v = (w.to(q.dtype) for w in projections)
         k, v = k @ w_k, v @ w_v
     starts = {start: index for index, (start, _) in enumerate(spans)}
+    positions, replaced = [], []
     for length, firsts in spans_by_length(spans).items():
         # The global queries of the documents of this length, each over every key of its document, densely.
         documents = torch.tensor([starts[start] for start in firsts], device=q.device)
@@ -406,5 +408,8 @@ def packed_longformer_attention_unchecked(
         if causal:
             allowed = allowed & (keys.view(-1, 1, 1, length) <= queries.view(-1, 1, count, 1))
         rows = grouped_sdpa(q_rows, k_rows, v_rows, allowed, scale).transpose(0, 1)[:, seen]  # (heads, n, dim_v)
-        out = out.index_copy(2, queries[seen], rows.unsqueeze(0).to(out.dtype))
-    return out
+        positions.append(queries[seen])
+        replaced.append(rows.unsqueeze(0).to(out.dtype))
+    if not positions:
+        return out
+    return out.index_copy(2, torch.cat(positions), torch.cat(replaced, dim=2))  # one copy of the rows

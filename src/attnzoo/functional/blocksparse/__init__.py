@@ -48,6 +48,7 @@ from .patterns import (
     StridedPattern,
 )
 from .packed import (
+    DenseDocuments,
     GlobalRows,
     PackedBlockPlan,
     packed_blocksparse_attention_unchecked,
@@ -59,6 +60,7 @@ from .window_cache import check_sink_tokens, window_cache_layout, window_cache_p
 
 __all__ = [
     "DENSE_SHARE",
+    "DenseDocuments",
     "BigBirdPattern",
     "BlockLayout",
     "BlockPattern",

@@ -9,6 +9,9 @@ to the document's place in the row, and stacks the query blocks of all documents
 then gathers only keys of its own document, under the mask the document alone has, so every document gets
 exactly the keys, and so the output, it gets alone; one gather and one softmax run over the whole row.
 
+A document short enough that its blocks would compute most of its logits runs, as it does alone, as one dense
+masked softmax (one call per such length; the others are stacked into one sub-row).
+
 Documents whose blocks differ in size (a dilated pattern shrinks its blocks to short sequences) are padded to
 the widest: extra query rows are padding slots, extra key slots are never allowed. A pattern's global queries
 (BigBird's global blocks) are the first positions of each document: their dense rows run per distinct
@@ -27,7 +30,7 @@ from torch import Tensor
 from ..packing import spans_by_length
 from .core import blockwise_rows, grouped_sdpa
 from .layout import BlockLayout, BlockPattern
-from .plan import BlockPlan, _block_plan
+from .plan import BlockPlan, _block_plan, blocksparse_plan
 
 
 class GlobalRows(NamedTuple):
@@ -44,23 +47,67 @@ class GlobalRows(NamedTuple):
     allowed: Optional[Tensor]
 
 
+class DenseDocuments(NamedTuple):
+    """Documents of one length that run, as they do alone, as one dense masked softmax (short documents,
+    whose blocks would compute at least :data:`~.plan.DENSE_SHARE` of their logits).
+
+    Attributes:
+        positions: (docs, length) row positions of the documents.
+        allowed: (1, 1, length, length) bool, the pattern's mask with causality.
+    """
+
+    positions: Tensor
+    allowed: Tensor
+
+
 class PackedBlockPlan(NamedTuple):
     """The input-independent part of a packed block-sparse call (:func:`packed_blocksparse_plan`).
 
     Attributes:
-        blocks: one :class:`~.plan.BlockPlan` of the whole row (its ``parts`` each packed alike): query slots
-            and gather indices in row positions, every document's element mask, ``order`` always given.
-        global_rows: one :class:`GlobalRows` per document length whose layout has global queries.
+        blocks: one :class:`~.plan.BlockPlan` of the documents run blockwise, back to back (its ``parts`` each
+            packed alike): query slots and gather indices in positions of that sub-row, every document's element
+            mask, ``order`` always given; None when every document runs densely.
+        blockwise: (M,) the row positions of that sub-row, or None when it is the whole row.
+        global_rows: one :class:`GlobalRows` (positions of the sub-row) per document length run blockwise whose
+            layout has global queries.
+        dense: one :class:`DenseDocuments` per document length run densely.
     """
 
-    blocks: BlockPlan
+    blocks: Optional[BlockPlan]
+    blockwise: Optional[Tensor]
     global_rows: Tuple[GlobalRows, ...]
+    dense: Tuple[DenseDocuments, ...] = ()
 
 
 def packed_blocksparse_plan(pattern: BlockPattern, spans: List[Tuple[int, int]], causal: bool,
-                            device: torch.device) -> PackedBlockPlan:
+                            device: torch.device, *, dense_when_cheaper: bool = True) -> PackedBlockPlan:
     """The plan of a packed row whose documents are ``spans`` ((start, end), covering the row in order, as
-    :func:`~attnzoo.functional.packing.check_cu_seqlens` returns them): each document as it is laid out alone."""
+    :func:`~attnzoo.functional.packing.check_cu_seqlens` returns them): each document as it runs alone.
+    ``dense_when_cheaper``: a document length whose blocks would compute :data:`~.plan.DENSE_SHARE` of its
+    logits or more runs densely, as :func:`~.plan.blocksparse_plan` decides for the document alone."""
+    dense, kept = [], []
+    for length, starts in spans_by_length(spans).items():
+        alone = blocksparse_plan(pattern, length, causal, device, dense_when_cheaper=dense_when_cheaper)
+        if alone.dense is None:
+            kept += [(start, start + length) for start in starts]
+        else:
+            positions = torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)
+            dense.append(DenseDocuments(positions, alone.dense))
+    if not kept:
+        return PackedBlockPlan(None, None, (), tuple(dense))
+    kept.sort()
+    blockwise = None
+    if dense:  # the documents run blockwise, back to back in a sub-row of their own
+        blockwise = torch.cat([torch.arange(start, end, device=device) for start, end in kept])
+        ends = torch.tensor([end - start for start, end in kept]).cumsum(0).tolist()
+        kept = list(zip([0] + ends[:-1], ends))
+    blocks, global_rows = _blockwise_plan(pattern, kept, causal, device)
+    return PackedBlockPlan(blocks, blockwise, global_rows, tuple(dense))
+
+
+def _blockwise_plan(pattern: BlockPattern, spans: List[Tuple[int, int]], causal: bool,
+                    device: torch.device) -> Tuple[BlockPlan, Tuple[GlobalRows, ...]]:
+    """The stacked plan of documents ``spans`` (a row of their own) and their global queries' rows."""
     groups = {length: torch.tensor(starts, device=device) for length, starts in spans_by_length(spans).items()}
     row = spans[-1][1]
     parts = pattern.parts()
@@ -79,7 +126,7 @@ def packed_blocksparse_plan(pattern: BlockPattern, spans: List[Tuple[int, int]],
                 allowed = (i[None, :] <= i[:g, None]).view(1, 1, g, length)
             global_rows.append(GlobalRows(starts[:, None] + torch.arange(g, device=device),
                                           starts[:, None] + torch.arange(length, device=device), allowed))
-    return PackedBlockPlan(blocks, tuple(global_rows))
+    return blocks, tuple(global_rows)
 
 
 def _stacked(pattern: BlockPattern, groups: Dict[int, Tensor], row: int, causal: bool,
@@ -121,13 +168,36 @@ def packed_blocksparse_attention_unchecked(q: Tensor, k: Tensor, v: Tensor, plan
     """Block-sparse attention over a packed row q (1, heads, N, head_dim), k (1, kv_heads, N, head_dim), v (1,
     kv_heads, N, head_dim_v) (``kv_heads`` dividing ``heads``), each document as it is alone, by a
     :func:`packed_blocksparse_plan` of its documents. Returns (1, heads, N, head_dim_v)."""
-    out = blockwise_rows(q, k, v, plan.blocks, None, scale)
     heads, dim_v = q.shape[1], v.shape[3]
+    pieces = []  # (row positions, (1, heads, positions, dim_v) outputs), unless the blocks hold the whole row
+    if plan.blocks is not None:
+        sub = (q, k, v) if plan.blockwise is None else tuple(x.index_select(2, plan.blockwise) for x in (q, k, v))
+        out = _blockwise(*sub, plan, scale)
+        if plan.blockwise is None:
+            return out
+        pieces.append((plan.blockwise, out))
+    for documents in plan.dense:
+        # (docs, heads, length, dim): each document a batch element, one dense masked softmax.
+        q_docs, k_docs, v_docs = (x[0][:, documents.positions].transpose(0, 1) for x in (q, k, v))
+        out = grouped_sdpa(q_docs, k_docs, v_docs, documents.allowed, scale)
+        pieces.append((documents.positions.reshape(-1), out.transpose(0, 1).reshape(1, heads, -1, dim_v)))
+    # Every position is in exactly one piece: one gather puts them back in row order.
+    order = torch.argsort(torch.cat([positions for positions, _ in pieces]))
+    return torch.cat([values.to(pieces[0][1].dtype) for _, values in pieces], dim=2).index_select(2, order)
+
+
+def _blockwise(q: Tensor, k: Tensor, v: Tensor, plan: PackedBlockPlan, scale: Optional[float]) -> Tensor:
+    """The documents of ``plan.blocks``, back to back in q, k, v: the blocks, then their global queries' rows."""
+    out = blockwise_rows(q, k, v, plan.blocks, None, scale)
+    if not plan.global_rows:
+        return out
+    heads, dim_v = q.shape[1], v.shape[3]
+    positions, replaced = [], []
     for rows in plan.global_rows:
         # (docs, heads, g or length, dim): each document a batch element, over its own keys densely.
         q_rows = q[0][:, rows.queries].transpose(0, 1)
         k_rows, v_rows = (x[0][:, rows.keys].transpose(0, 1) for x in (k, v))
         dense = grouped_sdpa(q_rows, k_rows, v_rows, rows.allowed, scale)
-        dense = dense.transpose(0, 1).reshape(1, heads, -1, dim_v)
-        out = out.index_copy(2, rows.queries.reshape(-1), dense.to(out.dtype))
-    return out
+        positions.append(rows.queries.reshape(-1))
+        replaced.append(dense.transpose(0, 1).reshape(1, heads, -1, dim_v).to(out.dtype))
+    return out.index_copy(2, torch.cat(positions), torch.cat(replaced, dim=2))  # one copy of the rows
