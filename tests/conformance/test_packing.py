@@ -119,7 +119,8 @@ def test_documents_of_equal_length_stay_apart(name, options):
     check_packing(checks.build(name, options=options), REPEATED_LENGTHS)
 
 
-@pytest.mark.parametrize("name", ["softmax", "linear", "rfa", "retention", "gla"])
+@pytest.mark.parametrize("name", ["softmax", "linear", "rfa", "retention", "gla", "local", "strided", "longformer",
+                                  "bigbird"])
 def test_packs_natively(name):
     assert attnzoo.capabilities(name).packing == "native"
 
