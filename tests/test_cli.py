@@ -30,7 +30,9 @@ def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
         caps = capabilities(name)
         assert cells[1:5] == ["yes" if flag else "-" for flag in (caps.causal, caps.cross, caps.key_padding,
                                                                     caps.recurrent_step)]
+        assert cells[5:7] == [caps.grouped_kv, caps.packing]
         assert caps.kind in cells
+    assert "grouped kv" in lines[0] and "packing" in lines[0]
 
 
 def test_list_options_names_every_option_with_its_default(capsys):

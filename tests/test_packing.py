@@ -1,6 +1,8 @@
 """Packed batches (``cu_seqlens``): malformed offsets and unsupported combinations are refused, naming
 ``cu_seqlens``, before any computation; the functional and layer forms agree with documents run alone."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,7 +117,7 @@ def test_kernelized_state_resets_at_document_starts_for_any_chunk_size(chunk_siz
         torch.testing.assert_close(out[:, :, start:end], alone, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["softmax", "linear", "rfa"])
+@pytest.mark.parametrize("name", ["softmax", "linear", "rfa", "local"])
 def test_prefill_of_a_packed_row_returns_one_state_per_document(name):
     torch.manual_seed(0)
     layer = MultiHeadAttention(8, 2, name, rotary=True).double()
@@ -131,7 +133,9 @@ def test_prefill_of_a_packed_row_returns_one_state_per_document(name):
 
 
 def test_prefill_of_a_packed_row_is_refused_without_packing():
-    mechanism = attnzoo.build_mechanism("local", HEADS, HEAD_DIM, window=4).double()  # packing: "none"
+    mechanism = attnzoo.build_mechanism("local", HEADS, HEAD_DIM, window=4).double()
+    # Every built-in mechanism with a recurrent step packs: an instance declaring none stands for one that doesn't.
+    mechanism.capabilities = dataclasses.replace(mechanism.capabilities, packing="none")
     with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens"):
         mechanism.prefill_packed(*qkv(), cu_seqlens=offsets(0, 4, LENGTH))
 

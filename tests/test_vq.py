@@ -304,3 +304,32 @@ def test_training_hooks_hand_over_the_commitment_loss_once_and_update_the_codebo
 def test_vq_gives_its_reason_against_data_parallel_training():
     (reason,) = build().data_parallel_reasons()
     assert reason.startswith("mechanism 'vq'") and "per-rank EMA statistics" in reason
+
+
+# -- packed rows ---------------------------------------------------------------------------------------------------
+def test_a_packed_training_forward_records_what_the_padded_batch_records():
+    lengths = (5, 2, 7, 5)
+    padded, packed = build(), build()
+    padded.train()
+    packed.train()
+    q, k, v = (randn(1, 2, sum(lengths), 4, seed=s) for s in (1, 2, 3))
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    rows = [[x[:, :, s:s + n] for x in (q, k, v)] for s, n in zip(starts, lengths)]
+    longest = max(lengths)
+    batch = [torch.cat([F.pad(piece, (0, 0, 0, longest - piece.shape[2])) for piece in pieces])
+             for pieces in zip(*rows)]
+    mask = torch.arange(longest)[None, :] >= torch.tensor(lengths)[:, None]
+    padded(*batch, True, mask)
+    out = packed(q, k, v, True, cu_seqlens=torch.tensor(starts))
+    for name in ("pending_counts", "pending_sums", "pending_keys", "pending_key_count"):
+        torch.testing.assert_close(getattr(packed, name), getattr(padded, name), rtol=0, atol=1e-12, msg=name)
+    torch.testing.assert_close(packed.auxiliary_loss(), padded.auxiliary_loss(), rtol=0, atol=1e-12)
+    packed.update_codebook()
+    padded.update_codebook()
+    torch.testing.assert_close(packed.codebook, padded.codebook, rtol=0, atol=1e-12)
+    # The output of each document is the padded batch's row.
+    reference = padded.eval()(*batch, True, mask)
+    packed.eval()
+    out = packed(q, k, v, True, cu_seqlens=torch.tensor(starts))
+    for row, (start, n) in enumerate(zip(starts, lengths)):
+        torch.testing.assert_close(out[0, :, start:start + n], reference[row, :, :n], rtol=0, atol=1e-10)

@@ -45,13 +45,16 @@ def list_command(args: argparse.Namespace) -> int:
         import_modules(args.imports)
     except ValueError as error:
         return usage_error("list", str(error))
-    header = ["mechanism", "causal", "cross", "padding", "step", "max len", "kind", "complexity"]
+    # grouped kv: how k, v with fewer heads than q are taken (native, repeat, none); packing: cu_seqlens
+    # (native, split, none). Both one word, so that the rows split on whitespace.
+    header = ["mechanism", "causal", "cross", "padding", "step", "grouped kv", "packing", "max len", "kind",
+              "complexity"]
     rows = []
     for name in available():
         caps = capabilities(name)
         rows.append([
             name, _yes(caps.causal), _yes(caps.cross), _yes(caps.key_padding), _yes(caps.recurrent_step),
-            "-" if caps.max_length is None else str(caps.max_length),
+            caps.grouped_kv, caps.packing, "-" if caps.max_length is None else str(caps.max_length),
             caps.kind, caps.complexity,
         ])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]

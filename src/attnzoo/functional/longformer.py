@@ -15,6 +15,13 @@ Fast path, O(N (window + G)) for G global positions per element (the most over t
   logits per block, never N x N;
 * the G global queries' rows are a dense (G x N) pass written over their rows.
 
+A packed row (``cu_seqlens``) gives every document what it gets alone (:func:`packed_longformer_attention_unchecked`):
+its window stops at the document's ends, its global positions are its own (the first ``global_tokens`` of the
+document, ``global_indices`` counted from its start and end), a global query sees the keys of its document
+and every query the global keys of its document. Each query block of the packed window plan
+(:mod:`.blocksparse.packed`) reads its document's global keys after its window; the global queries' dense
+rows run per distinct document length, over their document's keys.
+
 With ``projections`` (the paper's separate global projections Q_g, K_g, V_g, here per-head
 (head_dim x head_dim) maps applied to the given q, k, v), only the global queries' rows change: they are
 computed from ``q @ Wq`` at the global positions over ``k @ Wk`` and ``v @ Wv`` of every position. Every other
@@ -24,7 +31,7 @@ row attends with the plain q, k, v, to its window and to the global keys alike.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +45,11 @@ from .._validation import (
     check_positive_int,
     check_qkv,
 )
-from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan
-from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
+from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, grouped_sdpa, packed_blocksparse_plan
+from .blocksparse.core import _gather_keys, _gather_queries, _to_positions, blockwise_rows
 from .masks import zero_padded
-from .softmax import masked_sdpa, masked_softmax_reference
+from .packing import spans_by_length
+from .softmax import masked_softmax_reference
 
 DEFAULT_BLOCK = 128
 """The default block size of the window part (or the window, if smaller). Each block of queries reads its
@@ -136,7 +144,9 @@ def longformer_attention(
     """Longformer attention: a sliding window plus the global positions of each batch element.
 
     Args:
-        q, k: (batch, heads, seq, head_dim); v: (batch, heads, seq, head_dim_v). Self-attention: one sequence.
+        q: (batch, heads, seq, head_dim); k: (batch, kv_heads, seq, head_dim); v: (batch, kv_heads, seq,
+            head_dim_v), ``kv_heads`` dividing ``heads`` (grouped-query attention, never repeated; with
+            ``global_projections``, ``kv_heads == heads``). Self-attention: one sequence.
         window: query i sees keys with ``|i - j| < window`` (causally the ``window`` positions up to i), >= 1.
         global_mask: (batch, seq) bool, True marks a global position (attends to every key, seen by every
             query); None: none (plain sliding-window attention).
@@ -154,7 +164,10 @@ def longformer_attention(
     window = check_positive_int("window", window)
     block_size = check_number("block_size", block_size, integer=True, minimum=1, optional=True)
     scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, grouped=True)
+    if global_projections is not None and k.shape[1] != q.shape[1]:
+        raise ValueError(f"global_projections map each query head's keys: k and v need q's {q.shape[1]} heads, "
+                         f"got kv_heads={k.shape[1]}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"longformer attention pairs positions of one sequence: q seq={q.shape[2]} and "
                          f"k seq={k.shape[2]} must be equal")
@@ -226,8 +239,9 @@ def longformer_attention_unchecked(
     k_global = v_global = None
     if count:
         index = globals_.positions.view(-1, 1, count, 1)
-        k_global = k0.gather(2, index.expand(batch, heads, count, k0.shape[3]))  # (batch, heads, count, dim)
-        v_global = v0.gather(2, index.expand(batch, heads, count, dim_v))
+        kv_heads = k0.shape[1]
+        k_global = k0.gather(2, index.expand(batch, kv_heads, count, k0.shape[3]))  # (batch, kv_heads, count, dim)
+        v_global = v0.gather(2, index.expand(batch, kv_heads, count, dim_v))
     q_blocks = _gather_queries(q, plan)  # (batch * nqb, heads, bs, dim)
     # Each block's window keys, then the global keys: (batch * nqb, heads, width + count, dim).
     k_blocks = _gather_keys(k0, plan.layout, plan.index, k_global)
@@ -236,12 +250,9 @@ def longformer_attention_unchecked(
         block_mask = longformer_block_mask(plan, window, globals_, causal, key_padding_mask)
     # One (batch * nqb, 1, bs, keys) mask, so that SDPA sees 4-D inputs and may pick a fused kernel.
     allowed = block_mask.expand(batch, *block_mask.shape[1:]).reshape(batch * n_query_blocks, 1, bs, -1)
-    if key_padding_mask is None:
-        # Every row sees a key (its own, from the window or as a global key; which rows do is fixed by the
-        # shapes and by which masks are given, not by values): plain SDPA, no empty-row handling.
-        out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
-    else:
-        out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)
+    # Without padding every row sees a key (its own, from the window or as a global key; which rows do is fixed
+    # by the shapes and by which masks are given, not by values): plain SDPA, no empty-row handling.
+    out = grouped_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale, empty_rows=key_padding_mask is not None)
     out = _to_positions(out, plan, batch, heads, length)  # (batch, heads, seq, dim_v)
     if not count:
         return out
@@ -259,7 +270,7 @@ def longformer_attention_unchecked(
     if causal:
         before = torch.arange(length, device=q.device).view(1, 1, 1, length) <= positions.view(-1, 1, count, 1)
         rows_allowed = before if rows_allowed is None else rows_allowed & before
-    global_rows = masked_sdpa(q_global, keys, values, rows_allowed, scale)  # (batch, heads, count, dim_v)
+    global_rows = grouped_sdpa(q_global, keys, values, rows_allowed, scale)  # (batch, heads, count, dim_v)
     # Written over their positions' rows: slots past an element's own count go to an extra row, cut off.
     target = torch.where(globals_.valid, positions, length).view(-1, 1, count, 1)
     out = F.pad(out, (0, 0, 0, 1)).scatter(2, target.expand(batch, heads, count, dim_v), global_rows)
@@ -314,3 +325,91 @@ def longformer_attention_reference(
     w_q, w_k, w_v = (w.double() for w in global_projections)
     projected = attend(q @ w_q, k @ w_k, v @ w_v)  # a global query's row allows every key
     return torch.where(global_mask[:, None, :, None], projected, plain)
+
+
+# -- packed rows (cu_seqlens) ------------------------------------------------------------------------------------
+def packed_window_plan(window: int, block_size: int, spans: List[Tuple[int, int]], causal: bool,
+                       device: torch.device) -> BlockPlan:
+    """The window part of a packed row of documents ``spans`` ((start, end) in order): each document's window
+    laid out as it is alone (:func:`~.blocksparse.packed_blocksparse_plan`)."""
+    return packed_blocksparse_plan(LocalPattern(window, block_size), spans, causal, device,
+                                   dense_when_cheaper=False).blocks
+
+
+def packed_static_global_mask(spans: List[Tuple[int, int]], global_tokens: int, global_indices: Sequence[int],
+                              device: Optional[torch.device] = None) -> Tensor:
+    """(1, N) bool: each document's :func:`static_global_mask`, as the document alone has it (its first
+    ``global_tokens`` positions, ``global_indices`` counted from its own start and end; the caller checks that
+    they lie in every document)."""
+    alone = {length: static_global_mask(length, global_tokens, global_indices, device)
+             for length in spans_by_length(spans)}
+    return torch.cat([alone[end - start] for start, end in spans]).view(1, -1)
+
+
+def _document_globals(mask: Tensor, spans: List[Tuple[int, int]]) -> Tuple[Tensor, Tensor, Tensor]:
+    """For a packed row's global ``mask`` (1, N): the document of each position (N,), and each document's
+    global positions (docs, G) in ascending order (0 past its own count) with their validity (docs, G)."""
+    device = mask.device
+    lengths = torch.tensor([end - start for start, end in spans], device=device)
+    document = torch.repeat_interleave(torch.arange(len(spans), device=device), lengths)
+    positions = torch.nonzero(mask[0]).squeeze(1)  # ascending, so grouped by document
+    counts = torch.bincount(document[positions], minlength=len(spans))
+    count = int(counts.max()) if positions.numel() else 0
+    valid = torch.arange(count, device=device)[None, :] < counts[:, None]
+    first = counts.cumsum(0) - counts
+    slots = (first[:, None] + torch.arange(count, device=device)).clamp(max=max(positions.numel() - 1, 0))
+    table = torch.where(valid, positions[slots], 0) if count else positions.new_zeros(len(spans), 0)
+    return document, table, valid
+
+
+def _with_document_globals(plan: BlockPlan, window: int, document: Tensor, table: Tensor, valid: Tensor,
+                           causal: bool) -> BlockPlan:
+    """``plan`` (a packed window plan) with each query block's document's global keys after its window: seen
+    where they lie beyond the window (each key counts once) and, causally, behind the query."""
+    n_query_blocks, bs = plan.query_positions.shape
+    owner = document[plan.query_positions[:, 0]]  # a window block starts with a position of its document
+    keys, seen = table[owner], valid[owner]  # (nqb, G)
+    query, key = plan.query_positions.view(n_query_blocks, bs, 1), keys.view(n_query_blocks, 1, -1)
+    behind = key <= query - window
+    seen = seen.view(n_query_blocks, 1, -1) & (behind if causal else behind | (key >= query + window))
+    index = torch.cat([plan.index, torch.where(valid[owner], keys, plan.length)], dim=1)
+    return plan._replace(index=index, allowed=torch.cat([plan.allowed, seen.unsqueeze(1)], dim=-1))
+
+
+def packed_longformer_attention_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, window: int, plan: BlockPlan, spans: List[Tuple[int, int]],
+    global_mask: Tensor, causal: bool, scale: Optional[float], projections: Optional[Projections] = None,
+) -> Tensor:
+    """Longformer attention over a packed row q, k (1, heads, N, head_dim), v (1, heads, N, head_dim_v) of
+    documents ``spans``, each as it is alone: ``plan`` its :func:`packed_window_plan`, ``global_mask`` (1, N) the
+    row's global positions (e.g. :func:`packed_static_global_mask`, with a call's own). Returns (1, heads, N,
+    head_dim_v)."""
+    document, table, valid = _document_globals(global_mask, spans)
+    out = blockwise_rows(q, k, v, _with_document_globals(plan, window, document, table, valid, causal), None, scale)
+    if projections is not None:
+        w_q, w_k, w_v = (w.to(q.dtype) for w in projections)
+        k, v = k @ w_k, v @ w_v
+    starts = {start: index for index, (start, _) in enumerate(spans)}
+    positions, replaced = [], []
+    for length, firsts in spans_by_length(spans).items():
+        # The global queries of the documents of this length, each over every key of its document, densely.
+        documents = torch.tensor([starts[start] for start in firsts], device=q.device)
+        seen = valid[documents]
+        count = int(seen.sum(1).max()) if seen.numel() else 0
+        if not count:
+            continue
+        queries, seen = table[documents, :count], seen[:, :count]
+        keys = torch.tensor(firsts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+        q_rows = q[0][:, queries].transpose(0, 1)  # (docs, heads, count, dim)
+        if projections is not None:
+            q_rows = q_rows @ w_q
+        k_rows, v_rows = (x[0][:, keys].transpose(0, 1) for x in (k, v))
+        allowed = seen.view(-1, 1, count, 1)
+        if causal:
+            allowed = allowed & (keys.view(-1, 1, 1, length) <= queries.view(-1, 1, count, 1))
+        rows = grouped_sdpa(q_rows, k_rows, v_rows, allowed, scale).transpose(0, 1)[:, seen]  # (heads, n, dim_v)
+        positions.append(queries[seen])
+        replaced.append(rows.unsqueeze(0).to(out.dtype))
+    if not positions:
+        return out
+    return out.index_copy(2, torch.cat(positions), torch.cat(replaced, dim=2))  # one copy of the rows

@@ -2,23 +2,16 @@
 Transformer's strided and fixed patterns), longformer and bigbird. One blockwise core runs them all
 (:mod:`attnzoo.functional.blocksparse`); each mechanism only declares its pattern, except longformer, whose
 global positions may differ between the elements of a batch: it runs its window on the core and its global
-positions beside it (:mod:`attnzoo.functional.longformer`)."""
+positions beside it (:mod:`.longformer`, imported here so that the family registers together)."""
 
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from .._validation import (
-    check_bool,
-    check_choice,
-    check_indices,
-    check_number,
-    check_position_mask,
-    check_positive_int,
-)
+from .._validation import check_choice, check_number, check_positive_int
 from ..functional.blocksparse import (
     BigBirdPattern,
     BlockPattern,
@@ -26,37 +19,35 @@ from ..functional.blocksparse import (
     DilatedPattern,
     FixedPattern,
     LocalPattern,
+    PackedBlockPlan,
     SinkLocalPattern,
     StridedPattern,
     blocksparse_attention_reference,
     blocksparse_attention_unchecked,
     blocksparse_plan,
     check_sink_tokens,
+    grouped_sdpa,
+    packed_blocksparse_attention_unchecked,
+    packed_blocksparse_plan,
     window_cache_layout,
     window_cache_prefill,
     window_cache_step,
 )
-from ..functional.longformer import (
-    DEFAULT_BLOCK,
-    GlobalPositions,
-    gather_global_positions,
-    longformer_attention_reference,
-    longformer_block_mask,
-    longformer_attention_unchecked,
-    out_of_range,
-    static_global_mask,
-    window_plan,
-)
-from ..functional.softmax import masked_sdpa
-from .base import OWN, Capabilities, Mechanism, StateLayout, UnsupportedOptionError, register
+from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, register
+from .longformer import LongformerAttention  # noqa: F401 - registered with the family, importable from here
+from .sparse_checks import check_block_size, check_packed_call
 
 
 class BlockSparseAttention(Mechanism):
     """Base of the fixed-pattern mechanisms: softmax attention restricted to the pattern :meth:`pattern`
     returns, by the blockwise core (fast path) or a dense masked softmax (:meth:`reference`).
 
-    Self-attention only: a pattern pairs positions of one sequence. Shapes: q, k (batch, heads, seq,
-    head_dim), v (batch, heads, seq, head_dim_v) -> (batch, heads, seq, head_dim_v).
+    Self-attention only: a pattern pairs positions of one sequence. Shapes: q (batch, heads, seq, head_dim),
+    k (batch, kv_heads, seq, head_dim), v (batch, kv_heads, seq, head_dim_v) -> (batch, heads, seq,
+    head_dim_v). Grouped-query inputs are native: the blockwise core gathers each key/value head once for the
+    query heads sharing it (decoding states hold ``kv_heads``). Packed rows (``cu_seqlens``) are native: each
+    document laid out as it is alone (:mod:`attnzoo.functional.blocksparse.packed`), ``max_length`` binding each
+    document.
     """
 
     def pattern(self) -> BlockPattern:
@@ -72,6 +63,39 @@ class BlockSparseAttention(Mechanism):
             cached = (key, blocksparse_plan(pattern, length, causal, device))
             self._last_plan = cached
         return cached[1]
+
+    def packed_plan(self, spans: List[Tuple[int, int]], causal: bool, device: torch.device) -> PackedBlockPlan:
+        """The block plan of a packed row of documents ``spans``, each laid out as it is alone (the last one is
+        kept, while the documents, causality, device and pattern stay the same)."""
+        pattern = self.pattern()
+        key = (pattern, tuple(spans), causal, device)
+        cached = getattr(self, "_last_packed_plan", None)
+        if cached is None or cached[0] != key:
+            cached = (key, packed_blocksparse_plan(pattern, spans, causal, device))
+            self._last_packed_plan = cached
+        return cached[1]
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        causal: bool = False,
+        key_padding_mask: Optional[Tensor] = None,
+        *,
+        cross: bool = False,
+        cu_seqlens: Optional[Tensor] = None,
+    ) -> Tensor:
+        """:meth:`Mechanism.forward`; with ``cu_seqlens``, ``max_length`` binds each document, not the row."""
+        if cu_seqlens is None:
+            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+        spans = check_packed_call(self, q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+        k, v = self.repeated_kv(q, k, v)
+        return self.attend_packed(q, k, v, causal, spans)
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        plan = self.packed_plan(spans, causal, q.device)
+        return packed_blocksparse_attention_unchecked(q, k, v, plan, None)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -90,10 +114,6 @@ class BlockSparseAttention(Mechanism):
         cross: bool = False,
     ) -> Tensor:
         return blocksparse_attention_reference(q, k, v, self.pattern(), causal, key_padding_mask)
-
-
-def _block_size(block_size: Optional[int]) -> Optional[int]:
-    return check_number("block_size", block_size, integer=True, minimum=1, optional=True)
 
 
 @register
@@ -116,10 +136,10 @@ class LocalAttention(BlockSparseAttention):
             query block also reads the sink blocks (:class:`~attnzoo.functional.blocksparse.SinkLocalPattern`).
 
     Decoding state (``step``/``prefill``): a ring buffer of the last ``window`` keys and values, constant
-    memory: ``{"k": (batch, heads, window, head_dim), "v": (batch, heads, window, head_dim),
+    memory: ``{"k": (batch, kv_heads, window, head_dim), "v": (batch, kv_heads, window, head_dim),
     "positions": (batch, window)}``; position t goes to slot ``t % window``, ``positions`` holds the position
     in each slot (-1 while empty), and a step attends to the filled slots only. With sinks, also
-    ``"sink_k"``, ``"sink_v"``: (batch, heads, sink_tokens, head_dim), the first positions, kept for good
+    ``"sink_k"``, ``"sink_v"``: (batch, kv_heads, sink_tokens, head_dim), the first positions, kept for good
     (:mod:`attnzoo.functional.blocksparse.window_cache`): still constant memory, ``window + sink_tokens``.
     """
 
@@ -133,6 +153,8 @@ class LocalAttention(BlockSparseAttention):
         complexity="time O(N w), memory O(N w)",
         summary="sliding-window attention: each query sees the w nearest keys (Beltagy et al. 2020; "
                 "Child et al. 2019)",
+        packing=PACKED_NATIVE,
+        grouped_kv=NATIVE_KV,
     )
     test_options = {"window": 3, "block_size": 2}
     test_variants = ({"window": 5}, {"window": 1, "block_size": 4}, {"window": 40, "block_size": 3})
@@ -142,7 +164,7 @@ class LocalAttention(BlockSparseAttention):
                  sink_tokens: int = 0) -> None:
         super().__init__(heads, head_dim)
         self.window = check_positive_int("window", window)
-        self.block_size = _block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self.sink_tokens = check_sink_tokens(sink_tokens, self.window)
 
     def pattern(self) -> BlockPattern:
@@ -151,13 +173,13 @@ class LocalAttention(BlockSparseAttention):
         return LocalPattern(self.window, self.block_size or min(self.window, 64))
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+        heads = self.heads if kv_heads is None else kv_heads  # the key/value heads the buffers hold
         if self.sink_tokens:
-            heads = getattr(self, "kv_heads", None) or self.heads  # the key/value heads the buffers hold
             return window_cache_layout(heads, self.window, self.sink_tokens, self.head_dim, dtype)
         return {
-            "k": ((self.heads, self.window, self.head_dim), dtype),
-            "v": ((self.heads, self.window, self.head_dim), dtype),
+            "k": ((heads, self.window, self.head_dim), dtype),
+            "v": ((heads, self.window, self.head_dim), dtype),
             "positions": ((self.window,), torch.long),
         }
 
@@ -169,8 +191,8 @@ class LocalAttention(BlockSparseAttention):
         if tensors is None:
             batch = q_t.shape[0]
             tensors = {
-                "k": k_t.new_zeros(batch, self.heads, self.window, k_t.shape[3]),
-                "v": v_t.new_zeros(batch, self.heads, self.window, v_t.shape[3]),
+                "k": k_t.new_zeros(batch, k_t.shape[1], self.window, k_t.shape[3]),
+                "v": v_t.new_zeros(batch, v_t.shape[1], self.window, v_t.shape[3]),
                 "positions": torch.full((batch, self.window), -1, dtype=torch.long, device=q_t.device),
             }
         slot = length % self.window
@@ -181,7 +203,7 @@ class LocalAttention(BlockSparseAttention):
         positions[:, slot] = length
         # Slots not yet written hold position -1 (and zeros): masked by position, not by the step count.
         allowed = (positions >= 0).view(positions.shape[0], 1, 1, self.window)
-        return masked_sdpa(q_t, k, v, allowed), {"k": k, "v": v, "positions": positions}
+        return grouped_sdpa(q_t, k, v, allowed, None), {"k": k, "v": v, "positions": positions}
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         out = self.attend(q, k, v, True, None, False)
@@ -239,6 +261,8 @@ class StridedAttention(BlockSparseAttention):
         kind=OWN,
         complexity="time O(N sqrt N) at stride ~ sqrt N (strided, fixed), O(N^2 / stride) (dilated)",
         summary="Sparse Transformer strided/fixed patterns and dilated attention (Child et al. 2019)",
+        packing=PACKED_NATIVE,
+        grouped_kv=NATIVE_KV,
     )
     test_options = {"pattern": "strided", "stride": 3, "block_size": 2}
     test_variants = (
@@ -265,7 +289,7 @@ class StridedAttention(BlockSparseAttention):
         self.summary = max(1, self.stride // 16) if summary is None else summary
         if self.pattern_name == "fixed" and self.summary > self.stride:
             raise ValueError(f"summary must be <= stride ({self.stride}) for pattern='fixed', got {summary}")
-        self.block_size = _block_size(block_size)
+        self.block_size = check_block_size(block_size)
 
     def pattern(self) -> BlockPattern:
         if self.pattern_name == "strided":
@@ -277,203 +301,6 @@ class StridedAttention(BlockSparseAttention):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, pattern={self.pattern_name!r}, stride={self.stride}, "
                 f"summary={self.summary}, block_size={self.block_size}")
-
-
-@register
-class LongformerAttention(Mechanism):
-    """Longformer attention (Beltagy et al. 2020): a sliding window plus global positions.
-
-    Query i attends to keys j with ``|i - j| < window`` (causally the ``window`` positions up to itself) and to
-    every global position; a global position's query attends to every key. Causally a global position is seen
-    only by the queries at or after it, and a global query sees the keys up to itself. A padded key is never
-    attended, even at a global position (padding wins). See :mod:`attnzoo.functional.longformer`.
-
-    Which positions are global: the union of
-
-    * the first ``global_tokens`` positions (e.g. a [CLS] token at position 0),
-    * the positions ``global_indices`` (a negative index counts from the end: ``-1`` is the last position,
-      e.g. a summary token), fixed at construction,
-    * and, per call, ``forward(..., global_mask=...)``: a (batch, seq) bool tensor, True marking a global
-      position of that batch element (so each element may have its own; build with ``global_tokens=0`` to let
-      the mask alone decide). ``MultiHeadAttention.forward`` passes it on (``global_mask`` is in
-      :attr:`call_options`).
-
-    An index of ``global_indices`` outside ``[-seq, seq)`` for a call's sequence length is refused
-    (:class:`~attnzoo.UnsupportedOptionError` naming ``global_indices``), never dropped; two indices that name
-    the same position at some length (``0`` and ``-seq``) simply name it once.
-
-    Options:
-        window: as :class:`LocalAttention`'s (>= 1).
-        global_tokens: how many leading positions are global (>= 0; 0 with no other global position is plain
-            local attention).
-        global_indices: further global positions, a tuple of distinct ints, or None for none.
-        global_projections: separate projections for the global attention, as in the paper: learned per-head
-            (head_dim x head_dim) maps ``query_global``, ``key_global``, ``value_global`` (parameters of shape
-            (heads, head_dim, head_dim), initialised to the identity, so the option starts equal to the plain
-            form). A global query's row is ``softmax((q_i Wq)(K Wk)^T / sqrt(head_dim)) (V Wv)`` over every
-            key, with q_i, K, V the given per-head tensors and ``x @ W[h]`` per head; every other row uses the
-            plain q, k, v, for its window and for the global keys alike. The values' head_dim must then equal
-            head_dim.
-        block_size: positions per block of the window part (a speed knob; the output does not depend on it).
-            None: ``min(window, 128)`` (:data:`attnzoo.functional.longformer.DEFAULT_BLOCK`).
-
-    Time and memory O(N (window + G)) for G global positions (the most of any batch element), nothing N x N.
-    The count G of a ``global_mask`` is read from its values (one host synchronisation per call), so a call
-    with ``global_mask`` cannot be traced by ``torch.jit.trace`` (refused) though ``global_tokens`` and
-    ``global_indices`` can. Self-attention only; no decoding state.
-    """
-
-    name = "longformer"
-    capabilities = Capabilities(
-        causal=True,
-        cross=False,
-        key_padding=True,
-        recurrent_step=False,
-        kind=OWN,
-        complexity="time O(N (w + g)), memory O(N (w + g))",
-        summary="sliding window plus global positions by count, index or per-call mask, optional separate "
-                "global projections (Beltagy et al. 2020)",
-    )
-    call_options = ("global_mask",)
-    # Index -1 is in range at every length: the property tests run test_options from one position up.
-    test_options = {"window": 2, "global_tokens": 1, "global_indices": (-1,), "block_size": 2}
-    test_variants = (
-        {"window": 3, "global_tokens": 0, "block_size": 4},
-        {"window": 4, "global_tokens": 5, "block_size": 3},
-        {"window": 2, "global_tokens": 0, "global_indices": (2, -2), "block_size": 2},
-        {"window": 3, "global_tokens": 1, "global_indices": (-1, 3), "global_projections": True, "block_size": 2},
-    )
-
-    def __init__(
-        self,
-        heads: int,
-        head_dim: int,
-        *,
-        window: int = 128,
-        global_tokens: int = 1,
-        global_indices: Optional[Tuple[int, ...]] = None,
-        global_projections: bool = False,
-        block_size: Optional[int] = None,
-    ) -> None:
-        super().__init__(heads, head_dim)
-        self.window = check_positive_int("window", window)
-        self.global_tokens = check_number("global_tokens", global_tokens, integer=True, minimum=0)
-        self.global_indices = () if global_indices is None else check_indices("global_indices", global_indices)
-        self.global_projections = check_bool("global_projections", global_projections)
-        self.block_size = _block_size(block_size)
-        if self.global_projections:
-            identity = torch.eye(head_dim).expand(heads, head_dim, head_dim)
-            self.query_global = nn.Parameter(identity.clone())
-            self.key_global = nn.Parameter(identity.clone())
-            self.value_global = nn.Parameter(identity.clone())
-
-    def projections(self) -> Optional[Tuple[Tensor, Tensor, Tensor]]:
-        """(Wq, Wk, Wv) of the global attention, each (heads, head_dim, head_dim), or None without them."""
-        if not self.global_projections:
-            return None
-        return self.query_global, self.key_global, self.value_global
-
-    def plan(self, length: int, causal: bool, device: torch.device) -> Tuple[BlockPlan, GlobalPositions, Tensor]:
-        """The window's block plan, the fixed global positions (``global_tokens``, ``global_indices``) and the
-        block mask of a call without ``key_padding_mask`` or ``global_mask``, reused while the length, causality
-        and device stay the same (the last ones are kept: O(N (window + G)) bools)."""
-        key = (length, causal, device)
-        cached = getattr(self, "_last_plan", None)
-        if cached is None or cached[0] != key:
-            block = self.block_size or min(self.window, DEFAULT_BLOCK)
-            plan = window_plan(self.window, block, length, causal, device)
-            fixed = static_global_mask(length, self.global_tokens, self.global_indices, device)
-            fixed = gather_global_positions(fixed.view(1, length))
-            cached = (key, (plan, fixed, longformer_block_mask(plan, self.window, fixed, causal, None)))
-            self._last_plan = cached
-        return cached[1]
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-        global_mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        """:meth:`Mechanism.forward`, plus ``global_mask``: (batch, seq) bool, True marks further global
-        positions of each batch element for this call (with those of the options), or None."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        k, v = self.repeated_kv(q, k, v)
-        check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
-        if global_mask is not None and torch.jit.is_tracing():
-            raise UnsupportedOptionError(
-                "longformer: global_mask cannot be traced: the number of global positions is read from its values"
-            )
-        return self._attend(q, k, v, causal, key_padding_mask, global_mask)
-
-    def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
-    ) -> Tensor:
-        return self._attend(q, k, v, causal, key_padding_mask, None)
-
-    def _attend(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor],
-        global_mask: Optional[Tensor],
-    ) -> Tensor:
-        plan, fixed, block_mask = self.plan(q.shape[2], causal, q.device)
-        if global_mask is not None or key_padding_mask is not None:
-            block_mask = None  # made for this call's masks
-        if global_mask is not None:
-            fixed = gather_global_positions(fixed.mask | global_mask)
-        return longformer_attention_unchecked(q, k, v, self.window, plan, fixed, causal, key_padding_mask, None,
-                                              self.projections(), block_mask)
-
-    def global_positions(self, batch: int, length: int, global_mask: Optional[Tensor] = None,
-                         device: Optional[torch.device] = None) -> Tensor:
-        """(batch, length) bool: the global positions of a call (the options' and ``global_mask``'s)."""
-        fixed = static_global_mask(length, self.global_tokens, self.global_indices, device)
-        mask = fixed.expand(batch, length)
-        return mask if global_mask is None else mask | global_mask
-
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-        global_mask: Optional[Tensor] = None,
-    ) -> Tensor:
-        mask = self.global_positions(q.shape[0], q.shape[2], global_mask, q.device)
-        return longformer_attention_reference(q, k, v, self.window, mask, causal, key_padding_mask,
-                                              global_projections=self.projections())
-
-    def unsupported_reasons(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-    ) -> List[str]:
-        reasons = super().unsupported_reasons(q, k, v, causal, key_padding_mask, cross=cross)
-        length = q.shape[2]
-        outside = out_of_range(self.global_indices, length)
-        if outside:
-            reasons.append(f"{self.name}: global_indices {list(outside)} name no position of a sequence of length "
-                           f"{length} (an index i needs {-length} <= i < {length})")
-        if self.global_projections and v.shape[3] != self.head_dim:
-            reasons.append(f"{self.name} with global_projections=True: v has head_dim {v.shape[3]}, the value "
-                           f"projection maps head_dim={self.head_dim}")
-        return reasons
-
-    def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, window={self.window}, global_tokens={self.global_tokens}, "
-                f"global_indices={self.global_indices}, global_projections={self.global_projections}, "
-                f"block_size={self.block_size}")
 
 
 @register
@@ -493,7 +320,8 @@ class BigBirdAttention(BlockSparseAttention):
         global_blocks: leading global blocks (>= 0).
         random_blocks: random key blocks per query block (>= 0).
         seed: seed of the random blocks (an int >= 0).
-        max_seq_len: the longest sequence accepted (the random table's size).
+        max_seq_len: the longest sequence accepted (the random table's size); in a packed row, the longest
+            document.
 
     Time and memory O(N block_size (2 window_blocks + 1 + global_blocks + random_blocks)), plus the global
     rows' O(global_blocks block_size N). Self-attention only, non-causal (the random blocks look ahead).
@@ -508,6 +336,8 @@ class BigBirdAttention(BlockSparseAttention):
         kind=OWN,
         complexity="time O(N b (2w + 1 + g + r)), memory alike",
         summary="window, global and random blocks (Zaheer et al. 2020)",
+        packing=PACKED_NATIVE,
+        grouped_kv=NATIVE_KV,
     )
     test_options = {"block_size": 2, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "max_seq_len": 24}
     test_variants = (

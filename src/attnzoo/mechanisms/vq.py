@@ -22,6 +22,9 @@ The maths is in :mod:`attnzoo.functional.vq`. This module holds the codebook and
   keys (``commitment`` = beta), the auxiliary loss that keeps keys near their codewords, which the training
   hook :meth:`VQAttention.auxiliary_loss` hands to the training loop once; :func:`auxiliary_loss` sums (and
   clears) it over a model, for a loop written by hand.
+* **Packed rows** (``cu_seqlens``): each document runs alone (equal lengths batched), and a training-mode
+  forward records the statistics of the whole row once (counts, key sums, commitment loss, key sample), equal
+  to those of the same documents as one padded batch.
 * **Data parallelism.** Refused (:meth:`VQAttention.data_parallel_reasons`): the EMA statistics are per rank.
 * **Gradients.** In training mode the keys of each block's exact window get the attention's gradient by the
   straight-through estimator (keys in the codeword cache get none, as in the paper); in eval mode the
@@ -40,6 +43,7 @@ from torch import Tensor, nn
 from .._dtypes import working_dtype
 from .._validation import check_number, check_positive_int
 from ..functional.masks import zero_padded
+from ..functional.packing import attend_per_document
 from ..functional.ties import tied_to_unused
 from ..functional.vq import (
     code_aggregates,
@@ -49,7 +53,7 @@ from ..functional.vq import (
     vq_attention_step,
     vq_attention_unchecked,
 )
-from .base import APPROXIMATE, Capabilities, Mechanism, StateLayout, register, seeded_generator
+from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register, seeded_generator
 
 
 @register
@@ -83,6 +87,7 @@ class VQAttention(Mechanism):
                    "decoding O(S d) per token",
         summary="Transformer-VQ: keys quantized to an EMA-trained codebook, exact softmax over the quantized keys, "
                 "causal in linear time by a codeword cache (Lingle 2023)",
+        packing=PACKED_SPLIT,
     )
     sweep_option = "codebook_size"
     test_options = {"codebook_size": 8, "block_size": 4, "seed": 0}
@@ -132,16 +137,32 @@ class VQAttention(Mechanism):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
+        out, keys, codes = self._attend_only(q, k, v, causal, key_padding_mask)
+        if self.training:
+            self._record(keys, codes, key_padding_mask)
+        return out
+
+    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
+        """Each document alone (equal lengths batched), its blocks counted from its own start; a training-mode
+        forward records the statistics of the whole row once, as the documents as one padded batch would."""
+        out = attend_per_document(lambda *qkv: self._attend_only(*qkv, causal, None)[0], q, k, v, spans)
+        if self.training:
+            keys = k.to(working_dtype(k.dtype))
+            self._record(keys, quantize(keys.detach(), self.codebook), None)
+        return out
+
+    def _attend_only(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]
+    ) -> Tuple[Tensor, Tensor, Tensor]:
+        """The output, recording nothing; with the working-dtype keys and their codes, for :meth:`_record`."""
         keys = zero_padded(k, key_padding_mask).to(working_dtype(k.dtype))
         codes = quantize(keys.detach(), self.codebook)
         training = self.training and torch.is_grad_enabled()
         out = vq_attention_unchecked(q, k, v, self.codebook, codes, self.block_size, causal, key_padding_mask,
                                      training)
-        if self.training:
-            self._record(keys, codes, key_padding_mask)
         if not training:
             out = tied_to_unused(out, k)  # piecewise constant in k: its gradient is zero, not missing
-        return out
+        return out, keys, codes
 
     def _record(self, keys: Tensor, codes: Tensor, key_padding_mask: Optional[Tensor]) -> None:
         """Set the commitment loss of this forward and add its key statistics to the pending update."""

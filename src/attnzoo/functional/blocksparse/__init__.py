@@ -32,10 +32,11 @@ sinks, Xiao et al. 2023), :class:`DilatedPattern`, :class:`StridedPattern` and
 Modules: :mod:`.layout` (what a pattern is: :class:`BlockLayout`, :class:`BlockPattern`), :mod:`.patterns`
 (the patterns), :mod:`.plan` (the input-independent part of a call, :class:`BlockPlan`), :mod:`.core` (the
 blockwise kernel), :mod:`.reference` (the dense float64 reference and each pattern's dense mask),
-:mod:`.window_cache` (constant-memory decoding of a sliding window with attention sinks).
+:mod:`.window_cache` (constant-memory decoding of a sliding window with attention sinks), :mod:`.packed`
+(packed rows of documents, ``cu_seqlens``: each document laid out as it is alone).
 """
 
-from .core import blocksparse_attention, blocksparse_attention_unchecked
+from .core import blocksparse_attention, blocksparse_attention_unchecked, grouped_sdpa
 from .layout import BlockLayout, BlockPattern
 from .patterns import (
     BigBirdPattern,
@@ -46,20 +47,30 @@ from .patterns import (
     SinkLocalPattern,
     StridedPattern,
 )
+from .packed import (
+    DenseDocuments,
+    GlobalRows,
+    PackedBlockPlan,
+    packed_blocksparse_attention_unchecked,
+    packed_blocksparse_plan,
+)
 from .plan import DENSE_SHARE, BlockPlan, blocksparse_plan, blockwise_logits
 from .reference import blocksparse_attention_reference, pattern_dense_mask
 from .window_cache import check_sink_tokens, window_cache_layout, window_cache_prefill, window_cache_step
 
 __all__ = [
     "DENSE_SHARE",
+    "DenseDocuments",
     "BigBirdPattern",
     "BlockLayout",
     "BlockPattern",
     "BlockPlan",
     "DilatedPattern",
     "FixedPattern",
+    "GlobalRows",
     "LocalPattern",
     "LongformerPattern",
+    "PackedBlockPlan",
     "SinkLocalPattern",
     "StridedPattern",
     "blocksparse_attention",
@@ -67,7 +78,10 @@ __all__ = [
     "blocksparse_attention_unchecked",
     "blocksparse_plan",
     "check_sink_tokens",
+    "grouped_sdpa",
     "blockwise_logits",
+    "packed_blocksparse_attention_unchecked",
+    "packed_blocksparse_plan",
     "pattern_dense_mask",
     "window_cache_layout",
     "window_cache_prefill",

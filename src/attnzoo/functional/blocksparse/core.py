@@ -1,6 +1,10 @@
 """The blockwise core of block-sparse attention: queries and keys gathered block by block from a
 :class:`~.plan.BlockPlan`, one exact softmax over each query block's key blocks, parts merged into one
-softmax, global query rows computed densely beside the blocks. Nothing N x N is made."""
+softmax, global query rows computed densely beside the blocks. Nothing N x N is made.
+
+Grouped-query inputs (k, v with ``kv_heads`` dividing q's heads) are native: keys and values are gathered with
+their own heads, and the query heads sharing a key/value head are stacked along the rows of one product
+(:func:`grouped_sdpa`), so the repeated keys and values are never made."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from torch import Tensor
 
 from ..._dtypes import working_dtype
 from ..._validation import check_bool, check_key_padding_mask, check_number, check_qkv
+from ..grouped import grouped_rows, ungrouped_rows
 from ..masks import zero_padded
 from ..softmax import masked_sdpa
 from .layout import BlockLayout, BlockPattern
@@ -32,7 +37,9 @@ def blocksparse_attention(
     """Exact softmax attention restricted to a fixed sparsity ``pattern``, computed blockwise.
 
     Args:
-        q, k: (batch, heads, seq, head_dim); v: (batch, heads, seq, head_dim_v). Self-attention: one sequence.
+        q: (batch, heads, seq, head_dim); k: (batch, kv_heads, seq, head_dim); v: (batch, kv_heads, seq,
+            head_dim_v), ``kv_heads`` dividing ``heads`` (query head h reads key/value head ``h // (heads //
+            kv_heads)``). Self-attention: one sequence.
         pattern: a :class:`BlockPattern`.
         causal: key j visible to query i only if j <= i.
         key_padding_mask: (batch, seq) bool, True marks padding.
@@ -44,7 +51,7 @@ def blocksparse_attention(
     """
     check_bool("causal", causal)
     scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, grouped=True)
     if not isinstance(pattern, BlockPattern):
         raise TypeError(f"pattern must be a BlockPattern, got {type(pattern).__name__}")
     if q.shape[2] != k.shape[2]:
@@ -52,6 +59,24 @@ def blocksparse_attention(
                          f"k seq={k.shape[2]} must be equal")
     check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
     return blocksparse_attention_unchecked(q, k, v, pattern, causal, key_padding_mask, scale)
+
+
+def grouped_sdpa(q: Tensor, k: Tensor, v: Tensor, allowed: Optional[Tensor], scale: Optional[float], *,
+                 empty_rows: bool = True) -> Tensor:
+    """Softmax attention of q (n, heads, rows, dim) over k, v (n, kv_heads, S, dim) under ``allowed`` (bool,
+    (n or 1, 1, rows or 1, S), or None), the query heads of each key/value head stacked along the rows of one
+    call: only the (small) mask is repeated, never k or v. ``empty_rows``: a row that may see no key outputs
+    zeros (:func:`masked_sdpa`); False when every row sees one (plain SDPA). Returns (n, heads, rows, dim_v)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads:
+        q = grouped_rows(q, kv_heads)
+        if allowed is not None and allowed.shape[2] != 1:
+            allowed = allowed.repeat(1, 1, heads // kv_heads, 1)
+    if empty_rows:
+        out = masked_sdpa(q, k, v, allowed, scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out if heads == kv_heads else ungrouped_rows(out, heads)
 
 
 def _gather_keys(x: Tensor, layout: BlockLayout, index: Tensor, shared: Optional[Tensor] = None) -> Tensor:
@@ -132,13 +157,18 @@ def _merged_parts(q: Tensor, k0: Tensor, v0: Tensor, parts: Tuple[BlockPlan, ...
     out_dtype, dtype = q.dtype, working_dtype(q.dtype)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     q, k0, v0 = q.to(dtype), k0.to(dtype), v0.to(dtype)
+    kv_heads = k0.shape[1]
     terms = []
     for plan in parts:
         q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
-        logits = (q_blocks @ k_blocks.transpose(-1, -2) * scale).masked_fill(~allowed, -math.inf)
+        # Grouped queries stacked along the rows: (n, kv_heads, groups * bs, S), shown per group to the mask.
+        logits = grouped_rows(q_blocks, kv_heads) @ k_blocks.transpose(-1, -2) * scale
+        logits = logits.unflatten(2, (heads // kv_heads, -1)).masked_fill(~allowed.unsqueeze(2), -math.inf)
         top = logits.detach().amax(-1, keepdim=True)  # -inf on a row that sees no key of this part
-        weights = torch.exp(logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
-        numerator, total = weights @ v_blocks, weights.sum(-1, keepdim=True)
+        weights = torch.exp(logits - torch.where(torch.isfinite(top), top, torch.zeros_like(top))).flatten(2, 3)
+        numerator = ungrouped_rows(weights @ v_blocks, heads)
+        total = ungrouped_rows(weights.sum(-1, keepdim=True), heads)
+        top = ungrouped_rows(top.flatten(2, 3), heads)
         terms.append(tuple(_to_positions(x, plan, batch, heads, length) for x in (numerator, total, top)))
     top = torch.stack([t[2] for t in terms]).amax(0)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -150,6 +180,19 @@ def _merged_parts(q: Tensor, k0: Tensor, v0: Tensor, parts: Tuple[BlockPlan, ...
     out = numerator / torch.where(total > 0, total, torch.ones_like(total))
     return out.to(out_dtype)
 
+
+def blockwise_rows(q: Tensor, k0: Tensor, v0: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor],
+                   scale: Optional[float]) -> Tensor:
+    """The blocks of ``plan`` (its parts merged into one softmax), by position: (batch, heads, seq, dim_v).
+    Keys and values already zero-padded; the dense rows of global queries are the caller's."""
+    batch, heads, length, _ = q.shape
+    if plan.parts:
+        return _merged_parts(q, k0, v0, plan.parts, key_padding_mask, scale)
+    q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
+    # Without padding, when every row sees a key (fixed by the shapes, not by input values): plain SDPA.
+    out = grouped_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale,
+                       empty_rows=key_padding_mask is not None or not plan.full_rows)  # (batch * nqb, heads, bs, dv)
+    return _to_positions(out, plan, batch, heads, length)
 
 
 def blocksparse_attention_unchecked(
@@ -174,18 +217,8 @@ def blocksparse_attention_unchecked(
         allowed = plan.dense
         if key_padding_mask is not None:
             allowed = allowed & ~key_padding_mask.view(batch, 1, 1, length)
-        return masked_sdpa(q, k0, v0, allowed, scale)
-    if plan.parts:
-        out = _merged_parts(q, k0, v0, plan.parts, key_padding_mask, scale)
-    else:
-        q_blocks, k_blocks, v_blocks, allowed = _gathered(q, k0, v0, plan, key_padding_mask)
-        if key_padding_mask is None and plan.full_rows:
-            # Every row sees a key (which rows do is fixed by the shapes, not by input values): plain SDPA.
-            out = F.scaled_dot_product_attention(q_blocks, k_blocks, v_blocks, attn_mask=allowed, scale=scale)
-        else:
-            out = masked_sdpa(q_blocks, k_blocks, v_blocks, allowed, scale)  # (batch * nqb, heads, bs, dim_v)
-        out = _to_positions(out, plan, batch, heads, length)
-
+        return grouped_sdpa(q, k0, v0, allowed, scale)
+    out = blockwise_rows(q, k0, v0, plan, key_padding_mask, scale)
     g = plan.layout.global_queries
     if g:
         # Global queries see every key: a dense (g x N) pass replaces their rows.
@@ -196,6 +229,6 @@ def blocksparse_attention_unchecked(
         rows_allowed = rows_allowed.view(1, 1, g, length)
         if key_padding_mask is not None:
             rows_allowed = rows_allowed & ~key_padding_mask.view(batch, 1, 1, length)
-        dense_rows = masked_sdpa(q[:, :, :g], k0, v0, rows_allowed, scale)
+        dense_rows = grouped_sdpa(q[:, :, :g], k0, v0, rows_allowed, scale)
         out = torch.cat([dense_rows, out[:, :, g:]], dim=2)
     return out

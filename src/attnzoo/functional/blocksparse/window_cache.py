@@ -3,9 +3,10 @@ state keeps the first ``sinks`` keys and values for good, and the last ``window`
 reads ``sinks + window`` positions however long the sequence. A step equals the parallel causal form of
 :class:`~.patterns.SinkLocalPattern` at that position.
 
-State tensors (batch first): ``k``, ``v`` (batch, heads, window, dim): the ring, position t in slot ``t %
+State tensors (batch first), keys and values with their own heads (``kv_heads`` of grouped-query inputs, shared by
+the query heads of each group): ``k``, ``v`` (batch, kv_heads, window, dim): the ring, position t in slot ``t %
 window``; ``positions`` (batch, window) long: the position in each slot, -1 while empty; ``sink_k``,
-``sink_v`` (batch, heads, sinks, dim): positions 0 .. sinks-1 (zeros until written)."""
+``sink_v`` (batch, kv_heads, sinks, dim): positions 0 .. sinks-1 (zeros until written)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..._validation import check_number
-from ..softmax import masked_sdpa
+from .core import grouped_sdpa
 
 
 def check_sink_tokens(sink_tokens: object, window: int) -> int:
@@ -76,10 +77,10 @@ def window_cache_step(
     q_t: Tensor, k_t: Tensor, v_t: Tensor, state: Optional[Dict[str, Tensor]], length: int, window: int,
     sinks: int, scale: Optional[float] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Attention of position ``length`` (q_t, k_t, v_t: (batch, heads, 1, dim)) over the sinks and the window
-    up to itself, and the new state (None: the start). The previous state's tensors are never written (a state
-    may be stepped from twice, to branch): the ring is copied (O(window), like the attention), the sinks only
-    while they are being filled. Returns ((batch, heads, 1, dim_v), state)."""
+    """Attention of position ``length`` (q_t: (batch, heads, 1, dim); k_t, v_t: (batch, kv_heads, 1, dim)) over
+    the sinks and the window up to itself, and the new state (None: the start). The previous state's tensors
+    are never written (a state may be stepped from twice, to branch): the ring is copied (O(window), like the
+    attention), the sinks only while they are being filled. Returns ((batch, heads, 1, dim_v), state)."""
     if state is None:
         batch, heads = k_t.shape[:2]
         state = {
@@ -102,5 +103,5 @@ def window_cache_step(
     sink_seen = torch.arange(sinks, device=q_t.device) <= length - window
     batch = q_t.shape[0]
     allowed = torch.cat([sink_seen.expand(batch, sinks), positions >= 0], dim=1).view(batch, 1, 1, -1)
-    out = masked_sdpa(q_t, torch.cat([sink_k, k], dim=2), torch.cat([sink_v, v], dim=2), allowed, scale)
+    out = grouped_sdpa(q_t, torch.cat([sink_k, k], dim=2), torch.cat([sink_v, v], dim=2), allowed, scale)
     return out, {"k": k, "v": v, "positions": positions, "sink_k": sink_k, "sink_v": sink_v}
