@@ -153,9 +153,14 @@ class EncoderLayer(_Block):
         self.attention_block = _Sublayer(config)
         self.feed_forward_block = _Sublayer(config)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
-        x = self.attention_block(x, lambda h: self.self_attention(h, key_padding_mask=key_padding_mask))
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1), each document attending only within itself. Returns (batch, seq, dim)."""
+        x = self.attention_block(
+            x, lambda h: self.self_attention(h, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
+        )
         return self.feed_forward_block(x, self.feed_forward)
 
 
@@ -196,13 +201,15 @@ class DecoderLayer(_Block):
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
         causal: bool = True,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim); padding_mask: (batch, seq) and
         memory_padding_mask: (batch, seq_mem), bool, True = padding. Returns (batch, seq, dim).
-        ``causal=False`` lets every position attend to every other (a non-autoregressive decoder)."""
+        ``causal=False`` lets every position attend to every other (a non-autoregressive decoder).
+        ``cu_seqlens``: the document offsets of a packed row (batch 1, self-attention only)."""
         self._check_memory(memory)
         x = self.attention_block(
-            x, lambda h: self.self_attention(h, causal=causal, key_padding_mask=padding_mask)
+            x, lambda h: self.self_attention(h, causal=causal, key_padding_mask=padding_mask, cu_seqlens=cu_seqlens)
         )
         if self.cross_attention is not None:
             x = self.cross_attention_block(
