@@ -96,7 +96,7 @@ class _Sublayer(nn.Module):
 @dataclass
 class LayerState:
     """Decoding state of one decoder layer: its self-attention state and, with cross-attention, the
-    encoder memory projected to keys and values once, each (batch, heads, seq_mem, head_dim)."""
+    encoder memory projected to keys and values once, each (batch, kv_heads, seq_mem, head_dim)."""
 
     self_attention: AttentionState
     memory_k: Optional[Tensor] = None
@@ -182,7 +182,9 @@ class DecoderLayer(_Block):
         self.cross_attention: Optional[MultiHeadAttention] = None
         self.cross_attention_block: Optional[_Sublayer] = None
         if config.cross_attention is not None:
-            self.cross_attention = self._attention(config.cross_attention, context_dim=config.memory_dim)
+            # Grouped like the self-attention: the memory's projected keys and values hold kv_heads heads.
+            self.cross_attention = self._attention(config.cross_attention, context_dim=config.memory_dim,
+                                                   kv_heads=config.kv_heads)
             self.cross_attention_block = _Sublayer(config)
         self.feed_forward = self._feed_forward()
         self.feed_forward_block = _Sublayer(config)
@@ -219,7 +221,7 @@ class DecoderLayer(_Block):
 
     # -- incremental decoding ------------------------------------------------------------------------------
     def project_memory(self, memory: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """The memory's cross-attention keys and values, (batch, heads, seq_mem, head_dim) each, or (None, None)."""
+        """The memory's cross-attention keys and values, (batch, kv_heads, seq_mem, head_dim) each, or (None, None)."""
         self._check_memory(memory)
         if self.cross_attention is None:
             return None, None

@@ -43,7 +43,8 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads, kv_heads=config.kv_heads)
     reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
     if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention: causal unless NAT
-        target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads)
+        target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads,
+                             kv_heads=config.kv_heads)
         causal = config.decoding == "autoregressive"
         target_padding = None if causal else torch.zeros(1, task.target_len, dtype=torch.bool, device="meta")
         reasons += [f"as the decoder's self-attention: {reason}" for reason in
@@ -102,10 +103,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind == "lm":
         return LanguageModel(task.vocab_size, token_shift=config.token_shift, **common)
     if task.kind == "seq2seq":
-        # The mechanism serves both self-attention slots; cross-attention stays exact softmax.
-        if common.pop("kv_heads") not in (None, config.heads):
-            raise UnsupportedOptionError(f"kv_heads={config.kv_heads} cannot train on {task.name}: its model, a "
-                                         f"Seq2SeqTransformer, has no grouped-query attention; leave kv_heads unset")
+        # The mechanism serves both self-attention slots; cross-attention stays exact softmax (grouped by
+        # kv_heads too).
         options = common.pop("self_attention_options")
         mechanism = common.pop("self_attention")
         depth = common.pop("depth")
