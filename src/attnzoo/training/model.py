@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -54,6 +54,26 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     return reasons
 
 
+def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
+    """Why ``config.pack`` cannot train ``task`` with this mechanism (None when it can, or without pack)."""
+    if not config.pack:
+        return None
+    reason = task.packing_refusal()
+    if reason is not None:
+        return f"{task.name} cannot be packed: {reason}"
+    if config.block != "attention":  # gated units build their own mechanisms, which run each document alone
+        return None
+    if mechanism_class(config.mechanism).length_option is not None:
+        return (f"{config.mechanism}'s learned tables span the task's length, and a packed row holds a whole batch "
+                f"(batch_size * seq_len positions)")
+    mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
+                                **mechanism_options_for(config, task))
+    if not mechanism.capabilities.packed:
+        return (f"{mechanism.name} does not take packed batches (capability packing="
+                f"{mechanism.capabilities.packing!r}): a document's output would depend on the others")
+    return None
+
+
 def build_model(config: TrainConfig, task: Task) -> nn.Module:
     """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
     ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
@@ -85,6 +105,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if config.token_shift and task.kind == "seq2seq":
         raise ValueError(f"token_shift cannot train on {task.name}: its model, a Seq2SeqTransformer, has no token "
                          f"shift (it exists for classify, tag and lm tasks)")
+    refused = packing_refusal(config, task)
+    if refused is not None:
+        raise UnsupportedOptionError(f"pack is refused: {refused}")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
