@@ -45,6 +45,7 @@ def test_bytes_packs_its_files_as_documents():
     assert isinstance(split, PackedSplit) and split.inputs.shape[1] == BYTES["seq_len"]
     stream = split.inputs.reshape(-1)
     assert torch.equal(stream, task.packed_split("train").inputs.reshape(-1))  # built once, the same
+    assert torch.equal(stream, task.stream("train")[: stream.numel()])  # the files in order, nothing padded
     ends = torch.tensor(task.file_lengths["train"]).cumsum(0)
     ends = ends[ends < stream.numel()]
     # The last byte of every file predicts nothing; the next file starts a document.

@@ -146,13 +146,16 @@ class Bytes(Task):
         """None: the files are the documents of packed rows."""
         return None
 
+    def stream(self, name: str) -> torch.Tensor:
+        """(bytes,) int64: the files of split ``name`` concatenated in order (their lengths: :attr:`file_lengths`)."""
+        self.split(name)  # checks the name
+        return torch.from_numpy(np.frombuffer(self._streams[name], dtype=np.uint8).astype(np.int64))
+
     def packed_split(self, name: str) -> Split:
         """The split ``name`` packed: each file a document of its own, laid back to back in rows of ``seq_len``
         bytes (a :class:`~attnzoo.tasks.packing.PackedSplit`; built on first use)."""
-        self.split(name)  # checks the name
         if name not in self._packed:
-            stream = torch.from_numpy(np.frombuffer(self._streams[name], dtype=np.uint8).astype(np.int64))
-            self._packed[name] = pack_documents(stream, self.file_lengths[name], self.seq_len)
+            self._packed[name] = pack_documents(self.stream(name), self.file_lengths[name], self.seq_len)
         return self._packed[name]
 
     def _describe_extra(self) -> List[str]:
