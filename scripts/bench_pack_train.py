@@ -1,13 +1,15 @@
 """Training on packed batches against padded ones: real tokens per second on ``bytes``, and the loss they reach.
 
     PYTHONPATH=src python scripts/bench_pack_train.py [--lengths 4096 16384] [--rows 2] [--steps 12]
-        [--warmup 2] [--mechanisms softmax linear] [--threads 1] [--output docs/results/pack-train.json]
+        [--warmup 2] [--mechanisms softmax linear] [--unmasked] [--threads 1] [--output docs/results/pack-train.json]
 
 The documents are the ``bytes`` task's files (the Python standard library's ``.py`` files), with their real
 lengths. Each step trains on ``rows`` rows of ``length`` positions, in both layouts (equal tokens per step):
 
 * padded: every file cut into pieces of at most ``length`` bytes, one piece per row, padded to ``length``
   (``padding_mask``);
+* unmasked (with ``--unmasked``): the padded rows without their ``padding_mask``, which a causal model on
+  right-padded rows can do without (no real position reads a later one; the loss leaves the padding out);
 * packed: the files back to back in rows of ``length`` (:meth:`attnzoo.tasks.Bytes.packed_split`), the batch
   one packed row of ``rows * length`` tokens with its ``cu_seqlens`` (:mod:`attnzoo.training.packing`).
 
@@ -65,6 +67,7 @@ def padded_rows(task, length: int) -> Tuple[Tensor, Tensor, Tensor]:
 def timed_step(model, optimizer, batch) -> Tuple[float, float, int]:
     """One training step: (seconds, the batch's mean loss, its real tokens)."""
     inputs, targets, extra = batch
+    real = extra.pop("real", None)  # the real tokens of unmasked padded rows (the model is not told)
     started = time.perf_counter()
     logits = model(inputs, **extra)
     loss, tally = loss_and_tally("lm", logits, targets)
@@ -72,7 +75,8 @@ def timed_step(model, optimizer, batch) -> Tuple[float, float, int]:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - started
-    real = inputs.numel() if "padding_mask" not in extra else int((~extra["padding_mask"]).sum())
+    if real is None:
+        real = inputs.numel() if "padding_mask" not in extra else int((~extra["padding_mask"]).sum())
     return seconds, float(loss.detach()), real
 
 
@@ -94,25 +98,26 @@ def measure(task, mechanism: str, length: int, args) -> Dict[str, object]:
     padded = padded_rows(task, length)
     order = {name: torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))
              for name, n in (("packed", len(packed)), ("padded", len(padded[0])))}
+    layouts = ("packed", "padded", "unmasked") if args.unmasked else ("packed", "padded")
     models, optimizers = {}, {}
-    for name in ("packed", "padded"):
+    for name in layouts:
         torch.manual_seed(args.seed)
         models[name] = build_model(config, task).train()
         optimizers[name] = torch.optim.AdamW(models[name].parameters(), lr=args.lr)
 
     def batch(name: str, step: int):
-        index = order[name][step * args.rows: (step + 1) * args.rows]
+        index = order["padded" if name == "unmasked" else name][step * args.rows: (step + 1) * args.rows]
         if name == "packed":
             inputs, targets, offsets = take_packed(packed, index)
             return inputs, targets, {"cu_seqlens": offsets}
         inputs, targets, mask = (x[index] for x in padded)
-        return inputs, targets, {"padding_mask": mask}
+        return inputs, targets, ({"padding_mask": mask} if name == "padded" else {"real": int((~mask).sum())})
 
-    seconds: Dict[str, List[float]] = {"packed": [], "padded": []}
-    losses: Dict[str, List[float]] = {"packed": [], "padded": []}
-    real: Dict[str, List[int]] = {"packed": [], "padded": []}
+    seconds: Dict[str, List[float]] = {name: [] for name in layouts}
+    losses: Dict[str, List[float]] = {name: [] for name in layouts}
+    real: Dict[str, List[int]] = {name: [] for name in layouts}
     for step in range(args.steps):
-        for name in ("packed", "padded"):
+        for name in layouts:
             took, loss, tokens = timed_step(models[name], optimizers[name], batch(name, step))
             losses[name].append(loss)
             real[name].append(tokens)
@@ -122,7 +127,7 @@ def measure(task, mechanism: str, length: int, args) -> Dict[str, object]:
               f"{losses['padded'][-1]:.3f}", file=sys.stderr)
     result: Dict[str, object] = {"mechanism": mechanism, "length": length, "rows": args.rows,
                                  "slots_per_step": args.rows * length}
-    for name in ("packed", "padded"):
+    for name in layouts:
         median = statistics.median(seconds[name])
         tokens = statistics.mean(real[name])
         result[name] = {
@@ -133,6 +138,9 @@ def measure(task, mechanism: str, length: int, args) -> Dict[str, object]:
         }
     result["throughput_ratio"] = round(result["packed"]["real_tokens_per_second"]
                                        / result["padded"]["real_tokens_per_second"], 2)
+    if args.unmasked:
+        result["throughput_ratio_unmasked"] = round(result["packed"]["real_tokens_per_second"]
+                                                    / result["unmasked"]["real_tokens_per_second"], 2)
     return result
 
 
@@ -143,6 +151,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--mechanisms", nargs="+", default=["softmax", "linear"])
+    parser.add_argument("--unmasked", action="store_true",
+                        help="also time the padded rows without their padding mask (causal models only need it "
+                             "for the loss)")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
