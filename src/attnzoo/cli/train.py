@@ -58,7 +58,7 @@ DECODER_OPTIONS = {
     "--monotonic-behind": "behind",
 }
 # Switches: on when given (store_const True), otherwise None ("not given").
-TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift"}
+TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift", "--pack": "pack"}
 OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--set",
                        task_options="--task-options", block_options="--block-options")
@@ -424,6 +424,10 @@ def _add_model_options(train: argparse.ArgumentParser) -> None:
     train.add_argument("--token-shift", dest="token_shift", action="store_const", const=True,
                        help="half of each position's embedding features come from the token before it "
                             "(RWKV's token shift); not for seq2seq tasks")
+    train.add_argument("--pack", dest="pack", action="store_const", const=True,
+                       help="packed batches: a batch's documents back to back in one row, no padding, the loss "
+                            "masked at document boundaries (bytes: its files; listops: its sequences); recorded "
+                            "in the run's config, so --resume and attnzoo eval pack too")
 
 
 def add_train_command(commands: Any) -> None:

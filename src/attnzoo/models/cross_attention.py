@@ -40,6 +40,8 @@ class CrossAttentionWeights:
 
     def _record(self, module: Any, args: Tuple[Tensor, ...], kwargs: Dict[str, Any]) -> None:
         q, k = args[0], args[1]
+        if k.shape[1] != q.shape[1]:  # grouped-query cross-attention: query head h reads key head h // groups
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         scale = module.scale if module.scale is not None else q.shape[-1] ** -0.5
         scores = (q.float() @ k.float().transpose(-1, -2)) * scale
         mask = kwargs.get("key_padding_mask")

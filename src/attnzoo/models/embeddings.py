@@ -7,7 +7,7 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -59,13 +59,15 @@ class TokenEmbedding(nn.Module):
         return self.positional == "rotary"
 
     def embed_tokens(
-        self, tokens: Tensor, padding_mask: Optional[Tensor] = None, previous: Optional[Tensor] = None
+        self, tokens: Tensor, padding_mask: Optional[Tensor] = None, previous: Optional[Tensor] = None,
+        spans: Optional[List[Tuple[int, int]]] = None,
     ) -> Tensor:
         """(batch, seq) token ids -> (batch, seq, dim), without positions.
 
         With ``token_shift``: ``padding_mask`` (batch, seq), True = padding, keeps a padded token's features
         out of the position after it; ``previous`` (batch,) ids are the tokens before ``tokens[:, 0]``
-        (incremental decoding; None: nothing comes before)."""
+        (incremental decoding; None: nothing comes before); ``spans``, the documents (start, end) of a packed
+        row, keep a document's last token out of the next document's first position."""
         embedded = self.embedding(tokens)
         if not self.token_shift:
             return embedded
@@ -73,23 +75,37 @@ class TokenEmbedding(nn.Module):
         before = embedded[:, :-1, -shifted:]
         if padding_mask is not None:
             before = before.masked_fill(padding_mask[:, :-1, None], 0.0)
+        if spans is not None:
+            last = torch.zeros(tokens.shape[1], dtype=torch.bool, device=tokens.device)
+            last[torch.tensor([end - 1 for _, end in spans], device=tokens.device)] = True
+            before = before.masked_fill(last[None, :-1, None], 0.0)
         first = (embedded.new_zeros(embedded.shape[0], 1, shifted) if previous is None
                  else self.embedding(previous)[:, None, -shifted:])
         return torch.cat([embedded[..., :-shifted], torch.cat([first, before], dim=1)], dim=-1)
 
-    def add_positions(self, x: Tensor, start: int = 0) -> Tensor:
-        """Add the encoding of positions start..start+seq-1 to x (batch, seq, dim), then dropout."""
+    def add_positions(self, x: Tensor, start: int = 0, spans: Optional[List[Tuple[int, int]]] = None) -> Tensor:
+        """Add the encoding of positions start..start+seq-1 to x (batch, seq, dim), then dropout; with
+        ``spans``, the documents (start, end) of a packed row, positions count from 0 in each document."""
         if self.position is not None:
-            x = self.position(x, start=start)
+            x = self.position(x, start=start) if spans is None else x + self._document_positions(x, spans)
         return self.dropout(x)
+
+    def _document_positions(self, x: Tensor, spans: List[Tuple[int, int]]) -> Tensor:
+        """The encoding (1, seq, dim) of each position's place in its document: the table of the longest
+        document's positions (what the encoding adds to zeros), read at every position."""
+        assert self.position is not None
+        lengths = [end - start for start, end in spans]
+        table = self.position(x.new_zeros(1, max(lengths), x.shape[-1]))[0]
+        within = torch.cat([torch.arange(length, device=x.device) for length in lengths])
+        return table[within].unsqueeze(0)
 
     def forward(
         self, tokens: Tensor, start: int = 0, *, padding_mask: Optional[Tensor] = None,
-        previous: Optional[Tensor] = None,
+        previous: Optional[Tensor] = None, spans: Optional[List[Tuple[int, int]]] = None,
     ) -> Tensor:
         """(batch, seq) token ids -> (batch, seq, dim): :meth:`embed_tokens`, then :meth:`add_positions` from
-        position ``start``."""
-        return self.add_positions(self.embed_tokens(tokens, padding_mask, previous), start)
+        position ``start`` (from 0 in each document (start, end) of ``spans``, a packed row)."""
+        return self.add_positions(self.embed_tokens(tokens, padding_mask, previous, spans), start, spans)
 
 
 __all__ = ["TokenEmbedding"]

@@ -69,14 +69,18 @@ class GatedAttentionUnit(nn.Module):
         u, v, z = F.silu(self.in_proj(h)).split([self.expansion_dim, self.expansion_dim, self.shared_dim], dim=-1)
         return u, v.unsqueeze(1), z.unsqueeze(1)
 
-    def _branch(self, h: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def _branch(self, h: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> Tensor:
         u, v, z = self._gates(h)
-        attended = self.attention(z, z, v, causal=self.causal, key_padding_mask=key_padding_mask)
+        attended = self.attention(z, z, v, causal=self.causal, key_padding_mask=key_padding_mask,
+                                  cu_seqlens=cu_seqlens)
         return self.out_proj(u * attended.squeeze(1))
 
-    def run(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
-        return self.block(x, lambda h: self._branch(h, key_padding_mask))
+    def run(
+        self, x: Tensor, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1). Returns (batch, seq, dim)."""
+        return self.block(x, lambda h: self._branch(h, key_padding_mask, cu_seqlens))
 
     # -- incremental decoding (causal units) ---------------------------------------------------------------
     def prefill_unit(self, x: Tensor) -> Tuple[Tensor, AttentionState]:
@@ -123,9 +127,12 @@ class GatedEncoderLayer(GatedAttentionUnit):
     def __init__(self, config: BlockConfig) -> None:
         super().__init__(config, causal=False)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
-        return self.run(x, key_padding_mask)
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row. Returns (batch, seq, dim)."""
+        return self.run(x, key_padding_mask, cu_seqlens)
 
 
 class GatedDecoderLayer(GatedAttentionUnit):
@@ -145,10 +152,12 @@ class GatedDecoderLayer(GatedAttentionUnit):
         *,
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
-        """x: (batch, seq, dim); padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
+        """x: (batch, seq, dim); padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row. Returns (batch, seq, dim)."""
         self._check_memory(memory)
-        return self.run(x, padding_mask)
+        return self.run(x, padding_mask, cu_seqlens)
 
     def project_memory(self, memory: Optional[Tensor]) -> Tuple[None, None]:
         """No memory to project (the unit has no cross-attention): (None, None)."""

@@ -5,10 +5,13 @@ Padding masks are (batch, seq) bool tensors, True marking padding.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from ..functional.packing import check_cu_seqlens
+from ..mechanisms.base import Mechanism, UnsupportedOptionError
 
 
 def check_tokens(name: str, tokens: Tensor, vocab_size: int, rank: int = 2) -> None:
@@ -40,4 +43,24 @@ def check_padding_mask(name: str, mask: Optional[Tensor], tokens: Tensor) -> Non
         raise ValueError(f"{name} must be on {tokens.device}, got {mask.device}")
 
 
-__all__ = ["check_padding_mask", "check_tokens"]
+def packed_spans(
+    model: nn.Module, tokens: Tensor, padding_mask: Optional[Tensor], cu_seqlens: Tensor
+) -> List[Tuple[int, int]]:
+    """Check a packed batch given to a token model before any computation: ``tokens`` (1, seq) holding
+    documents back to back at offsets ``cu_seqlens`` (int64 ``[0, ..., seq]``), no ``padding_mask``, and every
+    attention mechanism of ``model`` able to take packed batches (one that cannot is refused by name). Returns
+    each document's (start, end)."""
+    if padding_mask is not None:
+        raise ValueError("cu_seqlens and padding_mask cannot be used together: a packed row has no padding")
+    for module in model.modules():
+        if isinstance(module, Mechanism) and not module.capabilities.packed:
+            caps = module.capabilities
+            who = module.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+            raise UnsupportedOptionError(
+                f"{who} does not take cu_seqlens (packed batches): its output for a document would not be what it "
+                f"gives that document alone; pad the documents into rows instead"
+            )
+    return check_cu_seqlens(cu_seqlens, tokens.shape[0], tokens.shape[1], tokens.device)
+
+
+__all__ = ["check_padding_mask", "check_tokens", "packed_spans"]

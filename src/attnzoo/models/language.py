@@ -10,7 +10,7 @@ tensors, True marking padding.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from .._validation import check_choice, check_positive_int
 from .config import ModelConfig, check_model_config
 from .embeddings import TokenEmbedding
-from .inputs import check_padding_mask, check_tokens
+from .inputs import check_padding_mask, check_tokens, packed_spans
 from .nat import mean_over_positions
 from .reversible import decoder_class, encoder_class
-from .stacks import DecoderState
+from .stacks import DecoderState, packed_options
 
 POOLING_KINDS = ("mean", "cls")
 
@@ -114,12 +114,19 @@ class LanguageModel(nn.Module):
         self.decoder = decoder_class(config.reversible).from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
-        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, vocab)."""
+    def forward(
+        self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, vocab).
+
+        ``cu_seqlens``: a packed batch, tokens (1, seq) holding documents back to back at these int64 offsets
+        ``[0, ..., seq]``; positions restart at each document and each attends only within itself, so a
+        document's logits are those it has alone. Refused (naming the mechanism) if a mechanism cannot pack."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
-        x = self.embedding(tokens, padding_mask=padding_mask)
-        return self.head(self.decoder(x, padding_mask=padding_mask))
+        spans = None if cu_seqlens is None else packed_spans(self, tokens, padding_mask, cu_seqlens)
+        x = self.embedding(tokens, padding_mask=padding_mask, spans=spans)
+        return self.head(self.decoder(x, padding_mask=padding_mask, **packed_options(cu_seqlens)))
 
     def _keep_last(self, state: DecoderState, tokens: Tensor) -> DecoderState:
         return replace(state, last_tokens=tokens[:, -1]) if self.embedding.token_shift else state
@@ -206,10 +213,17 @@ class SequenceClassifier(nn.Module):
         self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, num_classes)
 
-    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
-        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, classes)."""
+    def forward(
+        self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns (batch, classes).
+
+        ``cu_seqlens``: a packed batch, tokens (1, seq) holding documents back to back at these int64 offsets;
+        returns one row per document (documents, classes), each what the document gives alone."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
+        if cu_seqlens is not None:
+            return self._forward_packed(tokens, packed_spans(self, tokens, padding_mask, cu_seqlens))
         x = self.embedding.embed_tokens(tokens, padding_mask)
         if self.cls is not None:
             x = torch.cat([self.cls.to(x.dtype).expand(x.shape[0], -1, -1), x], dim=1)
@@ -219,6 +233,26 @@ class SequenceClassifier(nn.Module):
         if self.cls is not None:
             return self.head(hidden[:, 0])
         return self.head(mean_over_positions(hidden, padding_mask))
+
+    def _forward_packed(self, tokens: Tensor, spans: List[Tuple[int, int]]) -> Tensor:
+        """One row of class logits per document of a packed row (1, seq): with ``pooling="cls"`` the
+        classification vector goes before each document (which shifts the offsets by one per document)."""
+        x = self.embedding.embed_tokens(tokens, spans=spans)
+        device = tokens.device
+        starts = torch.tensor([start for start, _ in spans], device=device)
+        lengths = torch.tensor([end - start for start, end in spans], device=device)
+        document = torch.repeat_interleave(torch.arange(len(spans), device=device), lengths)  # (seq,)
+        if self.cls is not None:
+            heads = starts + torch.arange(len(spans), device=device)  # where each document's vector goes
+            order = torch.argsort(torch.cat([torch.arange(tokens.shape[1], device=device) + document + 1, heads]))
+            x = torch.cat([x[0], self.cls[0].to(x.dtype).expand(len(spans), -1)])[order].unsqueeze(0)
+            spans = [(start + d, end + d + 1) for d, (start, end) in enumerate(spans)]
+        offsets = torch.tensor([0] + [end for _, end in spans], device=device)
+        hidden = self.encoder(self.embedding.add_positions(x, spans=spans), cu_seqlens=offsets)[0]
+        if self.cls is not None:
+            return self.head(hidden[heads])
+        sums = hidden.new_zeros(len(spans), hidden.shape[-1]).index_add(0, document, hidden)
+        return self.head(sums / lengths[:, None].to(hidden.dtype))
 
 
 class SequenceTagger(nn.Module):
@@ -278,13 +312,17 @@ class SequenceTagger(nn.Module):
         self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, num_classes)
 
-    def forward(self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
         """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns
-        (batch, seq, num_classes)."""
+        (batch, seq, num_classes). ``cu_seqlens``: a packed batch (1, seq) of documents at these int64 offsets,
+        each tagged as it would be alone."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
-        x = self.embedding(tokens, padding_mask=padding_mask)
-        return self.head(self.encoder(x, key_padding_mask=padding_mask))
+        spans = None if cu_seqlens is None else packed_spans(self, tokens, padding_mask, cu_seqlens)
+        x = self.embedding(tokens, padding_mask=padding_mask, spans=spans)
+        return self.head(self.encoder(x, key_padding_mask=padding_mask, **packed_options(cu_seqlens)))
 
 
 __all__ = ["LanguageModel", "POOLING_KINDS", "SequenceClassifier", "SequenceTagger"]

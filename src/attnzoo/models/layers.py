@@ -96,7 +96,7 @@ class _Sublayer(nn.Module):
 @dataclass
 class LayerState:
     """Decoding state of one decoder layer: its self-attention state and, with cross-attention, the
-    encoder memory projected to keys and values once, each (batch, heads, seq_mem, head_dim)."""
+    encoder memory projected to keys and values once, each (batch, kv_heads, seq_mem, head_dim)."""
 
     self_attention: AttentionState
     memory_k: Optional[Tensor] = None
@@ -153,9 +153,14 @@ class EncoderLayer(_Block):
         self.attention_block = _Sublayer(config)
         self.feed_forward_block = _Sublayer(config)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
-        x = self.attention_block(x, lambda h: self.self_attention(h, key_padding_mask=key_padding_mask))
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1), each document attending only within itself. Returns (batch, seq, dim)."""
+        x = self.attention_block(
+            x, lambda h: self.self_attention(h, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
+        )
         return self.feed_forward_block(x, self.feed_forward)
 
 
@@ -177,7 +182,9 @@ class DecoderLayer(_Block):
         self.cross_attention: Optional[MultiHeadAttention] = None
         self.cross_attention_block: Optional[_Sublayer] = None
         if config.cross_attention is not None:
-            self.cross_attention = self._attention(config.cross_attention, context_dim=config.memory_dim)
+            # Grouped like the self-attention: the memory's projected keys and values hold kv_heads heads.
+            self.cross_attention = self._attention(config.cross_attention, context_dim=config.memory_dim,
+                                                   kv_heads=config.kv_heads)
             self.cross_attention_block = _Sublayer(config)
         self.feed_forward = self._feed_forward()
         self.feed_forward_block = _Sublayer(config)
@@ -196,13 +203,15 @@ class DecoderLayer(_Block):
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
         causal: bool = True,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim); padding_mask: (batch, seq) and
         memory_padding_mask: (batch, seq_mem), bool, True = padding. Returns (batch, seq, dim).
-        ``causal=False`` lets every position attend to every other (a non-autoregressive decoder)."""
+        ``causal=False`` lets every position attend to every other (a non-autoregressive decoder).
+        ``cu_seqlens``: the document offsets of a packed row (batch 1, self-attention only)."""
         self._check_memory(memory)
         x = self.attention_block(
-            x, lambda h: self.self_attention(h, causal=causal, key_padding_mask=padding_mask)
+            x, lambda h: self.self_attention(h, causal=causal, key_padding_mask=padding_mask, cu_seqlens=cu_seqlens)
         )
         if self.cross_attention is not None:
             x = self.cross_attention_block(
@@ -212,7 +221,7 @@ class DecoderLayer(_Block):
 
     # -- incremental decoding ------------------------------------------------------------------------------
     def project_memory(self, memory: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-        """The memory's cross-attention keys and values, (batch, heads, seq_mem, head_dim) each, or (None, None)."""
+        """The memory's cross-attention keys and values, (batch, kv_heads, seq_mem, head_dim) each, or (None, None)."""
         self._check_memory(memory)
         if self.cross_attention is None:
             return None, None

@@ -212,20 +212,26 @@ class ReversibleEncoder(Encoder):
     def _check_config(cls, config: BlockConfig) -> None:
         check_reversible(config)
 
-    def couplings(self, *, key_padding_mask: Optional[Tensor] = None) -> List[Coupling]:
+    def couplings(
+        self, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> List[Coupling]:
         """The couplings of the stack's forward pass, two per layer."""
         result = []
         for layer in self.layers:
             attention = _branch(
-                layer.attention_block, lambda h, layer=layer: layer.self_attention(h, key_padding_mask=key_padding_mask)
+                layer.attention_block,
+                lambda h, layer=layer: layer.self_attention(h, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens),
             )
             result.append(Coupling(lambda b, context, f=attention: f(b), (layer.attention_block, layer.self_attention)))
             result.append(_feed_forward_coupling(layer))
         return result
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding."""
-        couplings = self.couplings(key_padding_mask=key_padding_mask)
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1)."""
+        couplings = self.couplings(key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
         return self.norm(reversible_streams(couplings, x, memory_saving=self.memory_saving))
 
 
@@ -267,14 +273,16 @@ class ReversibleDecoder(Decoder):
         return result
 
     def couplings(
-        self, *, padding_mask: Optional[Tensor] = None, memory_padding_mask: Optional[Tensor] = None
+        self, *, padding_mask: Optional[Tensor] = None, memory_padding_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> List[Coupling]:
         """The couplings of the stack's forward pass; the cross-attention ones read the memory as ``context[0]``."""
         result = []
         for layer in self.layers:
             self_branch = _branch(
                 layer.attention_block,
-                lambda h, layer=layer: layer.self_attention(h, causal=True, key_padding_mask=padding_mask),
+                lambda h, layer=layer: layer.self_attention(h, causal=True, key_padding_mask=padding_mask,
+                                                            cu_seqlens=cu_seqlens),
             )
 
             def cross(h: Tensor, context: Sequence[Tensor], layer: DecoderLayer = layer) -> Tensor:
@@ -290,11 +298,14 @@ class ReversibleDecoder(Decoder):
         *,
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim) or None without cross-attention;
-        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding."""
+        padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding; cu_seqlens: the
+        document offsets of a packed row (batch 1)."""
         self.layers[0]._check_memory(memory)
-        couplings = self.couplings(padding_mask=padding_mask, memory_padding_mask=memory_padding_mask)
+        couplings = self.couplings(padding_mask=padding_mask, memory_padding_mask=memory_padding_mask,
+                                   cu_seqlens=cu_seqlens)
         context = () if memory is None else (memory,)
         return self.norm(reversible_streams(couplings, x, context, memory_saving=self.memory_saving))
 

@@ -77,6 +77,10 @@ class Seq2SeqTransformer(nn.Module):
             over placeholders, with bidirectional decoder self-attention (:mod:`attnzoo.models.nat`).
         length, max_target_length: non-autoregressive only: where the output length comes from,
             "predicted" (a length head, the default) or "max"; the widest target (END included).
+        kv_heads: key/value heads, dividing ``heads``, of the encoder's self-attention and the decoder's self-
+            and cross-attention (grouped-query attention: query head h reads key/value head
+            ``h // (heads // kv_heads)``); the decoding state's self-attention cache (for a native mechanism) and
+            the memory's projected keys and values then hold kv_heads heads. ``heads`` when None.
 
     Decoding: ``logits, state = model.prefill(src, tgt_prefix, src_padding_mask=...)`` encodes the source and
     projects its keys and values once; then ``model.step(token_t, state)``. A non-autoregressive model runs
@@ -112,6 +116,7 @@ class Seq2SeqTransformer(nn.Module):
         decoding: str = "autoregressive",
         length: Optional[str] = None,
         max_target_length: Optional[int] = None,
+        kv_heads: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
@@ -130,6 +135,7 @@ class Seq2SeqTransformer(nn.Module):
             layer_norm_eps=layer_norm_eps, rotary=self.src_embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(decoder_self_attention, decoder_self_attention_options),
             cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
+            kv_heads=kv_heads,
         )
         # The encoder differs in its self-attention slot only, and has no memory to attend to.
         encoder_config = replace(

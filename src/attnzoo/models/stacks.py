@@ -22,6 +22,12 @@ from .mamba2 import Mamba2Block, Mamba2DecoderLayer, Mamba2EncoderLayer, Mamba2S
 StackT = TypeVar("StackT", bound="_LayerStack")
 
 
+def packed_options(cu_seqlens: Optional[Tensor]) -> Dict[str, Tensor]:
+    """The keyword a layer takes a packed row's offsets by; none for an unpacked batch, so a layer that has
+    no packed path is called as before."""
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+
+
 class _LayerStack(nn.Module):
     """``depth`` layers of ``layer_type`` built from one :class:`BlockConfig` (kept as ``config``), closed by a
     layer norm in a pre-norm stack (post-norm layers already end with one)."""
@@ -95,10 +101,13 @@ class Encoder(_LayerStack):
         )
         super().__init__(config, depth)
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding."""
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1), each document attending only within itself."""
         for layer in self.layers:
-            x = layer(x, key_padding_mask=key_padding_mask)
+            x = layer(x, key_padding_mask=key_padding_mask, **packed_options(cu_seqlens))
         return self.norm(x)
 
 
@@ -168,14 +177,17 @@ class Decoder(_LayerStack):
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
         causal: bool = True,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
         """x: (batch, seq, dim); memory: (batch, seq_mem, memory_dim) or None without cross-attention;
         padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding.
-        ``causal=False``: bidirectional self-attention (non-autoregressive decoding)."""
+        ``causal=False``: bidirectional self-attention (non-autoregressive decoding). ``cu_seqlens``: the
+        document offsets of a packed row (batch 1), each document attending only within itself."""
         if not check_bool("causal", causal) and self.config.block != "attention":
             raise ValueError(f"causal=False needs attention layers; block={self.config.block!r} units are causal")
         # Gated units take no causal argument (they are causal only, refused above).
         bidirectional = {} if causal else {"causal": False}
+        bidirectional.update(packed_options(cu_seqlens))
         for layer in self.layers:
             x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask, **bidirectional)
         return self.norm(x)

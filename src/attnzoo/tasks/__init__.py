@@ -28,6 +28,7 @@ from .base import (
     task_options,
 )
 from .byte_lm import Bytes
+from .packing import PackedSplit, pack_documents
 from .g2p import G2P
 from .listops import ListOps
 from .pathfinder import Pathfinder
@@ -45,6 +46,7 @@ __all__ = [
     "CopyNames",
     "G2P",
     "ListOps",
+    "PackedSplit",
     "Pathfinder",
     "Recall",
     "Reverse",
@@ -55,6 +57,7 @@ __all__ = [
     "Task",
     "available",
     "load",
+    "pack_documents",
     "register",
     "task_class",
     "task_options",

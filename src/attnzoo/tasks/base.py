@@ -203,6 +203,27 @@ class Task:
         targets = self.split(name).targets.reshape(-1)
         return targets[targets != IGNORE_INDEX]
 
+    def packing_refusal(self) -> Optional[str]:
+        """Why this task cannot train on packed batches (``attnzoo train --pack``); None when it can.
+
+        A classify or tag task that pads its sequences packs batch by batch: the padding of a batch is dropped
+        and its sequences laid back to back in one row (:meth:`packed_split` is then the split itself). A task
+        of documents (``bytes``) overrides this and :meth:`packed_split`."""
+        if self.kind == "seq2seq":
+            return "its model is a Seq2SeqTransformer; packed batches are for the classify, tag and lm models"
+        if self.kind == "lm":
+            return "it has no documents to pack (only the bytes task lays out its files as documents)"
+        if self.pad_id is None:
+            return f"every sequence has the full length {self.seq_len}: there is no padding to remove"
+        return None
+
+    def packed_split(self, name: str) -> Split:
+        """The split ``name`` as packed training reads it (see :meth:`packing_refusal`)."""
+        reason = self.packing_refusal()
+        if reason is not None:
+            raise ValueError(f"{self.name} cannot be packed: {reason}")
+        return self.split(name)
+
     def baseline(self) -> Dict[str, float]:
         """A trivial baseline on the test split, in the task's metric.
 

@@ -13,6 +13,10 @@ file is in two splits. At most ``max_file_bytes`` are taken from any one file (i
 large file cannot fill a small split on its own. Each split's bytes, its files concatenated in order, are cut
 into non-overlapping windows of ``seq_len + 1`` (the remainder dropped): inputs are ``window[:, :-1]``,
 targets ``window[:, 1:]``. No padding; the metric is bits per byte (cross-entropy in bits per target byte).
+
+Packed (:meth:`Bytes.packed_split`, ``attnzoo train --pack``), the files are documents with their own lengths:
+laid back to back in rows of ``seq_len`` bytes, each file a document of its own (positions and attention restart
+at its start), its last byte predicting nothing, so no file's first byte is predicted from the file before it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .._validation import check_bool, check_number, check_positive_int
 from .base import Split, Task, register
+from .packing import PackedSplit, pack_documents
 
 OUTSIDE_DIRECTORIES = frozenset({"site-packages", "dist-packages", "__pycache__"})
 """Directories never read: installed packages are not the standard library."""
@@ -54,11 +59,11 @@ def source_files(root: Path, include_tests: bool = False) -> List[str]:
 
 def deal_files(
     root: Path, files: List[str], budgets: Dict[str, int], max_file_bytes: int
-) -> Dict[str, Tuple[bytes, List[str]]]:
+) -> Dict[str, Tuple[bytes, List[str], List[int]]]:
     """Deal ``files`` (in this order) to the splits of ``budgets`` (in its order): each split takes whole
     files, at most ``max_file_bytes`` of each, until it holds its budget. Returns split -> (its bytes, its
-    files). Raises ValueError naming the budget when the files run out."""
-    dealt: Dict[str, Tuple[bytes, List[str]]] = {}
+    files, the bytes taken from each). Raises ValueError naming the budget when the files run out."""
+    dealt: Dict[str, Tuple[bytes, List[str], List[int]]] = {}
     queue = iter(files)
     for split_name, budget in budgets.items():
         chunks, taken, size = [], [], 0
@@ -74,7 +79,7 @@ def deal_files(
                 chunks.append(data)
                 taken.append(name)
                 size += len(data)
-        dealt[split_name] = (b"".join(chunks), taken)
+        dealt[split_name] = (b"".join(chunks), taken, [len(chunk) for chunk in chunks])
     return dealt
 
 
@@ -129,9 +134,29 @@ class Bytes(Task):
             {"validation": self.validation_bytes, "test": self.test_bytes, "train": self.train_bytes},
             self.max_file_bytes,
         )
-        self.files: Dict[str, List[str]] = {name: files for name, (_, files) in dealt.items()}
+        self.files: Dict[str, List[str]] = {name: files for name, (_, files, _) in dealt.items()}
         """The files each split's bytes come from, in order, as paths relative to :attr:`root`."""
-        self._set_splits({name: windows(stream, self.seq_len) for name, (stream, _) in dealt.items()})
+        self.file_lengths: Dict[str, List[int]] = {name: lengths for name, (_, _, lengths) in dealt.items()}
+        """The bytes taken from each of those files: the documents' lengths."""
+        self._streams = {name: stream for name, (stream, _, _) in dealt.items()}
+        self._packed: Dict[str, PackedSplit] = {}
+        self._set_splits({name: windows(stream, self.seq_len) for name, (stream, _, _) in dealt.items()})
+
+    def packing_refusal(self) -> Optional[str]:
+        """None: the files are the documents of packed rows."""
+        return None
+
+    def stream(self, name: str) -> torch.Tensor:
+        """(bytes,) int64: the files of split ``name`` concatenated in order (their lengths: :attr:`file_lengths`)."""
+        self.split(name)  # checks the name
+        return torch.from_numpy(np.frombuffer(self._streams[name], dtype=np.uint8).astype(np.int64))
+
+    def packed_split(self, name: str) -> Split:
+        """The split ``name`` packed: each file a document of its own, laid back to back in rows of ``seq_len``
+        bytes (a :class:`~attnzoo.tasks.packing.PackedSplit`; built on first use)."""
+        if name not in self._packed:
+            self._packed[name] = pack_documents(self.stream(name), self.file_lengths[name], self.seq_len)
+        return self._packed[name]
 
     def _describe_extra(self) -> List[str]:
         counts = ", ".join(f"{name} {len(self.files[name])}" for name in ("train", "validation", "test"))

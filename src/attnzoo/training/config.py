@@ -62,6 +62,10 @@ class TrainConfig:
             schedule to ``steps`` (linear reaches 0, exponential 0.01 at the end; inverse sigmoid 1/2 halfway).
         guide_loss, guide_width: seq2seq tasks only: the weight (>= 0; 0 switches it off) of the diagonal guide
             loss on the cross-attention (Tachibana et al. 2018) and its width g (> 0).
+        pack: train (and evaluate) on packed batches (:mod:`attnzoo.training.packing`): a batch's documents
+            back to back in one row with no padding, each attending only within itself, the loss masked at
+            document boundaries; for the tasks whose :meth:`~attnzoo.tasks.Task.packing_refusal` is None
+            (``bytes``, ``listops``) and mechanisms that take packed batches.
         copy_mechanism: seq2seq tasks only: a pointer-generator output (See et al. 2017) that can copy source
             tokens (:mod:`attnzoo.models.pointer`); the loss is the NLL of its mixed distribution. Not with
             ``label_smoothing``.
@@ -86,6 +90,7 @@ class TrainConfig:
     positional: str = "sinusoidal"
     pooling: str = "mean"
     token_shift: bool = False
+    pack: bool = False
     batch_size: int = 32
     steps: int = 500
     lr: float = 1e-3
@@ -149,6 +154,7 @@ class TrainConfig:
         check_number("guide_width", self.guide_width, minimum=0.0, exclusive_minimum=True)
         check_bool("copy_mechanism", self.copy_mechanism)
         check_bool("token_shift", self.token_shift)
+        check_bool("pack", self.pack)
         if self.copy_mechanism and self.label_smoothing > 0:
             # Smoothing spreads mass over every output, but the extended ids a source does not hold have
             # probability 0 under the copy mixture: their log is -inf.

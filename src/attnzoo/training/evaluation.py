@@ -19,6 +19,7 @@ from ..tasks import IGNORE_INDEX, Split, Task
 from .config import TrainConfig
 from .decoders import GREEDY, DecoderSettings, corpus_bleu, timed_outputs
 from .nat import is_non_autoregressive, nat_logits, nat_outputs
+from .packing import take_packed
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     decoded_metrics,
@@ -35,6 +36,23 @@ LN2 = math.log(2.0)
 def take(split: Split, index: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     mask = None if split.padding_mask is None else split.padding_mask[index]
     return split.inputs[index], split.targets[index], mask
+
+
+def take_batch(
+    split: Split, index: Tensor, pack: bool, device: torch.device
+) -> Tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The examples ``index`` on ``device``: (inputs, targets, padding mask, None), or with ``pack`` one packed
+    row (inputs, targets, None, cu_seqlens) (:func:`~attnzoo.training.packing.take_packed`)."""
+    if pack:
+        inputs, targets, offsets = take_packed(split, index)
+        return inputs.to(device), targets.to(device), None, offsets.to(device)
+    inputs, targets, mask = on_device(device, *take(split, index))
+    return inputs, targets, mask, None
+
+
+def split_of(task: Task, name: str, pack: bool) -> Split:
+    """The split ``name`` as a run reads it: packed (:meth:`~attnzoo.tasks.Task.packed_split`) or as it is."""
+    return task.packed_split(name) if pack else task.split(name)
 
 
 def scored_targets(split: Split, index: Tensor) -> int:
@@ -96,14 +114,17 @@ def loss_and_tally(
 
 def model_logits(
     model: nn.Module, task: Task, data: Split, index: Tensor, inputs: Tensor, mask: Optional[Tensor], *,
-    config: Optional[TrainConfig] = None, step: int = 0,
+    config: Optional[TrainConfig] = None, step: int = 0, cu_seqlens: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """The model's logits for the examples ``index`` of ``data`` (inputs and mask already taken), and an
     auxiliary loss or None: the one call that differs per kind. A seq2seq model reads the decoder inputs
     too, mixed with its own predictions under scheduled sampling when ``config`` (training only) asks for it;
     its auxiliary loss is the (unweighted) guide loss of its cross-attention, in evaluation always (a measure
     of how diagonal the attention is) and in training when ``config.guide_loss`` > 0. A non-autoregressive
-    model runs its one parallel pass instead; its auxiliary loss is the length head's (None without one)."""
+    model runs its one parallel pass instead; its auxiliary loss is the length head's (None without one).
+    ``cu_seqlens``: inputs are one packed row of documents at these offsets (a classify, tag or lm task)."""
+    if cu_seqlens is not None:
+        return model(inputs, cu_seqlens=cu_seqlens), None
     if task.kind != "seq2seq":
         return model(inputs, padding_mask=mask), None
     if is_non_autoregressive(model):
@@ -134,6 +155,7 @@ def on_device(device: torch.device, *tensors: Optional[Tensor]) -> Tuple[Optiona
 def evaluate(
     model: nn.Module, task: Task, split: str = "validation", *, batch_size: int = 64,
     max_batches: Optional[int] = None, precision: str = "float32", decoding: DecoderSettings = GREEDY,
+    pack: bool = False,
 ) -> Dict[str, float]:
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
@@ -142,8 +164,10 @@ def evaluate(
     (:mod:`attnzoo.training.decoders`, the batch decoded at once), and the cross-attention's ``guide_loss`` at
     width 0.2 (0 when the attention is on the diagonal: how monotonic it has become); one with rare tokens to
     copy (``rare_ids``, as copy-names) also their ``rare_token_recall``. A non-autoregressive model decodes in
-    one pass (``decoding`` must be greedy) and reports its ``length_loss`` instead of the guide loss."""
-    data = task.split(split)
+    one pass (``decoding`` must be greedy) and reports its ``length_loss`` instead of the guide loss.
+    ``pack``: the split packed, a batch of ``batch_size`` examples (or packed rows) one packed row
+    (:mod:`attnzoo.training.packing`), as a run trained with ``pack`` reads it."""
+    data = split_of(task, split, pack)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -161,9 +185,9 @@ def evaluate(
             if max_batches is not None and number >= max_batches:
                 break
             index = torch.arange(start, min(start + batch_size, len(data)))
-            inputs, targets, mask = on_device(device, *take(data, index))
+            inputs, targets, mask, offsets = take_batch(data, index, pack, device)
             with autocast(precision, device):
-                logits, auxiliary = model_logits(model, task, data, index, inputs, mask)
+                logits, auxiliary = model_logits(model, task, data, index, inputs, mask, cu_seqlens=offsets)
                 if task.kind == "seq2seq":
                     auxiliary_sum += 0.0 if auxiliary is None else float(auxiliary) * len(index)
                     if nat:

@@ -49,7 +49,9 @@ from .evaluation import (  # noqa: F401  (Tally, loss_and_tally and model_logits
     model_logits,
     on_device,
     scored_targets,
+    split_of,
     take,
+    take_batch,
 )
 from .interrupts import Interrupts
 from .metrics_log import METRICS_CSV, MetricsLog  # noqa: F401  (METRICS_CSV is also public here)
@@ -123,7 +125,7 @@ class _Run:
 
     @property
     def train_split(self) -> Split:
-        return self.task.split("train")
+        return split_of(self.task, "train", self.config.pack)
 
     @property
     def elapsed(self) -> float:
@@ -193,10 +195,10 @@ def _train_step(run: _Run, interrupts: Interrupts) -> Tuple[Dict[str, float], fl
     config, split, step = run.config, run.train_split, run.step
     whole = batch_indices(len(split), config.batch_size, step, config.seed)
     index = run.ranks.shard(whole)  # the global batch; a data-parallel rank trains on its share of it
-    inputs, targets, mask = on_device(run.ranks.device, *take(split, index))
+    inputs, targets, mask, offsets = take_batch(split, index, config.pack, run.ranks.device)
     with autocast(config.precision, run.ranks.device):
         logits, auxiliary = model_logits(run.trained, run.task, split, index, inputs, mask, config=config,
-                                         step=step)
+                                         step=step, cu_seqlens=offsets)
     loss, tally = loss_and_tally(run.task.kind, logits, targets, label_smoothing=config.label_smoothing)
     if auxiliary is not None:  # the length head's loss (NAT) or the guide loss
         weight = config.guide_loss if config.decoding == "autoregressive" else (
@@ -242,7 +244,8 @@ def _validate(run: _Run) -> Dict[str, float]:
     validation: Dict[str, float] = {}
     if run.ranks.is_main:
         validation = evaluate(run.model, run.task, "validation", batch_size=config.batch_size,
-                              max_batches=config.eval_batches, precision=config.precision, decoding=run.decoding)
+                              max_batches=config.eval_batches, precision=config.precision, decoding=run.decoding,
+                              pack=config.pack)
     return run.ranks.broadcast(validation)
 
 
@@ -309,9 +312,9 @@ def _finish(run: _Run, command: Optional[Sequence[str]]) -> TrainResult:
         if not run.validation:  # resumed a finished run: nothing trained, evaluate once
             run.validation = evaluate(run.model, task, "validation", batch_size=config.batch_size,
                                       max_batches=config.eval_batches, precision=config.precision,
-                                      decoding=run.decoding)
+                                      decoding=run.decoding, pack=config.pack)
         test = evaluate(run.model, task, "test", batch_size=config.batch_size, precision=config.precision,
-                        decoding=run.decoding)
+                        decoding=run.decoding, pack=config.pack)
     validation, test = run.ranks.broadcast((run.validation, test))
     result = TrainResult(
         config=config, steps=run.step, validation=validation, test=test, baseline=task.baseline(),
@@ -444,7 +447,7 @@ def evaluate_checkpoint(
     baseline and the run's config."""
     model, task, config = load_trained(path)
     metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
-                       decoding=decoding)
+                       decoding=decoding, pack=config.pack)
     report = {"task": task.name, "mechanism": config.mechanism, "block": config.block, "split": split,
               "metrics": metrics, "baseline": task.baseline(), "config": config.as_dict()}
     if task.kind == "seq2seq":

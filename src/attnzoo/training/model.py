@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -43,7 +43,8 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads, kv_heads=config.kv_heads)
     reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
     if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention: causal unless NAT
-        target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads)
+        target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads,
+                             kv_heads=config.kv_heads)
         causal = config.decoding == "autoregressive"
         target_padding = None if causal else torch.zeros(1, task.target_len, dtype=torch.bool, device="meta")
         reasons += [f"as the decoder's self-attention: {reason}" for reason in
@@ -51,6 +52,26 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     if task.needs_causal and not mechanism.capabilities.causal:
         reasons = [f"{task.name} is next-token prediction, which needs causal attention: " + "; ".join(reasons)]
     return reasons
+
+
+def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
+    """Why ``config.pack`` cannot train ``task`` with this mechanism (None when it can, or without pack)."""
+    if not config.pack:
+        return None
+    reason = task.packing_refusal()
+    if reason is not None:
+        return f"{task.name} cannot be packed: {reason}"
+    if config.block != "attention":  # gated units build their own mechanisms, which run each document alone
+        return None
+    if mechanism_class(config.mechanism).length_option is not None:
+        return (f"{config.mechanism}'s learned tables span the task's length, and a packed row holds a whole batch "
+                f"(batch_size * seq_len positions)")
+    mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
+                                **mechanism_options_for(config, task))
+    if not mechanism.capabilities.packed:
+        return (f"{mechanism.name} does not take packed batches (capability packing="
+                f"{mechanism.capabilities.packing!r}): a document's output would depend on the others")
+    return None
 
 
 def build_model(config: TrainConfig, task: Task) -> nn.Module:
@@ -84,6 +105,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if config.token_shift and task.kind == "seq2seq":
         raise ValueError(f"token_shift cannot train on {task.name}: its model, a Seq2SeqTransformer, has no token "
                          f"shift (it exists for classify, tag and lm tasks)")
+    refused = packing_refusal(config, task)
+    if refused is not None:
+        raise UnsupportedOptionError(f"pack is refused: {refused}")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
@@ -102,10 +126,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind == "lm":
         return LanguageModel(task.vocab_size, token_shift=config.token_shift, **common)
     if task.kind == "seq2seq":
-        # The mechanism serves both self-attention slots; cross-attention stays exact softmax.
-        if common.pop("kv_heads") not in (None, config.heads):
-            raise UnsupportedOptionError(f"kv_heads={config.kv_heads} cannot train on {task.name}: its model, a "
-                                         f"Seq2SeqTransformer, has no grouped-query attention; leave kv_heads unset")
+        # The mechanism serves both self-attention slots; cross-attention stays exact softmax (grouped by
+        # kv_heads too).
         options = common.pop("self_attention_options")
         mechanism = common.pop("self_attention")
         depth = common.pop("depth")
