@@ -88,10 +88,20 @@ def test_a_row_run_unpacked_is_caught():
 
 def test_mechanism_that_cannot_pack_is_refused_by_name_before_computation():
     _, row, offsets = _documents()
-    model = _model(LanguageModel, _config("local", self_attention_options={"window": 4}))
+    model = _model(SequenceClassifier, _config("linformer", self_attention_options={"max_seq_len": 32, "rank": 8}), 3)
     calls = []
     model.embedding.register_forward_hook(lambda *args: calls.append(1))
-    with pytest.raises(UnsupportedOptionError, match="local.*cu_seqlens"):
+    with pytest.raises(UnsupportedOptionError, match="linformer.*cu_seqlens"):
+        model(row, cu_seqlens=offsets)
+    assert not calls
+
+
+def test_block_that_cannot_pack_is_refused_by_name_before_computation():
+    _, row, offsets = _documents()
+    model = _model(LanguageModel, _config("softmax", block="mamba2"))
+    calls = []
+    model.embedding.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(UnsupportedOptionError, match="mamba2.*cu_seqlens"):
         model(row, cu_seqlens=offsets)
     assert not calls
 

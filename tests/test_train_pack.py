@@ -155,7 +155,9 @@ def test_pack_is_recorded_and_eval_packs_too(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["recall", "--pack"], "--pack is refused: recall cannot be packed: every sequence has the full length"),
     (["copy", "--pack"], "--pack is refused: copy cannot be packed: its model is a Seq2SeqTransformer"),
-    (["bytes", "--pack", "--mechanism", "local"], "--pack is refused: local does not take packed batches"),
+    (["listops", "--pack", "--mechanism", "linformer", "--task-options", json.dumps(LISTOPS)],
+     "--pack is refused: linformer"),
+    (["bytes", "--pack", "--block", "mamba2"], "--pack is refused: block='mamba2' does not take cu_seqlens"),
     (["listops", "--pack", "--mechanism", "synthesizer", "--task-options", json.dumps(LISTOPS)],
      "--pack is refused: synthesizer's learned tables"),
 ])

@@ -77,6 +77,12 @@ class Mamba2Block(nn.Module):
     ``chunk_size`` (:func:`attnzoo.models.mamba2_options.mamba2_options`).
     """
 
+    packing_refusal = (
+        "block='mamba2' does not take cu_seqlens (packed batches) yet: its convolution and state would run "
+        "across document boundaries; pad the documents into rows instead"
+    )
+    """Why a packed batch is refused (:func:`attnzoo.models.inputs.packed_spans` reads it before computing)."""
+
     def __init__(self, config: BlockConfig) -> None:
         super().__init__()
         if not isinstance(config, BlockConfig):

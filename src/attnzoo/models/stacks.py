@@ -28,6 +28,12 @@ def packed_options(cu_seqlens: Optional[Tensor]) -> Dict[str, Tensor]:
     return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
 
+
+def block_packing_refusal(block: str) -> Optional[str]:
+    """Why a stack of ``block`` layers cannot take packed batches (``cu_seqlens``), or None when it can: the
+    layer class says so in its ``packing_refusal`` (attention layers and gated units pack)."""
+    return getattr({"mamba2": Mamba2Block}.get(block), "packing_refusal", None)
+
 class _LayerStack(nn.Module):
     """``depth`` layers of ``layer_type`` built from one :class:`BlockConfig` (kept as ``config``), closed by a
     layer norm in a pre-norm stack (post-norm layers already end with one)."""

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
 from ..models import LanguageModel, Seq2SeqTransformer, SequenceClassifier, SequenceTagger
+from ..models.stacks import block_packing_refusal
 from ..tasks import Task
 from .config import TrainConfig
 
@@ -61,6 +62,8 @@ def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
     reason = task.packing_refusal()
     if reason is not None:
         return f"{task.name} cannot be packed: {reason}"
+    if block_packing_refusal(config.block) is not None:
+        return block_packing_refusal(config.block)
     if config.block != "attention":  # gated units build their own mechanisms, which run each document alone
         return None
     if mechanism_class(config.mechanism).length_option is not None:
