@@ -34,6 +34,7 @@ from .mixed_chunk import MixedChunkAttention  # noqa: E402
 from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 # The delta rule.
 from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
+from . import differential, forgetting  # noqa: E402,F401 - the softmax family: a forget gate, two maps' difference
 
 __all__ = [
     "APPROXIMATE",
