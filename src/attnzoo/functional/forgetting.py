@@ -17,9 +17,9 @@ flash-attention is: key blocks of ``block_size`` positions, each met by every qu
 running row maxima and sums rescaled as blocks arrive. A block's bias is the difference of the cumulative log
 gates of its rows and columns, made for that block only: no (N, N) tensor exists, in the forward or in the
 hand-written backward, which recomputes each block from q, k, v, the gates and the rows' log-sum-exp (the
-flash-attention-2 backward). The cumulative gates are summed in float64 and each block's are taken relative
-to its first key before they meet the logits' dtype, so a long sequence of strong gates loses no precision
-to the size of ``c``. :func:`forgetting_attention_reference` builds the whole (N, N) matrix in float64.
+flash-attention-2 backward). The cumulative gates are summed in float64 and each block's bias ``c_i - c_j`` is
+formed in float64 before it meets the logits' dtype, so it is as exact as the logits however large ``|c|``
+grows (a float32 sum reaching c = -5000 would put errors of 1e-4 on nearby keys' weights). :func:`forgetting_attention_reference` builds the whole (N, N) matrix in float64.
 
 Grouped-query keys and values (fewer heads than the queries, each query head with its own gates) are used
 without repeating them: the query heads of a group meet their shared key block in one broadcast matmul.
@@ -41,7 +41,7 @@ from .grouped import query_groups, repeat_kv
 from .masks import allowed_mask, zero_padded
 from .softmax import masked_softmax_reference
 
-DEFAULT_BLOCK_SIZE = 128
+DEFAULT_BLOCK_SIZE = 64
 """Key positions per block of the blockwise kernel: the transient logits of one block are (seq x block)."""
 
 
@@ -160,8 +160,7 @@ def _block_logits(
     (B, KV, G, R) and c_cols (B, KV, G, W) float64 cumulative log gates; key_allowed (B, N) or None."""
     rows, width = q_rows.shape[3], k_block.shape[2]
     logits = q_rows @ k_block.unsqueeze(2).transpose(-1, -2) * scale
-    origin = c_cols[..., :1]  # relative to the block's first key: small numbers where the bias matters
-    bias = (c_rows - origin).to(logits.dtype).unsqueeze(-1) - (c_cols - origin).to(logits.dtype).unsqueeze(-2)
+    bias = (c_rows.unsqueeze(-1) - c_cols.unsqueeze(-2)).to(logits.dtype)
     row_positions = torch.arange(first_row, first_row + rows, device=q_rows.device)
     col_positions = torch.arange(first_col, first_col + width, device=q_rows.device)
     before = row_positions[:, None] >= col_positions[None, :]
