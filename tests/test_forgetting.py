@@ -36,7 +36,7 @@ def padding(batch=2, seq=13):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("block_size", [1, 4, 5, 64])
+@pytest.mark.parametrize("block_size", [1, 4, 64])
 def test_blockwise_kernel_and_backward_equal_the_reference(causal, kv_heads, padded, block_size):
     q, k, v, log_forget = inputs(kv_heads=kv_heads)
     mask = padding() if padded else None
@@ -100,24 +100,24 @@ class LargestTensor(TorchDispatchMode):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_nothing_n_by_n_is_made_forward_or_backward(causal):
-    batch, heads, seq, block = 1, 2, 512, 16
+    batch, heads, seq, block = 1, 2, 256, 32
     q, k, v, log_forget = inputs(batch=batch, heads=heads, kv_heads=heads, seq=seq, dim=8, dim_v=8,
                                  dtype=torch.float32)
     with LargestTensor() as sizes:
         out = forgetting_attention(q, k, v, log_forget, causal, block_size=block)
         out.square().sum().backward()
-    # One block's logits: every row against `block` keys. The (N, N) matrix would be 32 times larger.
-    assert sizes.largest <= batch * heads * seq * max(block, 8)
-    assert sizes.largest < batch * heads * seq * seq / 16
+    # One block's logits: every row against `block` keys. The (N, N) matrix would be 8 times larger.
+    assert sizes.largest <= batch * heads * seq * block
+    assert sizes.largest < batch * heads * seq * seq / 4
 
 
 def test_float32_keeps_its_precision_with_strong_gates_over_a_long_sequence():
     """Cumulative gates reach about -5000 here: summed in float64 and each block's bias formed in float64, the
     float32 kernel stays as close to the float64 definition as plain float32 softmax is (gates summed in
     float32 would be off by 3e-4)."""
-    seq = 1024
+    seq = 512
     q, k, v, log_forget = inputs(batch=1, heads=2, kv_heads=2, seq=seq, dim=16, dim_v=16, dtype=torch.float32,
-                                 strength=10.0)
+                                 strength=20.0)
     with torch.no_grad():
         out = forgetting_attention(q, k, v, log_forget, True, block_size=64)
         c = log_forget.double().cumsum(-1)
@@ -130,19 +130,19 @@ def test_float32_keeps_its_precision_with_strong_gates_over_a_long_sequence():
 def test_mechanism_gates_from_the_keys_and_decodes_long_streams():
     torch.manual_seed(0)
     mechanism = attnzoo.build_mechanism("forgetting", 4, 8, block_size=16).double()
-    q, k, v = (torch.randn(2, 4, 300, 8, dtype=torch.float64) for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 270, 8, dtype=torch.float64) for _ in range(3))
     k, v = k[:, :2], v[:, :2]  # grouped: two key/value heads
     full = mechanism(q, k, v, causal=True)
-    out, state = mechanism.prefill(q[:, :, :100], k[:, :, :100], v[:, :, :100])
+    out, state = mechanism.prefill(q[:, :, :230], k[:, :, :230], v[:, :, :230])
     assert state.tensors["k"].shape[1] == 2 and state.tensors["log_gate"].dtype == torch.float64
     steps = []
-    for t in range(100, 300):  # crosses the cache's growth at 256 positions
+    for t in range(230, 270):  # crosses the cache's growth at 256 positions
         out_t, state = mechanism.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
         steps.append(out_t)
-    torch.testing.assert_close(torch.cat(steps, 2), full[:, :, 100:], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(torch.cat(steps, 2), full[:, :, 230:], rtol=1e-10, atol=1e-10)
     expected_gates = F.logsigmoid(torch.einsum("bhnd,hd->bhn", k.repeat_interleave(2, 1),
                                                mechanism.gate_weight) + mechanism.gate_bias[:, None])
-    torch.testing.assert_close(state.tensors["log_gate"][:, :, :300], expected_gates.cumsum(-1))
+    torch.testing.assert_close(state.tensors["log_gate"][:, :, :270], expected_gates.cumsum(-1))
 
 
 def test_bad_gates_and_options_are_refused_naming_them():
