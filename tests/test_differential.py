@@ -88,7 +88,7 @@ def test_odd_head_dim_and_bad_options_are_refused_naming_them():
 
 
 class TensorSizes(TorchDispatchMode):
-    """Records the number of elements of every tensor an op returns."""
+    """Records the number of elements of every floating tensor an op returns."""
 
     def __init__(self):
         super().__init__()
@@ -97,7 +97,7 @@ class TensorSizes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():  # not softmax's own bool causal mask
                 self.sizes.append(t.numel())
         return out
 
@@ -122,3 +122,15 @@ def test_packed_rows_equal_each_document_alone():
     for start, end in ((0, 5), (5, 7), (7, 12)):
         alone = differential_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], 0.4, 0.2, True)
         torch.testing.assert_close(out[:, :, start:end], alone, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_maps_run_on_the_fused_kernel_nothing_n_by_n(causal):
+    """Halves of head_dim / 2 against values of head_dim would send SDPA to its math path, which makes the
+    (N, N) weights: the queries keep their width instead."""
+    batch, heads, seq, dim = 1, 2, 512, 8
+    mechanism = attnzoo.build_mechanism("differential", heads, dim)
+    q, k, v = (torch.randn(batch, heads, seq, dim, requires_grad=True) for _ in range(3))
+    with TensorSizes() as recorded:
+        mechanism(q, k, v, causal=causal).square().sum().backward()
+    assert max(recorded.sizes) < batch * heads * seq * seq // 8
