@@ -28,6 +28,9 @@ from ..functional.forgetting import (
 from ..functional.masks import zero_padded
 from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
 
+DEFAULT_GATE_BIAS = 5.0
+"""The forget gate bias's starting value: gates start near 1, a long memory (see ``gate_bias_init``)."""
+
 CACHE_BLOCK = 256
 """A decoding cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
 copies it O(log T) times instead of once per token."""
@@ -82,6 +85,12 @@ class ForgettingAttention(Mechanism):
     Options:
         block_size: key positions per block of the blockwise kernel.
         scale: logit scale, a finite number > 0; ``1/sqrt(head_dim)`` by default.
+        gate_bias_init: the gate bias's starting value, a finite number; 5 by default, so that gates start
+            near 1 (``f = sigmoid(5 +- 1)``, ``log f`` about -0.01: a key 100 positions back keeps about 0.3 of its weight)
+            and every key gets the gradient that teaches a head where to forget. 0, what a default-initialised
+            linear layer's bias is near, starts with ``f`` about 0.5: each position halves the weight of
+            everything before it, and far keys get too little weight for their gradient to open the gates
+            (on associative recall such a model stayed at chance; see docs/softmax_family.md).
 
     Decoding state: a KV cache ``{"k": (batch, kv_heads, capacity, head_dim), "v": (batch, kv_heads, capacity,
     head_dim), "log_gate": (batch, heads, capacity) float64, "filled": (batch,)}``, of which the first
@@ -107,14 +116,16 @@ class ForgettingAttention(Mechanism):
         packing=PACKED_SPLIT,
     )
     test_options = {"block_size": 4}  # the suite's lengths cross several blocks
+    test_variants = ({"block_size": 4, "gate_bias_init": 0.0},)  # strong gates at the start: f about 0.5
 
     def __init__(self, heads: int, head_dim: int, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                 scale: Optional[float] = None) -> None:
+                 scale: Optional[float] = None, gate_bias_init: float = DEFAULT_GATE_BIAS) -> None:
         super().__init__(heads, head_dim)
         self.block_size = check_positive_int("block_size", block_size)
         self.scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
+        self.gate_bias_init = check_number("gate_bias_init", gate_bias_init)
         self.gate_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
-        self.gate_bias = nn.Parameter(torch.zeros(heads))
+        self.gate_bias = nn.Parameter(torch.full((heads,), float(self.gate_bias_init)))
 
     def log_forget(self, k: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """(batch, heads, seq) log forget gates from the keys; padded keys are zeroed first, so that a NaN or
@@ -173,4 +184,5 @@ class ForgettingAttention(Mechanism):
         return out, new_cache(entries, cache_capacity(k.shape[2] + 1))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, block_size={self.block_size}, scale={self.scale}"
+        return f"{super().extra_repr()}, block_size={self.block_size}, scale={self.scale}, " \
+               f"gate_bias_init={self.gate_bias_init}"
