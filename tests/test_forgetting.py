@@ -169,3 +169,17 @@ def test_the_unchecked_form_takes_half_precision_in_a_float32_kernel():
     assert out.dtype == torch.bfloat16
     expected = forgetting_attention_reference(q.bfloat16(), k.bfloat16(), v.bfloat16(), log_forget, True)
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_gate_parameters_get_the_gradient_of_the_definition():
+    mechanism = attnzoo.build_mechanism("forgetting", 2, 8, block_size=4, gate_bias_init=1.0).double()
+    q, k, v = (torch.randn(2, 2, 11, 8, dtype=torch.float64) for _ in range(3))
+    grad = torch.randn(2, 2, 11, 8, dtype=torch.float64)
+    mask = padding(2, 11)
+    (mechanism(q, k, v, causal=True, key_padding_mask=mask) * grad).sum().backward()
+    fast = [p.grad.clone() for p in (mechanism.gate_weight, mechanism.gate_bias)]
+    mechanism.zero_grad()
+    (mechanism.reference(q, k, v, True, mask) * grad).sum().backward()
+    for got, want in zip(fast, (mechanism.gate_weight.grad, mechanism.gate_bias.grad)):
+        assert want.abs().max() > 1e-3
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
