@@ -35,6 +35,7 @@ from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 # The delta rule.
 from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
 from .ssd import StateSpaceDualityAttention  # noqa: E402  (Mamba-2's SSD)
+from . import differential, forgetting  # noqa: E402,F401 - the softmax family: a forget gate, two maps' difference
 
 __all__ = [
     "APPROXIMATE",
