@@ -35,7 +35,7 @@ from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 # The delta rule.
 from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
 # Hybrids of the linear and the blockwise sparse cores.
-from . import based  # noqa: E402,F401
+from . import based, nsa  # noqa: E402,F401
 
 __all__ = [
     "APPROXIMATE",
