@@ -45,7 +45,8 @@ class NativeSparseAttention(Mechanism):
     Self-attention only (the blocks pair positions of one sequence). Grouped keys and values are repeated.
     Decoding state (growing, like softmax's cache): the keys and values ``k``, ``v`` (heads, seq, head_dim) and
     the compressed summaries ``ck``, ``cv`` (heads, n_blocks, head_dim), one appended per ``compress_stride``
-    steps; a step costs O(N / d + top_k * l' + w).
+    steps; a step costs O(N / d + n l' + w) with the selected blocks gathered (contexts over 128 n l'), O(N)
+    below (:mod:`attnzoo.functional.blocksparse.selected`).
     """
 
     name = "nsa"
@@ -55,8 +56,8 @@ class NativeSparseAttention(Mechanism):
         key_padding=True,
         recurrent_step=True,
         kind=OWN,
-        complexity="time O(N (N / d + n l' + w) d), memory O(N (N / d + w)) (+ n l' keys per chunk of queries); "
-                   "d = compress_stride, n = top_k, l' = select_block, w = window",
+        complexity="time O(N^2 d) (the selected blocks by masked matrix products; O(N n l' d) gathered), "
+                   "memory O(N^2 / d + N w); d = compress_stride, n = top_k, l' = select_block, w = window",
         summary="native sparse attention: gated compressed, top-k selected and window branches (Yuan et al. 2025)",
         packing=PACKED_SPLIT,
     )

@@ -1,12 +1,14 @@
 """Attention over key blocks chosen per query (data-dependent block sparsity, as NSA's selected branch): each
-query row of each batch element and head lists the key blocks it reads, the blocks are gathered and one exact
-softmax runs over them under an element mask (slot in use, causality by positions, key padding).
+query row of each batch element and head lists the key blocks it reads, and one exact softmax runs over their
+keys under an element mask (slot in use, causality by positions, key padding).
 
 Unlike the fixed patterns of this package (one index table for every batch element and head, made once per
 length), the table here is an input, ``(batch, heads, seq_q, blocks_per_query)``. The keys are cut into
-blocks of ``block_size`` in natural order (the last padded), gathered by one ``index_select`` over the
-flattened (batch, head, block) rows per chunk of queries, so memory stays O(chunk * blocks_per_query *
-block_size * dim) whatever the length; nothing N x N is made."""
+blocks of ``block_size`` in natural order (the last padded). Two exact paths, chosen by the shapes
+(:data:`DENSE_SHARE`): chunks of queries against every key they may see under the mask of their chosen blocks
+(matrix products, O(chunk * seq_kv) logits a chunk), or each query's blocks gathered by one ``index_select``
+over the flattened (batch, head, block) rows per chunk of queries (O(chunk * blocks_per_query * block_size *
+dim)). Nothing N x N is made either way."""
 
 from __future__ import annotations
 
@@ -21,6 +23,18 @@ from ..softmax import masked_sdpa
 GATHERED_KEYS = 1 << 16
 """Keys gathered per (batch, head) in one chunk of queries: the chunk holds ``GATHERED_KEYS // (blocks per
 query * block_size)`` queries (at least one)."""
+
+MASKED_LOGITS = 1 << 18
+"""Logits per (batch, head) in one chunk of the masked path: ``MASKED_LOGITS // seq_kv`` queries a chunk."""
+
+DENSE_SHARE = 128
+"""The masked path runs when the chosen keys per query, times this, reach the key length. A gather copies every
+chosen key once per query (one key of memory traffic per multiply-add); the masked path computes more logits,
+in matrix products that reuse each key they read across a chunk of queries. Measured on the CPU, one thread,
+4 heads of dim 64, 16 chosen blocks of 64 (1024 keys per query), causal forward+backward: N = 1024, masked
+0.17 s, gathered 12.5 s; N = 4096, masked 2.4 s, gathered 82 s (the masked path's share of useless logits
+grows with N, but the gather stays ~40x slower per key), so the gather only pays for keys far longer than the
+chosen blocks (decoding a long context)."""
 
 
 def selected_blocks_attention_unchecked(
@@ -49,14 +63,52 @@ def selected_blocks_attention_unchecked(
     Returns:
         (batch, heads, seq_q, dim_v); a row that sees no key is zeros.
     """
+    k_len, width = k.shape[2], blocks.shape[3]
+    keep = torch.ones(q.shape[0], k_len, dtype=torch.bool, device=q.device) if key_padding_mask is None \
+        else ~key_padding_mask
+    if width * block_size * DENSE_SHARE >= k_len:
+        return _masked_chunks(q, k, v, blocks, block_size, query_positions, causal, keep, scale)
+    return _gathered_blocks(q, k, v, blocks, block_size, query_positions, causal, keep, scale)
+
+
+def _masked_chunks(
+    q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, block_size: int, query_positions: Tensor, causal: bool,
+    keep: Tensor, scale: Optional[float],
+) -> Tensor:
+    """Chunks of queries against every key under the mask of their chosen blocks: matrix products over
+    ``chunk x seq_kv`` logits, no gather (causally, each chunk reads the keys up to its last query)."""
+    batch, heads, q_len, _ = q.shape
+    k_len = k.shape[2]
+    n_blocks = -(-k_len // block_size)
+    key_positions = torch.arange(k_len, device=q.device)
+    key_block = key_positions // block_size
+    every_block = torch.arange(n_blocks, device=q.device)
+    chunk = max(1, MASKED_LOGITS // k_len)
+    outputs = []
+    for start in range(0, q_len, chunk):
+        stop = min(q_len, start + chunk)
+        # Queries are the last q_len positions (bottom-right): keys after the chunk's last query are unseen.
+        end = k_len - q_len + stop if causal else k_len
+        chosen = blocks[:, :, start:stop]
+        picked = (chosen.unsqueeze(-1) == every_block).any(-2)  # (batch, heads, chunk, n_blocks); -1 matches none
+        allowed = picked[..., key_block[:end]] & keep[:, None, None, :end]
+        if causal:
+            allowed = allowed & (key_positions[:end] <= query_positions[start:stop].view(-1, 1))
+        outputs.append(masked_sdpa(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], allowed, scale))
+    return torch.cat(outputs, dim=2)
+
+
+def _gathered_blocks(
+    q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, block_size: int, query_positions: Tensor, causal: bool,
+    keep: Tensor, scale: Optional[float],
+) -> Tensor:
+    """Each query's chosen blocks gathered (one ``index_select`` per chunk of queries) and attended."""
     batch, heads, q_len, dim = q.shape
     k_len, width = k.shape[2], blocks.shape[3]
     n_blocks = -(-k_len // block_size)
     extra = n_blocks * block_size - k_len
     key_rows = F.pad(k, (0, 0, 0, extra)).reshape(batch * heads * n_blocks, block_size, dim)
     value_rows = F.pad(v, (0, 0, 0, extra)).reshape(batch * heads * n_blocks, block_size, v.shape[3])
-    keep = torch.ones(batch, k_len, dtype=torch.bool, device=q.device) if key_padding_mask is None \
-        else ~key_padding_mask
     keep = F.pad(keep, (0, extra), value=False)  # (batch, n_blocks * block_size)
     row_base = (torch.arange(batch * heads, device=q.device) * n_blocks).view(batch, heads, 1, 1)
     in_block = torch.arange(block_size, device=q.device)
