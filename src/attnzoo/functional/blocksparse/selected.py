@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ..softmax import masked_sdpa
 
@@ -76,26 +77,40 @@ def _masked_chunks(
     keep: Tensor, scale: Optional[float],
 ) -> Tensor:
     """Chunks of queries against every key under the mask of their chosen blocks: matrix products over
-    ``chunk x seq_kv`` logits, no gather (causally, each chunk reads the keys up to its last query)."""
-    batch, heads, q_len, _ = q.shape
-    k_len = k.shape[2]
-    n_blocks = -(-k_len // block_size)
-    key_positions = torch.arange(k_len, device=q.device)
-    key_block = key_positions // block_size
-    every_block = torch.arange(n_blocks, device=q.device)
+    ``chunk x seq_kv`` logits, no gather (causally, each chunk reads the keys up to its last query).
+
+    With gradients, each chunk is recomputed in the backward pass (activation checkpointing) instead of keeping
+    its mask: the masks of all chunks together would hold O(N^2) values."""
+    q_len, k_len = q.shape[2], k.shape[2]
     chunk = max(1, MASKED_LOGITS // k_len)
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     outputs = []
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
         # Queries are the last q_len positions (bottom-right): keys after the chunk's last query are unseen.
         end = k_len - q_len + stop if causal else k_len
-        chosen = blocks[:, :, start:stop]
-        picked = (chosen.unsqueeze(-1) == every_block).any(-2)  # (batch, heads, chunk, n_blocks); -1 matches none
-        allowed = picked[..., key_block[:end]] & keep[:, None, None, :end]
-        if causal:
-            allowed = allowed & (key_positions[:end] <= query_positions[start:stop].view(-1, 1))
-        outputs.append(masked_sdpa(q[:, :, start:stop], k[:, :, :end], v[:, :, :end], allowed, scale))
+        inputs = (q[:, :, start:stop], k[:, :, :end], v[:, :, :end], blocks[:, :, start:stop], block_size,
+                  keep[:, :end], query_positions[start:stop], causal, scale)
+        if recompute:
+            outputs.append(checkpoint(_masked_chunk, *inputs, use_reentrant=False))
+        else:
+            outputs.append(_masked_chunk(*inputs))
     return torch.cat(outputs, dim=2)
+
+
+def _masked_chunk(
+    q: Tensor, k: Tensor, v: Tensor, chosen: Tensor, block_size: int, keep: Tensor, query_positions: Tensor,
+    causal: bool, scale: Optional[float],
+) -> Tensor:
+    """One chunk of :func:`_masked_chunks`: queries (batch, heads, chunk, dim) over the keys (batch, heads, end,
+    dim) of the blocks in ``chosen`` (batch, heads, chunk, S)."""
+    key_positions = torch.arange(k.shape[2], device=q.device)
+    every_block = torch.arange(-(-k.shape[2] // block_size), device=q.device)
+    picked = (chosen.unsqueeze(-1) == every_block).any(-2)  # (batch, heads, chunk, n_blocks); -1 matches none
+    allowed = picked[..., key_positions // block_size] & keep[:, None, None, :]
+    if causal:
+        allowed = allowed & (key_positions <= query_positions.view(-1, 1))
+    return masked_sdpa(q, k, v, allowed, scale)
 
 
 def _gathered_blocks(
