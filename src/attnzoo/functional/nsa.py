@@ -12,9 +12,10 @@ gates per head and position,
 * Selected: the keys are cut into blocks of ``select_block`` (l') positions. Each query scores block j by the
   compressed attention probabilities of the compressed blocks overlapping it (the paper's Eq. 9, written with
   an overlap matrix), summed over the ``selection_group`` heads that share a selection (the paper shares it
-  among the query heads of a key/value group), and reads its ``top_k`` best blocks in full. The query's own
-  block is always selected, and the first block too when ``top_k >= 2`` (the paper fixes one initial and two
-  local blocks); blocks after the query's are never candidates causally. Candidates no visible compressed
+  among the query heads of a key/value group), and reads its ``top_k`` best blocks in full. As in the paper
+  (one initial and two local blocks), the query's own block is always selected, the first block too when
+  ``top_k >= 2`` and the block before its own when ``top_k >= 3``; blocks after the query's are never
+  candidates causally. Candidates no visible compressed
   block overlaps (score 0) rank below every scored block, later blocks first, so ties are broken the same way
   in every precision. The choice is not differentiated (as in the paper): gradients flow through the
   attention over the chosen blocks, and through the compressed branch.
@@ -263,6 +264,8 @@ def select(
     forced = block == own
     if blocks.top_k >= 2:
         forced = forced | (block == 0)
+    if blocks.top_k >= 3:
+        forced = forced | (block == own - 1)
     chosen = ranked_blocks(scores, candidate, forced, blocks.top_k)
     return chosen.expand(batch, heads // group, group, q_len, -1).reshape(batch, heads, q_len, -1)
 
@@ -341,7 +344,11 @@ def nsa_attention_reference(
     scores = scores.sum(2, keepdim=True)
     first_key = torch.arange(n, device=q.device) * chosen_size
     candidate = first_key[None, :] <= i[:, None] if causal else torch.ones(length, n, dtype=torch.bool, device=q.device)
-    forced = selectable.t() | ((first_key == 0) if blocks.top_k >= 2 else torch.zeros_like(selectable[:, 0]))[None, :]
+    forced = selectable.t().clone()  # (seq, n): the query's own block
+    if blocks.top_k >= 2:
+        forced[:, 0] = True
+    if blocks.top_k >= 3:  # the block before the query's own
+        forced = forced | ((i[:, None] >= first_key + chosen_size) & (i[:, None] < first_key + 2 * chosen_size))
     chosen = ranked_blocks(scores, candidate, forced, blocks.top_k)
     chosen = chosen.expand(-1, -1, blocks.selection_group, -1, -1).reshape(batch, heads, length, -1)
     picked = torch.zeros(batch, heads, length, n + 1, dtype=torch.bool, device=q.device)

@@ -35,7 +35,7 @@ class NativeSparseAttention(Mechanism):
         compress_block: positions per compressed block (the paper's l = 32).
         compress_stride: positions between compressed blocks (d = 16); must divide compress_block.
         select_block: positions per selectable block (l' = 64); a multiple of compress_stride.
-        top_k: blocks each query reads in full (n = 16; its own block and the first always among them).
+        top_k: blocks each query reads in full (n = 16; its own, the first and the previous always among them).
             Sequences of fewer blocks read all of theirs (the functional form refuses a top_k above the
             sequence's blocks, naming it).
         window: keys of the sliding window (w = 512).
