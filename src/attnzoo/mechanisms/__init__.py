@@ -36,6 +36,8 @@ from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
 from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
 from .ssd import StateSpaceDualityAttention  # noqa: E402  (Mamba-2's SSD)
 from . import differential, forgetting  # noqa: E402,F401 - the softmax family: a forget gate, two maps' difference
+# Hybrids of the linear and the blockwise sparse cores.
+from . import based, nsa  # noqa: E402,F401
 
 __all__ = [
     "APPROXIMATE",

@@ -1,0 +1,361 @@
+"""Native sparse attention (Yuan et al. 2025, NSA): three softmax branches over the same queries, combined by
+gates per head and position,
+
+    o_t = g_cmp * Attn(q_t, compressed K, V) + g_slc * Attn(q_t, selected blocks) + g_win * Attn(q_t, window).
+
+* Compressed: the keys and values are cut into blocks of ``compress_block`` (l) positions every
+  ``compress_stride`` (d) positions (overlapping when d < l); each block is summarised by the mean of its
+  (unpadded) keys, resp. values, followed by a learned linear map (``k_weight``, ``v_weight``, (dim, dim),
+  shared by the heads). The paper's learned MLP with an intra-block position encoding is replaced by mean +
+  linear (fla's reference pools by the mean alone). Causally, query t sees block i once the block is complete,
+  ``i * d + l - 1 <= t``; only whole blocks exist (a tail shorter than l has no summary).
+* Selected: the keys are cut into blocks of ``select_block`` (l') positions. Each query scores block j by the
+  compressed attention probabilities of the compressed blocks overlapping it (the paper's Eq. 9, written with
+  an overlap matrix), summed over the ``selection_group`` heads that share a selection (the paper shares it
+  among the query heads of a key/value group), and reads its ``top_k`` best blocks in full. As in the paper
+  (one initial and two local blocks), the query's own block is always selected, the first block too when
+  ``top_k >= 2`` and the block before its own when ``top_k >= 3``; blocks after the query's are never
+  candidates causally. Candidates no visible compressed
+  block overlaps (score 0) rank below every scored block, later blocks first, so ties are broken the same way
+  in every precision. The choice is not differentiated (as in the paper): gradients flow through the
+  attention over the chosen blocks, and through the compressed branch.
+* Window: exact softmax over the ``window`` nearest keys (``|i - j| < window``), on the blockwise core of the
+  fixed sparse patterns.
+
+Gates: ``(batch, heads, seq, 3)`` in [0, 1], given explicitly (the mechanism computes them from the queries).
+
+Nothing N x N: the compressed scores are (N, N / d), the selected branch gathers ``top_k * l'`` keys per query
+in chunks of queries, the window O(N * window).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .._dtypes import working_dtype
+from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
+from .blocksparse import BlockPlan, LocalPattern, blocksparse_attention_unchecked
+from .blocksparse.selected import selected_blocks_attention_unchecked
+from .masks import zero_padded
+from .softmax import masked_sdpa, masked_softmax_reference
+
+GATES = 3
+"""Branches, in the order of the gates' last dim: compressed, selected, window."""
+
+
+@dataclass(frozen=True)
+class NSABlocks:
+    """NSA's block sizes and counts (checked by :meth:`checked`; errors name the option).
+
+    Attributes:
+        compress_block: l, positions summarised by one compressed block.
+        compress_stride: d, positions between the starts of consecutive compressed blocks; divides l.
+        select_block: l', positions per selectable block; a multiple of d.
+        top_k: n, blocks each query reads in full.
+        window: keys of the sliding window (itself included).
+        selection_group: consecutive heads sharing one selection (their scores summed); divides the heads.
+    """
+
+    compress_block: int = 32
+    compress_stride: int = 16
+    select_block: int = 64
+    top_k: int = 16
+    window: int = 512
+    selection_group: int = 1
+
+    def checked(self) -> "NSABlocks":
+        for name in ("compress_block", "compress_stride", "select_block", "top_k", "window", "selection_group"):
+            check_positive_int(name, getattr(self, name))
+        if self.compress_block % self.compress_stride:
+            raise ValueError(f"compress_stride ({self.compress_stride}) must divide compress_block "
+                             f"({self.compress_block}): compressed blocks start every compress_stride positions")
+        if self.select_block % self.compress_stride:
+            raise ValueError(f"select_block ({self.select_block}) must be a multiple of compress_stride "
+                             f"({self.compress_stride}), as the paper's selection scores require")
+        return self
+
+    def check_heads(self, heads: int) -> None:
+        if heads % self.selection_group:
+            raise ValueError(f"selection_group ({self.selection_group}) must divide heads ({heads})")
+
+    def check_length(self, length: int) -> None:
+        """The selected-block count against the blocks of a key sequence of ``length`` (the checked entry)."""
+        blocks = -(-length // self.select_block)
+        if self.top_k > blocks:
+            raise ValueError(f"top_k ({self.top_k}) exceeds the {blocks} blocks of select_block={self.select_block} "
+                             f"in a sequence of {length} positions")
+
+
+def compressed_blocks(length: int, blocks: NSABlocks) -> int:
+    """How many whole compressed blocks a sequence of ``length`` positions has."""
+    if length < blocks.compress_block:
+        return 0
+    return (length - blocks.compress_block) // blocks.compress_stride + 1
+
+
+def compress(
+    x: Tensor, weight: Tensor, blocks: NSABlocks, key_padding_mask: Optional[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Block summaries of x (batch, heads, seq, dim), padded positions already zeroed: the mean of each whole
+    block's unpadded rows times ``weight^T`` (dim, dim). Returns ((batch, heads, n_blocks, dim) in x's dtype,
+    (batch, n_blocks) bool: the block holds an unpadded row, or None without padding)."""
+    l, d = blocks.compress_block, blocks.compress_stride
+    n = compressed_blocks(x.shape[2], blocks)
+    dtype = working_dtype(x.dtype)
+    if n == 0:
+        empty = None if key_padding_mask is None else key_padding_mask.new_zeros(x.shape[0], 0)
+        return x[:, :, :0] @ weight.to(x.dtype).t(), empty
+    sums = x.to(dtype)[:, :, : (n - 1) * d + l].unfold(2, l, d).sum(-1)  # (batch, heads, n, dim)
+    valid = None
+    count = torch.full((), float(l), dtype=dtype, device=x.device)
+    if key_padding_mask is not None:
+        kept = (~key_padding_mask[:, : (n - 1) * d + l]).to(dtype).unfold(1, l, d).sum(-1)  # (batch, n)
+        valid = kept > 0
+        count = kept.clamp_min(1.0)[:, None, :, None]
+    return ((sums / count) @ weight.to(dtype).t()).to(x.dtype), valid
+
+
+def check_nsa_inputs(
+    q: Tensor, k: Tensor, v: Tensor, gates: Tensor, blocks: NSABlocks, causal: bool,
+    key_padding_mask: Optional[Tensor], scale: Optional[float],
+) -> Optional[float]:
+    """Every argument of :func:`nsa_attention` checked, naming it; returns the scale."""
+    check_bool("causal", causal)
+    scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
+    check_qkv(q, k, v)
+    if not isinstance(blocks, NSABlocks):
+        raise TypeError(f"blocks must be an NSABlocks, got {type(blocks).__name__}")
+    blocks.checked().check_heads(q.shape[1])
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"NSA is self-attention: q seq={q.shape[2]} and k seq={k.shape[2]} must be equal")
+    blocks.check_length(k.shape[2])
+    check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+    if not isinstance(gates, Tensor) or gates.shape != (*q.shape[:3], GATES):
+        raise ValueError(f"gates must be a tensor of shape {(*q.shape[:3], GATES)}, got "
+                         f"{tuple(gates.shape) if isinstance(gates, Tensor) else type(gates).__name__}")
+    return scale
+
+
+def nsa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gates: Tensor,
+    blocks: NSABlocks,
+    *,
+    k_weight: Optional[Tensor] = None,
+    v_weight: Optional[Tensor] = None,
+    causal: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Native sparse attention (see the module docstring).
+
+    Args:
+        q, k: (batch, heads, seq, dim); v: (batch, heads, seq, dim_v). Self-attention: one sequence.
+        gates: (batch, heads, seq, 3): the weights of the compressed, selected and window branches.
+        blocks: the block sizes and counts (:class:`NSABlocks`); ``top_k`` may not exceed the ``select_block``
+            blocks of the sequence.
+        k_weight, v_weight: (dim, dim), (dim_v, dim_v) linear maps of the compressed summaries (None: identity,
+            mean pooling).
+        causal: the paper's setting; non-causal lets every query see every block and a symmetric window.
+        key_padding_mask: (batch, seq) bool, True marks padding.
+        scale: logit scale of every branch, ``1/sqrt(dim)`` by default.
+
+    Returns:
+        (batch, heads, seq, dim_v).
+    """
+    scale = check_nsa_inputs(q, k, v, gates, blocks, causal, key_padding_mask, scale)
+    k_weight = torch.eye(k.shape[3], dtype=k.dtype, device=k.device) if k_weight is None else k_weight
+    v_weight = torch.eye(v.shape[3], dtype=v.dtype, device=v.device) if v_weight is None else v_weight
+    return nsa_attention_unchecked(q, k, v, gates, blocks, k_weight, v_weight, causal, key_padding_mask, scale)
+
+
+def nsa_attention_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, gates: Tensor, blocks: NSABlocks, k_weight: Tensor, v_weight: Tensor,
+    causal: bool, key_padding_mask: Optional[Tensor], scale: Optional[float], plan: Optional[BlockPlan] = None,
+) -> Tensor:
+    """:func:`nsa_attention` on checked inputs (the mechanism's path). ``plan``: a block plan of the window's
+    :class:`~attnzoo.functional.blocksparse.LocalPattern` for this length and causality, to reuse."""
+    k0, v0 = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
+    ck, valid = compress(k0, k_weight, blocks, key_padding_mask)
+    cv, _ = compress(v0, v_weight, blocks, key_padding_mask)
+    positions = torch.arange(q.shape[2], device=q.device)
+    return nsa_branches(q, k0, v0, ck, cv, valid, gates, blocks, positions, causal, key_padding_mask, scale, plan)
+
+
+def window_attention(
+    q: Tensor, k0: Tensor, v0: Tensor, window: int, positions: Tensor, causal: bool,
+    key_padding_mask: Optional[Tensor], scale: Optional[float], plan: Optional[BlockPlan],
+) -> Tensor:
+    """The window branch: the blockwise core when queries and keys are one sequence; else (decoding, causal,
+    queries the last ``seq_q`` positions) a masked softmax over the last ``window + seq_q - 1`` keys."""
+    q_len, k_len = q.shape[2], k0.shape[2]
+    if q_len == k_len:
+        pattern = LocalPattern(window, min(window, 64))
+        return blocksparse_attention_unchecked(q, k0, v0, pattern, causal, key_padding_mask, scale, plan)
+    start = max(0, k_len - q_len - window + 1)
+    keys = torch.arange(start, k_len, device=q.device)
+    distance = positions.view(-1, 1) - keys.view(1, -1)
+    allowed = ((distance >= 0) & (distance < window)).view(1, 1, q_len, -1)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, start:]
+    return masked_sdpa(q, k0[:, :, start:], v0[:, :, start:], allowed, scale)
+
+
+def _compressed_branch(
+    q: Tensor, ck: Tensor, cv: Tensor, valid: Optional[Tensor], blocks: NSABlocks, positions: Tensor,
+    causal: bool, scale: float,
+) -> Tuple[Tensor, Tensor]:
+    """(output (batch, heads, seq_q, dim_v), probabilities (batch, heads, seq_q, n_blocks)) of the queries over
+    the compressed blocks they may see; rows that see none are zeros."""
+    n = ck.shape[2]
+    allowed = torch.ones(1, 1, q.shape[2], n, dtype=torch.bool, device=q.device)
+    if causal:
+        ends = torch.arange(n, device=q.device) * blocks.compress_stride + blocks.compress_block - 1
+        allowed = (ends.view(1, -1) <= positions.view(-1, 1)).view(1, 1, q.shape[2], n)
+    if valid is not None:
+        allowed = allowed & valid[:, None, None, :]
+    empty = ~allowed.any(-1, keepdim=True)
+    logits = (q @ ck.transpose(-1, -2) * scale).masked_fill(~(allowed | empty), -math.inf)
+    probabilities = torch.softmax(logits, dim=-1).masked_fill(empty, 0.0)
+    return probabilities @ cv, probabilities
+
+
+def block_overlap(n_compressed: int, n_selectable: int, blocks: NSABlocks, device: torch.device) -> Tensor:
+    """(n_compressed, n_selectable) 0/1: compressed block i (positions ``i d .. i d + l - 1``) overlaps
+    selectable block j (``j l' .. (j + 1) l' - 1``)."""
+    starts = torch.arange(n_compressed, device=device).view(-1, 1) * blocks.compress_stride
+    first = torch.arange(n_selectable, device=device).view(1, -1) * blocks.select_block
+    return ((starts < first + blocks.select_block) & (starts + blocks.compress_block > first)).float()
+
+
+def ranked_blocks(scores: Tensor, candidate: Tensor, forced: Tensor, top_k: int) -> Tensor:
+    """The ``top_k`` best candidates per row, -1 for slots no candidate fills: ``scores`` (..., n) >= 0,
+    ``candidate`` and ``forced`` bool broadcastable to it. Forced blocks first, then by score; candidates scoring
+    0 after every scored one, later blocks first."""
+    n = scores.shape[-1]
+    recency = torch.arange(n, device=scores.device, dtype=scores.dtype) / n - 1.0  # in [-1, 0)
+    ranked = torch.where(scores > 0, scores, recency)
+    ranked = torch.where(forced, torch.full_like(ranked, math.inf), ranked)
+    ranked = torch.where(candidate, ranked, torch.full_like(ranked, -math.inf))
+    best = torch.topk(ranked, min(top_k, n), dim=-1)
+    return torch.where(best.values > -math.inf, best.indices, torch.full_like(best.indices, -1))
+
+
+def select(
+    probabilities: Tensor, blocks: NSABlocks, k_len: int, positions: Tensor, causal: bool
+) -> Tensor:
+    """(batch, heads, seq_q, min(top_k, n)) the selectable blocks each query reads (-1: none)."""
+    batch, heads, q_len, n_compressed = probabilities.shape
+    n = -(-k_len // blocks.select_block)
+    overlap = block_overlap(n_compressed, n, blocks, probabilities.device).to(probabilities.dtype)
+    scores = probabilities.detach() @ overlap  # (batch, heads, seq_q, n)
+    group = blocks.selection_group
+    scores = scores.view(batch, heads // group, group, q_len, n).sum(2, keepdim=True)
+    block = torch.arange(n, device=probabilities.device).view(1, -1)
+    own = (positions // blocks.select_block).view(-1, 1)
+    candidate = block <= own if causal else torch.ones_like(block, dtype=torch.bool)
+    forced = block == own
+    if blocks.top_k >= 2:
+        forced = forced | (block == 0)
+    if blocks.top_k >= 3:
+        forced = forced | (block == own - 1)
+    chosen = ranked_blocks(scores, candidate, forced, blocks.top_k)
+    return chosen.expand(batch, heads // group, group, q_len, -1).reshape(batch, heads, q_len, -1)
+
+
+def nsa_branches(
+    q: Tensor, k0: Tensor, v0: Tensor, ck: Tensor, cv: Tensor, valid: Optional[Tensor], gates: Tensor,
+    blocks: NSABlocks, positions: Tensor, causal: bool, key_padding_mask: Optional[Tensor],
+    scale: Optional[float], plan: Optional[BlockPlan] = None,
+) -> Tensor:
+    """The three branches of queries at ``positions`` (seq_q,) over keys k0, v0 (padding zeroed) and their
+    compressed blocks ck, cv (valid: (batch, n) or None), gated. Returns (batch, heads, seq_q, dim_v) in q's
+    dtype."""
+    out_dtype, dtype = q.dtype, working_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    q, k0, v0, ck, cv = (x.to(dtype) for x in (q, k0, v0, ck, cv))
+    compressed, probabilities = _compressed_branch(q, ck, cv, valid, blocks, positions, causal, scale)
+    chosen = select(probabilities, blocks, k0.shape[2], positions, causal)
+    selected = selected_blocks_attention_unchecked(q, k0, v0, chosen, blocks.select_block, positions, causal,
+                                                   key_padding_mask, scale)
+    local = window_attention(q, k0, v0, blocks.window, positions, causal, key_padding_mask, scale, plan)
+    gates = gates.to(dtype)
+    out = gates[..., 0:1] * compressed + gates[..., 1:2] * selected + gates[..., 2:3] * local
+    return out.to(out_dtype)
+
+
+def nsa_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gates: Tensor,
+    blocks: NSABlocks,
+    *,
+    k_weight: Optional[Tensor] = None,
+    v_weight: Optional[Tensor] = None,
+    causal: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """:func:`nsa_attention` in float64 from the definitions: each compressed block averaged on its own, the
+    selection as a dense (seq, seq) mask over key positions, the window as its dense mask; every branch a
+    masked softmax over all N keys. Quadratic: for tests."""
+    q, k, v, gates = q.double(), k.double(), v.double(), gates.double()
+    batch, heads, length, _ = q.shape
+    k_weight = torch.eye(k.shape[3], dtype=k.dtype, device=k.device) if k_weight is None else k_weight.double()
+    v_weight = torch.eye(v.shape[3], dtype=v.dtype, device=v.device) if v_weight is None else v_weight.double()
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
+    padded = torch.zeros(batch, length, dtype=torch.bool, device=q.device) if key_padding_mask is None \
+        else key_padding_mask
+    k, v = zero_padded(k, padded), zero_padded(v, padded)
+    i = torch.arange(length, device=q.device)
+    l, d, chosen_size = blocks.compress_block, blocks.compress_stride, blocks.select_block
+    starts = list(range(0, length - l + 1, d))
+    member = torch.stack([(i >= s) & (i < s + l) for s in starts]) if starts \
+        else torch.zeros(0, length, dtype=torch.bool, device=q.device)  # (n_compressed, seq)
+    unpadded = (~padded).double()  # (batch, seq)
+    counts = unpadded @ member.double().t()  # (batch, n_compressed)
+    weights = member.double().unsqueeze(0) * unpadded.unsqueeze(1) / counts.clamp_min(1.0).unsqueeze(-1)
+    ck = torch.einsum("bcn,bhnd->bhcd", weights, k) @ k_weight.t()
+    cv = torch.einsum("bcn,bhnd->bhcd", weights, v) @ v_weight.t()
+    later = i[None, :] > i[:, None]  # key after query
+    if causal:  # a block is seen once every position of it is at or before the query
+        allowed = ((member & ~later.unsqueeze(1)).sum(-1) == l).unsqueeze(0)  # (1, seq, n_compressed)
+    else:
+        allowed = member.new_ones(1, 1, len(starts))
+    allowed = (allowed & (counts > 0).unsqueeze(1)).unsqueeze(1)  # (batch, 1, seq, n_compressed)
+    if starts:
+        probabilities = masked_softmax_reference(q @ ck.transpose(-1, -2) * scale, allowed)
+    else:
+        probabilities = q.new_zeros(batch, heads, length, 0)
+    compressed = probabilities @ cv
+
+    n = -(-length // chosen_size)
+    selectable = torch.stack([i // chosen_size == j for j in range(n)])  # (n, seq)
+    overlap = (member.double() @ selectable.double().t() > 0).double()
+    scores = (probabilities @ overlap).view(batch, heads // blocks.selection_group, blocks.selection_group, length, n)
+    scores = scores.sum(2, keepdim=True)
+    first_key = torch.arange(n, device=q.device) * chosen_size
+    candidate = first_key[None, :] <= i[:, None] if causal else torch.ones(length, n, dtype=torch.bool, device=q.device)
+    forced = selectable.t().clone()  # (seq, n): the query's own block
+    if blocks.top_k >= 2:
+        forced[:, 0] = True
+    if blocks.top_k >= 3:  # the block before the query's own
+        forced = forced | ((i[:, None] >= first_key + chosen_size) & (i[:, None] < first_key + 2 * chosen_size))
+    chosen = ranked_blocks(scores, candidate, forced, blocks.top_k)
+    chosen = chosen.expand(-1, -1, blocks.selection_group, -1, -1).reshape(batch, heads, length, -1)
+    picked = torch.zeros(batch, heads, length, n + 1, dtype=torch.bool, device=q.device)
+    picked.scatter_(-1, torch.where(chosen >= 0, chosen, n), True)
+    visible = ~padded[:, None, None, :] & (~later if causal else torch.ones_like(later))
+    logits = q @ k.transpose(-1, -2) * scale
+    selected = masked_softmax_reference(logits, picked[..., :n][..., i // chosen_size] & visible) @ v
+    near = (i[:, None] - i[None, :]).abs() < blocks.window
+    local = masked_softmax_reference(logits, near & visible) @ v
+    return gates[..., 0:1] * compressed + gates[..., 1:2] * selected + gates[..., 2:3] * local
