@@ -7,8 +7,12 @@ is that cell's row, and the command that reproduces it is recorded). A cell that
 go to every mechanism of a task: no mechanism is tuned on its own.
 
 Outputs: ``lra.json`` (cells, table and the command; its rows are what ``attnzoo compare --accuracy`` reads),
-``lra.md`` (accuracy per task, mechanisms as rows, the average last, the trivial baselines as a row) and
-``lra.png`` (speed against average accuracy, bubble area = peak memory).
+``lra.md`` (accuracy per task, mechanisms as rows, the average last, the trivial baselines as a row; then speed
+and memory at the long length) and two pictures of average accuracy against speed, bubble area = peak memory
+(:mod:`attnzoo.experiments.lra_figures`): ``lra.png`` with the training cells' speed at the tasks' own lengths,
+``lra-long.png`` with one attention layer's forward+backward at ``--long-length`` tokens (4,096 by default),
+measured in the same run by the kernel benchmark (:mod:`attnzoo.experiments.lra_speed`), as the Long Range Arena
+draws it.
 """
 
 from __future__ import annotations
@@ -16,16 +20,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..bench.results import BASELINE
 from ..mechanisms import available as mechanisms_available
 from ..tasks import available as tasks_available, load as load_task
 from ..training import TrainConfig, unsupported_reasons
 from .cells import CELL_JSON, save_row, train_cells
+from .lra_speed import (
+    DEFAULT_LONG_LENGTH,
+    check_long_length,
+    long_length_config,
+    long_length_summary,
+    measure_long_length,
+)
 from .settings import check_cell_settings, check_mechanism_options, check_names, check_preset, keep_settings
 
 LRA_JSON, LRA_MD, LRA_PNG, SETTINGS_JSON = "lra.json", "lra.md", "lra.png", "lra-settings.json"
+LRA_LONG_PNG = "lra-long.png"
 
 # One budget per task: the model, optimiser and data every mechanism gets. The quick budget is sized to run
 # every registered mechanism on every task in under 45 minutes on 2 CPU cores (docs/lra.md): the fewest steps
@@ -80,6 +92,7 @@ class LraConfig:
     overrides: Dict[str, Any] = field(default_factory=dict)   # settings applied to every cell (e.g. steps)
     options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     imports: List[str] = field(default_factory=list)
+    long_length: int = DEFAULT_LONG_LENGTH   # where speed and memory are measured for lra-long.png
 
     def validate(self) -> None:
         check_preset(self.preset, BUDGETS)
@@ -89,6 +102,14 @@ class LraConfig:
         check_mechanism_options(self.options)
         for task in self.task_names:
             self.train_config(task, BASELINE)  # every override must make a valid config
+        dim, heads = self.attention_shape()
+        check_long_length(self.long_length, self.mechanism_names, self.options, heads, dim // heads)
+
+    def attention_shape(self) -> Tuple[int, int]:
+        """(width, heads) of the long-length measurement: the widest model among the run's tasks."""
+        configs = [self.train_config(task, BASELINE) for task in self.task_names]
+        widest = max(configs, key=lambda config: config.dim)
+        return widest.dim, widest.heads
 
     @property
     def task_names(self) -> List[str]:
@@ -133,13 +154,15 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
     keep_settings(output / SETTINGS_JSON, config.settings(), "an lra run")
     tasks, mechanisms = config.task_names, config.mechanism_names
     if set_total is not None:
-        set_total(len(tasks) * len(mechanisms))
+        set_total(len(tasks) * len(mechanisms) + 1)  # and the long-length measurement
     baselines: Dict[str, Dict[str, float]] = {}
     metrics: Dict[str, str] = {}
+    lengths: Dict[str, int] = {}
     trainings = []
     for task_name in tasks:
         task = load_task(task_name, **config.train_config(task_name, BASELINE).task_options)
         baselines[task_name], metrics[task_name] = task.baseline(), task.metric
+        lengths[task_name] = task.seq_len
         for mechanism in mechanisms:
             cell = output / "cells" / task_name / mechanism
             train_config = config.train_config(task_name, mechanism)
@@ -156,7 +179,15 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
     timeout = config.cell_timeout_s or CELL_TIMEOUT_S[config.preset]
     rows = train_cells(trainings, timeout, config.threads, config.jobs, config.imports, report)
     cells = {task: {m: rows[(task, m)] for m in mechanisms} for task in tasks}  # in the order asked for
+    dim, heads = config.attention_shape()
+    measured = measure_long_length(
+        long_length_config(config.long_length, mechanisms, config.options, heads, dim // heads, config.threads,
+                           config.imports), output, argv)
+    if progress is not None:
+        progress(f"speed and memory at N={config.long_length}: measured")
     data = collect(config, tasks, mechanisms, cells, baselines, metrics, argv)
+    data["training_lengths"] = lengths
+    data["long_length"] = long_length_summary(measured, mechanisms, dim)
     write_lra(data, output)
     return data
 
@@ -220,18 +251,52 @@ def render_markdown(data: Dict[str, Any]) -> str:
                  + f" | {100 * sum(base_average) / max(len(base_average), 1):.1f} |")
     notes = [f"- {t} / {m}: {row['status']}: {row.get('reason', '')}"
              for t in tasks for m, row in data["cells"][t].items() if row.get("status") != "ok"]
-    text = [f"# attnzoo lra, preset {data['budget']}", "", f"Command: `{' '.join(data['command'])}`", "",
-            *lines, ""]
+    text = [f"# attnzoo lra, preset {data['budget']}", "", f"Command: `{' '.join(data['command'])}`", ""]
+    if data.get("training_lengths"):
+        text += [f"Trained and tested at the tasks' own lengths ({training_lengths_text(data)} tokens).", ""]
+    text += [*lines, ""]
     if notes:
         text += ["Missing cells:", "", *notes, ""]
-    return "\n".join(text)
+    return "\n".join(text + render_long_length(data))
+
+
+def training_lengths_text(data: Dict[str, Any]) -> str:
+    """"listops 256, pathfinder 256, ...": the length each task trains at."""
+    return ", ".join(f"{task} {length}" for task, length in data.get("training_lengths", {}).items())
+
+
+def _number(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def render_long_length(data: Dict[str, Any]) -> List[str]:
+    """The speed and memory table at the long length (lra-long.png's x axis and bubbles), one row per mechanism."""
+    long = data.get("long_length")
+    if long is None:
+        return []
+    lines = [f"## Speed and memory at N={long['length']}", "",
+             f"One attention layer's forward+backward, batch {long['batch']}, {long['heads']} heads of width "
+             f"{long['head_dim']} (the model's width {long['dim']}), {long['threads']} thread(s), "
+             f"{long['repeats']} timed repeat(s); peak memory in a fresh process per mechanism. Measured by the "
+             f"kernel benchmark (`{long['files']}`).", "",
+             "| mechanism | forward+backward ms | tokens/s | peak memory MiB | speed vs softmax | memory vs softmax |"
+             " status |", "|---|---|---|---|---|---|---|"]
+    for row in long["rows"]:
+        status = row["status"] if row["status"] == "ok" else f"{row['status']}: {row.get('reason') or ''}"
+        lines.append(f"| {row['mechanism']} | {_number(row['forward_backward_ms'], 1)} | "
+                     f"{_number(row['tokens_per_second'], 0)} | {_number(row['peak_memory_mib'], 1)} | "
+                     f"{_number(row['speed_vs_softmax'], 2)} | {_number(row['memory_vs_softmax'], 2)} | {status} |")
+    return lines + [""]
 
 
 def write_lra(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
-    from ..bench.plots import plot_lra_bubble
+    from .lra_figures import plot_long_length, plot_training_length
 
     paths = {"json": output / LRA_JSON, "markdown": output / LRA_MD, "plot": output / LRA_PNG}
     paths["json"].write_text(json.dumps(data, indent=2))
     paths["markdown"].write_text(render_markdown(data))
-    plot_lra_bubble(data, paths["plot"])
+    plot_training_length(data, paths["plot"])
+    if data.get("long_length") is not None:
+        paths["long_plot"] = output / LRA_LONG_PNG
+        plot_long_length(data, paths["long_plot"])
     return paths
