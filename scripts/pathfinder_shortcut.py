@@ -1,7 +1,8 @@
 """How much of Pathfinder's label cheap features give away, per setting: the markers' distance, and others.
 
     PYTHONPATH=src python scripts/pathfinder_shortcut.py
-    PYTHONPATH=src python scripts/pathfinder_shortcut.py --images 4000 --options size=16,contour_length=3,segment_length=2,num_distractors=4
+    PYTHONPATH=src python scripts/pathfinder_shortcut.py --images 4000 \
+        --options size=16,contour_length=3,segment_length=2,num_distractors=4
 
 For each setting (by default every Pathfinder setting of every `attnzoo lra` preset, then a small 12 x 12 one),
 prints the best accuracy of a threshold, either way round, on each feature of

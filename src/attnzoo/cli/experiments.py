@@ -116,8 +116,9 @@ def _add_cell_options(parser: argparse.ArgumentParser, runs: str) -> None:
                                                              "(default 1; e.g. the number of cores)")
     parser.add_argument("--threads", type=int, help=f"torch threads per {runs[:-1]} (default: torch's choice; 1 "
                                                     "with --jobs > 1)")
-    parser.add_argument("--cell-timeout", type=float, metavar="SECONDS",
-                        help=f"wall-clock limit per {runs[:-1]}; a slower one is reported as too slow")
+    parser.add_argument("--cell-timeout", "--cell-time-limit", dest="cell_timeout", type=float, metavar="SECONDS",
+                        help=f"wall-clock limit per {runs[:-1]}; one out of time is a row saying so (with its last "
+                             "validation), its checkpoint kept for the same command to continue")
     add_import_option(parser)
 
 
@@ -129,13 +130,16 @@ def add_lra_command(commands: Any) -> None:
                     "OUTPUT/cells/. Writes lra.json (rows readable by attnzoo compare --accuracy), lra.md (the "
                     "accuracy table, baselines as the last row), lra.png (accuracy against training speed at the "
                     "tasks' lengths) and lra-long.png (accuracy against the speed and memory of each attention at "
-                    "--long-length tokens, measured by the kernel benchmark into OUTPUT/long-length/). Rerunning the same command continues "
-                    "an interrupted run: finished cells are kept, interrupted ones resume from their checkpoint.")
+                    "--long-length tokens, measured by the kernel benchmark into OUTPUT/long-length/). Rerunning "
+                    "the same command continues an interrupted run: finished cells are kept, interrupted ones "
+                    "resume from their checkpoint.")
     from ..experiments.lra import BUDGETS
     from ..experiments.lra_speed import DEFAULT_LONG_LENGTH
 
     lra.add_argument("--preset", choices=list(BUDGETS), default="quick",
-                     help="quick: small models and a few hundred steps per cell (default); full: longer")
+                     help="quick: small models and a few hundred steps per cell (default); full: longer; long: "
+                          "the Long Range Arena's lengths (ListOps 500-2,000 tokens, Pathfinder 32 x 32) at the "
+                          "Nystromformer paper's small model, meant for a GPU")
     retire(lra, "--budget", RETIRED_BUDGET)
     lra.add_argument("--mechanisms", type=name_list, metavar="A,B,...", help="mechanisms (default: every one)")
     lra.add_argument("--set", dest="settings", action="append", type=qualified_setting,

@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 from ..bench.results import BASELINE  # noqa: E402
-from .lra import training_lengths_text  # noqa: E402
+from .lra_speed import training_lengths_text  # noqa: E402
 
 Point = Tuple[str, float, float, float]  # mechanism, speed, accuracy %, memory MiB
 

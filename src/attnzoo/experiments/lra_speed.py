@@ -122,3 +122,8 @@ def long_length_summary(data: Dict[str, Any], mechanisms: Sequence[str], dim: in
             "dim": dim, "threads": config["threads"], "repeats": config["repeats"], "command": data["command"],
             "machine": data.get("machine"), "files": f"{LONG_DIR}/results.json, {LONG_DIR}/results.csv",
             "rows": rows}
+
+
+def training_lengths_text(data: Dict[str, Any]) -> str:
+    """"listops 256, pathfinder 256, ...": the length each task trains at."""
+    return ", ".join(f"{task} {length}" for task, length in data.get("training_lengths", {}).items())

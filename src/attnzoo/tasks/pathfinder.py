@@ -259,7 +259,8 @@ class _OffsetMatcher:
             return False
         other, other_option = queue.pop()
         self.used.update((candidate, other))
-        self.pairs.append((candidate, option, other, other_option) if label else (other, other_option, candidate, option))
+        mine, theirs = (candidate, option), (other, other_option)
+        self.pairs.append((*mine, *theirs) if label else (*theirs, *mine))
         return True
 
 
@@ -386,7 +387,8 @@ def threshold_accuracy(feature: np.ndarray, labels: np.ndarray) -> float:
     positives = np.bincount(inverse, weights=labels == 1, minlength=values.size)
     negatives = np.bincount(inverse, weights=labels != 1, minlength=values.size)
     # Rule "label 1 iff feature > values[i]" for i = -1 (every one) .. values.size - 1 (none).
-    right = np.concatenate([[0.0], np.cumsum(negatives)]) + positives.sum() - np.concatenate([[0.0], np.cumsum(positives)])
+    at_or_below = np.concatenate([[0.0], np.cumsum(negatives)]), np.concatenate([[0.0], np.cumsum(positives)])
+    right = at_or_below[0] + positives.sum() - at_or_below[1]
     accuracy = right / labels.size
     return float(np.maximum(accuracy, 1 - accuracy).max())
 
@@ -416,6 +418,8 @@ def shortcut_accuracies(made: PathfinderImages) -> Dict[str, float]:
     inside_columns = (rows >= low[:, 1:]) & (rows <= high[:, 1:])
     box = inside_rows[:, :, None] & inside_columns[:, None, :]
     border = np.minimum(made.markers, size - 1 - made.markers).min(axis=(1, 2))
+    pixels = made.images.reshape(count, -1)
+    stroke = (made.images > 0) & (made.images < MARKER_VALUE)
     features = {
         "marker distance (Chebyshev)": offset.max(axis=-1),
         "marker distance (Euclidean)": (offset ** 2).sum(axis=-1),
@@ -426,9 +430,9 @@ def shortcut_accuracies(made: PathfinderImages) -> Dict[str, float]:
         "markers' distance to the border": border,
         "markers' mean row": made.markers[:, :, 0].sum(axis=1),
         "markers' mean column": made.markers[:, :, 1].sum(axis=1),
-        "non-zero pixels": (made.images > 0).reshape(count, -1).sum(axis=1),
-        "marker pixels": (made.images == MARKER_VALUE).reshape(count, -1).sum(axis=1),
-        "stroke grey level": made.images.reshape(count, -1).max(axis=1, where=made.images.reshape(count, -1) < MARKER_VALUE, initial=0),
-        "stroke pixels in the markers' bounding box": ((made.images > 0) & (made.images < MARKER_VALUE) & box).reshape(count, -1).sum(axis=1),
+        "non-zero pixels": (pixels > 0).sum(axis=1),
+        "marker pixels": (pixels == MARKER_VALUE).sum(axis=1),
+        "stroke grey level": pixels.max(axis=1, where=pixels < MARKER_VALUE, initial=0),
+        "stroke pixels in the markers' bounding box": (stroke & box).reshape(count, -1).sum(axis=1),
     }
     return {name: threshold_accuracy(feature, made.labels) for name, feature in features.items()}
