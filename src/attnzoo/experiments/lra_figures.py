@@ -51,7 +51,7 @@ def _bubbles(data: Dict[str, Any], points: Sequence[Point], path: Path, xlabel: 
     ax.set_title(title + (f"\nnot shown: {', '.join(missing)}" if missing else ""), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long titles widen the image rather than being cut
     plt.close(fig)
 
 
@@ -63,9 +63,10 @@ def plot_training_length(data: Dict[str, Any], path: Path) -> None:
               for e in entries]
     lengths = training_lengths_text(data)
     _bubbles(data, points, path,
-             f"training speed at the tasks' own lengths ({lengths} tokens): tokens per second, mean over tasks (log)",
-             f"attnzoo lra ({data['budget']} preset) at the training lengths ({lengths} tokens): accuracy, "
-             "training speed and memory (bubble area)",
+             f"training speed: tokens per second, mean over the tasks' cells (log)\nat the tasks' own lengths: "
+             f"{lengths} tokens",
+             f"attnzoo lra ({data['budget']} preset): accuracy, training speed and memory (bubble area: the "
+             f"training process's peak)\nall at the tasks' own lengths: {lengths} tokens",
              [e["mechanism"] for e in data["summary"] if e not in entries])
 
 
@@ -90,6 +91,7 @@ def plot_long_length(data: Dict[str, Any], path: Path) -> None:
              f"{long['threads']} thread{'s' if long['threads'] != 1 else ''}")
     _bubbles(data, points, path,
              f"speed at N={long['length']}: tokens per second of one attention layer's forward+backward (log)",
-             f"attnzoo lra ({data['budget']} preset): accuracy trained at the tasks' lengths "
-             f"({training_lengths_text(data)}); speed and peak memory (bubble area) at N={long['length']}, {shape}",
+             f"attnzoo lra ({data['budget']} preset): accuracy trained at the tasks' own lengths "
+             f"({training_lengths_text(data)} tokens);\nspeed and peak memory (bubble area) of one attention "
+             f"layer at N={long['length']} tokens\n{shape}",
              missing)

@@ -6,8 +6,8 @@ every mechanism's attention at a declared long length (``--long-length``, 4,096 
 kernel benchmark of ``attnzoo compare`` (:func:`attnzoo.bench.compare.run_compare`: one worker process times
 every mechanism's forward and forward+backward round-robin on the same inputs; a fresh process per mechanism,
 forked from a server that has imported torch and attnzoo, measures its peak memory), at the model's heads and
-head width, batch 1. The measurement is kept cheap, three timed forward+backward passes per mechanism after the
-benchmark's warm-up, so that it adds a few minutes to a run.
+head width, batch 1. The measurement is kept cheap, one timed forward+backward per mechanism after the benchmark's
+warm-up, so that it adds a minute or two to a run (a single sample: its noise is the machine's).
 
 Results: ``OUTPUT/long-length/results.json`` and ``results.csv`` (the kernel benchmark's own files, with the
 command), reused by a rerun whose long-length settings are the same.
@@ -27,10 +27,12 @@ from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_clas
 
 DEFAULT_LONG_LENGTH = 4096
 LONG_DIR = "long-length"
-# Three timed forward+backward passes per mechanism, their median reported (the benchmark first runs one forward
-# to check the output and two forward+backward passes to warm up); one whose forward+backward takes longer than
+# One timed forward and forward+backward per mechanism (the benchmark first runs one forward to check the output
+# and two forward+backward passes to warm up; the memory process one more of each): at 4,096 tokens every
+# mechanism's measurement costs a few of its forward+backward passes, about a minute for all of them on 2 idle
+# cores, so that the quick run stays within its 45 minutes. One whose forward+backward takes longer than
 # LONG_BUDGET_S is a row saying it is too slow.
-LONG_REPEATS = 3
+LONG_REPEATS = 1
 LONG_BUDGET_S = 60.0
 
 
