@@ -22,8 +22,14 @@ How an image is made (all in numpy, vectorised over a batch of candidate images)
   made).
 * Pixels: background 0; every stroke of an image one grey level drawn uniformly from
   :data:`STROKE_LEVELS`; the two markers, 3 x 3 blobs centred on curve ends, :data:`MARKER_VALUE` (255, no
-  stroke has it). Label 1 (half of each split, exactly, in random order): both ends of one target curve,
-  chosen at random, are marked; label 0: one end (at random) of each target curve.
+  stroke has it). Label 1 (``n // 2`` of a split of n, in random order): both ends of one target curve are
+  marked; label 0: one end of each target curve.
+* No shortcut through the markers' positions: images are drawn as candidates (strokes only) and marked in pairs,
+  one label-1 and one label-0 image whose markers have the same offset (up to sign) and the same distance from
+  the nearer marker to the edge (:class:`_OffsetMatcher`). Otherwise label 1's markers would sit one curve's
+  end-to-end distance apart, on its segment grid, and label 0's anywhere: a threshold on their distance told
+  82.8% of the 16 x 16 quick images apart, the segment grid 95.5% of the 32 x 32 ones.
+  :func:`shortcut_accuracies` measures this and other cheap cues; ``scripts/pathfinder_shortcut.py`` prints them.
 
 So the connected components (8-connectivity) of the non-zero pixels are exactly the strokes, and the label
 is whether the two markers lie in one component: ``tests/test_tasks_pathfinder.py`` recomputes every label
