@@ -96,7 +96,7 @@ def measure_long_length(config: CompareConfig, output: Path, argv: Sequence[str]
         saved = json.loads(saved_path.read_text())
         if _same_settings(saved, config):
             return saved
-    data = run_compare(config, [*argv, f"(its {LONG_DIR} measurement)"]).data
+    data = run_compare(config, argv).data  # its command: the lra command that measured it
     write_results(data, folder)
     return data
 
