@@ -48,7 +48,7 @@ LRA_LONG_PNG = "lra-long.png"
 # runs without it): rotary positions (relative offsets, which both tasks are about) and, on recall, the token
 # shift that puts each value beside its key. The quick Pathfinder is 16 x 16 with three-segment curves: the
 # default 32 x 32 images stayed at chance in every run that fits the budget. Its 200 steps were chosen on images
-# whose markers' positions gave the label away; on the paired images drawn now no budget tried, up to four times
+# whose markers' positions gave the label away; on the paired images drawn now no budget tried, up to ten times
 # this one, takes softmax off chance (docs/lra.md), so the column is kept at this cost.
 PATHFINDER_QUICK = dict(size=16, contour_length=3, segment_length=2, num_distractors=4)
 BUDGETS: Dict[str, Dict[str, Dict[str, Any]]] = {
