@@ -20,6 +20,7 @@ from .common import (
     options_by_mechanism,
     options_of,
     parse_options,
+    parse_value,
     qualified_setting,
     retire,
     setting,
@@ -57,7 +58,8 @@ def lra_command(args: argparse.Namespace) -> int:
         imports = import_modules(args.imports)  # first: they register mechanisms --mechanisms may name
         config = LraConfig(preset=args.preset, mechanisms=args.mechanisms, tasks=args.tasks, threads=args.threads,
                            jobs=args.jobs, cell_timeout_s=args.cell_timeout, overrides=overrides,
-                           options=options_by_mechanism(args.settings), imports=imports)
+                           options=options_by_mechanism(args.settings), imports=imports,
+                           long_length=args.long_length)
         config.validate()
         check_output_dir("--output", output)
     except (TypeError, ValueError) as error:
@@ -74,7 +76,7 @@ def lra_command(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     elif not args.quiet:
         print(render_markdown(data))
-        print(f"wrote lra.json, lra.md and lra.png to {output}/")
+        print(f"wrote lra.json, lra.md, lra.png, lra-long.png and long-length/ to {output}/")
     return EXIT_OK
 
 
@@ -114,8 +116,9 @@ def _add_cell_options(parser: argparse.ArgumentParser, runs: str) -> None:
                                                              "(default 1; e.g. the number of cores)")
     parser.add_argument("--threads", type=int, help=f"torch threads per {runs[:-1]} (default: torch's choice; 1 "
                                                     "with --jobs > 1)")
-    parser.add_argument("--cell-timeout", type=float, metavar="SECONDS",
-                        help=f"wall-clock limit per {runs[:-1]}; a slower one is reported as too slow")
+    parser.add_argument("--cell-timeout", "--cell-time-limit", dest="cell_timeout", type=float, metavar="SECONDS",
+                        help=f"wall-clock limit per {runs[:-1]}; one out of time is a row saying so (with its last "
+                             "validation), its checkpoint kept for the same command to continue")
     add_import_option(parser)
 
 
@@ -125,18 +128,28 @@ def add_lra_command(commands: Any) -> None:
         description="Train every registered mechanism (or --mechanisms) on every task (or --tasks) with the same "
                     "settings per task, each cell an `attnzoo train` run in a fresh process under "
                     "OUTPUT/cells/. Writes lra.json (rows readable by attnzoo compare --accuracy), lra.md (the "
-                    "accuracy table, baselines as the last row) and lra.png. Rerunning the same command continues "
-                    "an interrupted run: finished cells are kept, interrupted ones resume from their checkpoint.")
+                    "accuracy table, baselines as the last row), lra.png (accuracy against training speed at the "
+                    "tasks' lengths) and lra-long.png (accuracy against the speed and memory of each attention at "
+                    "--long-length tokens, measured by the kernel benchmark into OUTPUT/long-length/). Rerunning "
+                    "the same command continues an interrupted run: finished cells are kept, interrupted ones "
+                    "resume from their checkpoint.")
     from ..experiments.lra import BUDGETS
+    from ..experiments.lra_speed import DEFAULT_LONG_LENGTH
 
     lra.add_argument("--preset", choices=list(BUDGETS), default="quick",
-                     help="quick: small models and a few hundred steps per cell (default); full: longer")
+                     help="quick: small models and a few hundred steps per cell (default); full: longer; long: "
+                          "the Long Range Arena's lengths (ListOps 500-2,000 tokens, Pathfinder 32 x 32) at the "
+                          "Nystromformer paper's small model, meant for a GPU")
     retire(lra, "--budget", RETIRED_BUDGET)
     lra.add_argument("--mechanisms", type=name_list, metavar="A,B,...", help="mechanisms (default: every one)")
     lra.add_argument("--set", dest="settings", action="append", type=qualified_setting,
                      metavar="MECHANISM.OPTION=VALUE", help="an option of one mechanism in every task (repeatable)")
     lra.add_argument("--tasks", type=name_list, metavar="A,B,...", help="tasks (default: every one)")
     lra.add_argument("--steps", type=int, help="override the preset's steps for every cell (for a quick check)")
+    lra.add_argument("--long-length", type=parse_value, default=DEFAULT_LONG_LENGTH, metavar="TOKENS",
+                     help="where lra-long.png measures speed and memory: every mechanism's attention "
+                          "(forward+backward, the model's heads and width) at this many tokens, by the kernel "
+                          f"benchmark, in the same run (default {DEFAULT_LONG_LENGTH})")
     _add_cell_options(lra, "cells")
     lra.add_argument("--output", default="lra-results", metavar="DIR", help="default lra-results/")
     lra_output = lra.add_mutually_exclusive_group()

@@ -8,12 +8,16 @@ returns one row per cell::
      "tokens_per_second": ..., "peak_memory_mib": ..., "parameters": ..., "train_seconds": ...}
     {"status": "failed" | "too slow", "reason": "...", "command": [...]}
 
+A cell out of time also says how far it got: ``"last_validation": {"step": 600, "loss": ..., "accuracy": ...}``
+from its ``metrics.csv`` (None before its first validation); the next run continues it from its checkpoint.
+
 So a crash, a hang or an out-of-memory kill is that cell's row, and the command that reproduces it is
 recorded. Modules given as ``imports`` (``--import``: mechanisms of your own) are imported by every cell.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -65,6 +69,20 @@ def _last_line(text: str) -> str:
     return lines[-1][:400] if lines else ""
 
 
+def last_validation(cell: Path) -> Optional[Dict[str, Any]]:
+    """The last validation row of a cell's ``metrics.csv`` (step and the metrics it has), or None."""
+    path = cell / "metrics.csv"
+    if not path.exists():
+        return None
+    with path.open(newline="") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("split") == "validation"]
+    if not rows:
+        return None
+    last = rows[-1]
+    return {"step": int(last["step"]),
+            **{key: float(value) for key, value in last.items() if key not in ("step", "split") and value}}
+
+
 def run_cell(config: TrainConfig, cell: Path, timeout_s: float, threads: Optional[int],
              imports: Sequence[str] = ()) -> Row:
     """Train one cell in a fresh process (resuming its checkpoint if it has one); its row."""
@@ -76,8 +94,11 @@ def run_cell(config: TrainConfig, cell: Path, timeout_s: float, threads: Optiona
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     except subprocess.TimeoutExpired:
-        return {"status": "too slow", "reason": f"not finished in {timeout_s:.0f} s (its checkpoint is kept)",
-                "command": command}
+        reached = last_validation(cell)
+        progress = "" if reached is None else f"; validated last at step {reached['step']}"
+        return {"status": "too slow", "reason": f"not finished in {timeout_s:.0f} s (its checkpoint is kept: "
+                                                f"the same command continues it{progress})",
+                "command": command, "last_validation": reached}
     seconds = time.perf_counter() - began
     if done.returncode != 0 or not (cell / "results.json").exists():
         return {"status": "failed", "reason": _last_line(done.stderr) or f"exit code {done.returncode}",

@@ -27,7 +27,8 @@ def check_cell_settings(jobs: Any, threads: Any, cell_timeout_s: Any) -> None:
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"--threads must be an integer >= 1, got {threads!r}")
     if cell_timeout_s is not None and not (cell_timeout_s > 0 and math.isfinite(cell_timeout_s)):
-        raise ValueError(f"--cell-timeout must be a positive number of seconds, got {cell_timeout_s!r}")
+        raise ValueError("--cell-timeout (--cell-time-limit) must be a positive number of seconds, "
+                         f"got {cell_timeout_s!r}")
 
 
 def check_names(option: str, chosen: Optional[Sequence[str]], valid: Sequence[str]) -> None:

@@ -22,8 +22,14 @@ How an image is made (all in numpy, vectorised over a batch of candidate images)
   made).
 * Pixels: background 0; every stroke of an image one grey level drawn uniformly from
   :data:`STROKE_LEVELS`; the two markers, 3 x 3 blobs centred on curve ends, :data:`MARKER_VALUE` (255, no
-  stroke has it). Label 1 (half of each split, exactly, in random order): both ends of one target curve,
-  chosen at random, are marked; label 0: one end (at random) of each target curve.
+  stroke has it). Label 1 (``n // 2`` of a split of n, in random order): both ends of one target curve are
+  marked; label 0: one end of each target curve.
+* No shortcut through the markers' positions: images are drawn as candidates (strokes only) and marked in pairs,
+  one label-1 and one label-0 image whose markers have the same offset (up to sign) and the same distance from
+  the nearer marker to the edge (:class:`_OffsetMatcher`). Otherwise label 1's markers would sit one curve's
+  end-to-end distance apart, on its segment grid, and label 0's anywhere: a threshold on their distance told
+  82.8% of the 16 x 16 quick images apart, the segment grid 95.5% of the 32 x 32 ones.
+  :func:`shortcut_accuracies` measures this and other cheap cues; ``scripts/pathfinder_shortcut.py`` prints them.
 
 So the connected components (8-connectivity) of the non-zero pixels are exactly the strokes, and the label
 is whether the two markers lie in one component: ``tests/test_tasks_pathfinder.py`` recomputes every label
@@ -201,41 +207,119 @@ def _place_strokes(
     return kept, curves, directions, distractors
 
 
+def _marker_options(curves: np.ndarray, size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The six ways to mark an image's two target curves and the offset key of each.
+
+    Options 0 and 1 mark both ends of curve 0 or curve 1 (label 1); options 2..5 one end of each curve (label
+    0). Returns (markers (count, 6, 2, 2) (row, column) of both markers, keys (count, 6) int64): the key
+    identifies the markers' offset up to sign (the relative position an image shows: both markers look alike)
+    and the distance from the nearer marker to the nearest edge of the image.
+    """
+    ends = curves[:, :, [0, -1]]  # (count, curve, end, 2)
+    pairs = [(ends[:, 0, 0], ends[:, 0, 1]), (ends[:, 1, 0], ends[:, 1, 1])]
+    pairs += [(ends[:, 0, i], ends[:, 1, j]) for i in (0, 1) for j in (0, 1)]
+    markers = np.stack([np.stack(pair, axis=1) for pair in pairs], axis=1)
+    offset = markers[:, :, 1] - markers[:, :, 0]
+    flip = (offset[..., 0] < 0) | ((offset[..., 0] == 0) & (offset[..., 1] < 0))
+    offset = np.where(flip[..., None], -offset, offset)
+    border = np.minimum(markers, size - 1 - markers).min(axis=(-2, -1))  # the nearer marker's distance to an edge
+    return markers, (border * (size + 1) + offset[..., 0]) * (2 * size + 1) + offset[..., 1] + size
+
+
+OPTION_LABELS = np.array([1, 1, 0, 0, 0, 0])
+"""The label of each marking option of :func:`_marker_options`."""
+
+
+class _OffsetMatcher:
+    """Pairs label-1 and label-0 markings with equal offsets, across batches of candidate images.
+
+    Each candidate image is offered once, with its six markings in random order: the first marking whose
+    offset a waiting candidate of the other label has makes a pair with it; if none does, the candidate waits
+    under all six. A candidate is used at most once. Every pair has one image of each label and one offset,
+    so the offsets of the pairs' images have the same distribution for both labels, exactly.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: Tuple[Dict[int, List[Tuple[int, int]]], ...] = ({}, {})  # by label: key -> (candidate, option)
+        self.used: set = set()
+        self.pairs: List[Tuple[int, int, int, int]] = []  # (positive, its option, negative, its option)
+
+    def offer(self, first: int, keys: np.ndarray, orders: np.ndarray, wanted: int) -> None:
+        """Offer candidates ``first, first + 1, ...`` with their (count, 6) ``keys`` and option ``orders``,
+        stopping once ``wanted`` pairs are made."""
+        for row in range(keys.shape[0]):
+            if len(self.pairs) >= wanted:
+                return
+            candidate = first + row
+            options = [(int(option), int(keys[row, option])) for option in orders[row]]
+            if not any(self._pair(candidate, option, key) for option, key in options):
+                for option, key in options:
+                    self.waiting[OPTION_LABELS[option]].setdefault(key, []).append((candidate, option))
+
+    def _pair(self, candidate: int, option: int, key: int) -> bool:
+        label = OPTION_LABELS[option]
+        queue = self.waiting[1 - label].get(key)
+        while queue and queue[-1][0] in self.used:
+            queue.pop()
+        if not queue:
+            return False
+        other, other_option = queue.pop()
+        self.used.update((candidate, other))
+        mine, theirs = (candidate, option), (other, other_option)
+        self.pairs.append((*mine, *theirs) if label else (*theirs, *mine))
+        return True
+
+
+MAX_CANDIDATES_PER_IMAGE = 64
+"""Candidate images drawn per image asked for (plus 65,536) before a setting is refused as one whose label-1 and
+label-0 markings share too few offsets."""
+
+
 def generate_pathfinder(
     count: int, *, size: int, contour_length: int, segment_length: int, num_distractors: int,
     distractor_length: int, rng: np.random.Generator,
 ) -> PathfinderImages:
-    """``count`` Pathfinder images with balanced labels (``count // 2`` ones), drawn from ``rng``."""
+    """``count`` Pathfinder images drawn from ``rng``: ``count // 2`` of label 1, the others label 0, in random
+    order. Label 1 and label 0 come in pairs of equal marker offsets (:class:`_OffsetMatcher`), so for an even
+    ``count`` the markers' relative position has the same distribution for both labels, exactly."""
+    wanted = (count + 1) // 2
+    matcher = _OffsetMatcher()
     parts: List[Tuple[np.ndarray, ...]] = []
-    made = 0
-    batch = count + 16
-    while made < count:
+    candidates = 0
+    batch = 2 * count + 64
+    while len(matcher.pairs) < wanted:
         kept, curves, directions, distractors = _place_strokes(
             rng, batch, size, contour_length, segment_length, num_distractors, distractor_length)
-        if not kept.any() and batch >= 1024:
+        if candidates > MAX_CANDIDATES_PER_IMAGE * count + 65536 or (not kept.any() and batch >= 1024):
             raise ValueError(
                 f"pathfinder could not fit two curves of contour_length={contour_length} segments of "
                 f"segment_length={segment_length} and num_distractors={num_distractors} distractors of "
-                f"distractor_length={distractor_length} into size={size} images: make them shorter or fewer"
+                f"distractor_length={distractor_length} into size={size} images with markers as far apart for "
+                "both labels: make them shorter or fewer"
             )
-        taken = np.flatnonzero(kept)[: count - made]
-        parts.append((curves[taken], directions[taken], distractors[taken]))
-        made += taken.size
-        # Size the next batch by the share kept so far, generously, so that it rarely takes a third.
-        batch = int(min(1 << 16, max(1024, 2 * (count - made) * batch / max(kept.sum(), 1)))) if made < count else 0
-    curves, directions, distractors = (np.concatenate(arrays) for arrays in zip(*parts))
+        taken = np.flatnonzero(kept)
+        markers, keys = _marker_options(curves[taken], size)
+        orders = rng.permuted(np.tile(np.arange(OPTION_LABELS.size), (taken.size, 1)), axis=1)
+        made = len(matcher.pairs)
+        matcher.offer(candidates, keys, orders, wanted)
+        parts.append((curves[taken], directions[taken], distractors[taken], markers))
+        candidates += taken.size
+        # Size the next batch by the pairs the last one made, with a margin; the rate grows as candidates wait.
+        rate = max(len(matcher.pairs) - made, 1) / max(taken.size, 1)
+        batch = int(min(1 << 15, max(1024, 1.2 * (wanted - len(matcher.pairs)) / rate)))
+    curves, directions, distractors, options = (np.concatenate(arrays) for arrays in zip(*parts))
 
-    labels = rng.permutation(np.arange(count) % 2).astype(np.int64)
-    # Label 1: both ends of a target curve picked at random; label 0: one end, at random, of each curve.
-    chosen = rng.integers(0, 2, count)
-    ends = rng.integers(0, 2, (count, 2))
+    pairs = np.array(matcher.pairs, dtype=np.int64)
+    positives = pairs[: count // 2]  # an odd count drops the last pair's label-1 image
+    chosen = np.concatenate([positives[:, 0], pairs[:, 2]])
+    option = np.concatenate([positives[:, 1], pairs[:, 3]])
+    order = rng.permutation(count)
+    chosen, option = chosen[order], option[order]
+    labels = OPTION_LABELS[option].astype(np.int64)
+    markers = options[chosen, option]
+    curves, directions, distractors = curves[chosen], directions[chosen], distractors[chosen]
+
     rows = np.arange(count)
-    first_curve = np.where(labels == 1, chosen, 0)
-    second_curve = np.where(labels == 1, chosen, 1)
-    first_end = np.where(labels == 1, 0, ends[:, 0]) * -1  # index 0 (start) or -1 (end)
-    second_end = np.where(labels == 1, -1, ends[:, 1] * -1)
-    markers = np.stack([curves[rows, first_curve, first_end], curves[rows, second_curve, second_end]], axis=1)
-
     images = np.zeros((count, size, size), dtype=np.uint8)
     level = rng.integers(*STROKE_LEVELS, count).astype(np.uint8)
     strokes = np.concatenate([curves.reshape(count, -1, 2), distractors.reshape(count, -1, 2)], axis=1)
@@ -301,9 +385,60 @@ class Pathfinder(Task):
         ]
 
 
+def threshold_accuracy(feature: np.ndarray, labels: np.ndarray) -> float:
+    """The best accuracy of a rule ``label = feature > t`` or ``label = feature <= t`` over every threshold
+    ``t``: what a model could get from ``feature`` (n,) alone, if it were told how to use it. 0.5 on a
+    balanced set: the feature says nothing that a threshold can read."""
+    values, inverse = np.unique(feature, return_inverse=True)
+    positives = np.bincount(inverse, weights=labels == 1, minlength=values.size)
+    negatives = np.bincount(inverse, weights=labels != 1, minlength=values.size)
+    # Rule "label 1 iff feature > values[i]" for i = -1 (every one) .. values.size - 1 (none).
+    at_or_below = np.concatenate([[0.0], np.cumsum(negatives)]), np.concatenate([[0.0], np.cumsum(positives)])
+    right = at_or_below[0] + positives.sum() - at_or_below[1]
+    accuracy = right / labels.size
+    return float(np.maximum(accuracy, 1 - accuracy).max())
+
+
+def marker_offsets(made: PathfinderImages) -> np.ndarray:
+    """(n, 2) absolute row and column offsets between the two markers."""
+    return np.abs(made.markers[:, 0] - made.markers[:, 1])
+
+
 def marker_distance_accuracy(made: PathfinderImages) -> float:
-    """The best accuracy a threshold on the two markers' distance (Chebyshev, in pixels) reaches on ``made``:
+    """The best accuracy of a threshold on the two markers' distance (Chebyshev, in pixels), either way round:
     how much of the label a model could read without following any curve. Near 0.5 means no shortcut."""
-    distance = np.abs(made.markers[:, 0] - made.markers[:, 1]).max(axis=-1)
-    same = made.labels == 1
-    return max(float(((distance <= t) == same).mean()) for t in range(int(distance.max()) + 2))
+    return threshold_accuracy(marker_offsets(made).max(axis=-1), made.labels)
+
+
+def shortcut_accuracies(made: PathfinderImages) -> Dict[str, float]:
+    """:func:`threshold_accuracy` of every cheap feature that could give the label away without tracing a curve:
+    the markers' relative position (distances, offsets, and offsets on the segment grid, which every curve's
+    ends sit on), their absolute position, and counts of pixels (all, marked, on the markers' bounding box)."""
+    offset = marker_offsets(made)
+    segment_length = (made.curves.shape[2] - 1) // made.directions.shape[2]
+    size = made.images.shape[-1]
+    count = made.labels.size
+    rows = np.arange(size)
+    low, high = made.markers.min(axis=1), made.markers.max(axis=1)  # (n, 2) the markers' bounding box
+    inside_rows = (rows >= low[:, :1]) & (rows <= high[:, :1])
+    inside_columns = (rows >= low[:, 1:]) & (rows <= high[:, 1:])
+    box = inside_rows[:, :, None] & inside_columns[:, None, :]
+    border = np.minimum(made.markers, size - 1 - made.markers).min(axis=(1, 2))
+    pixels = made.images.reshape(count, -1)
+    stroke = (made.images > 0) & (made.images < MARKER_VALUE)
+    features = {
+        "marker distance (Chebyshev)": offset.max(axis=-1),
+        "marker distance (Euclidean)": (offset ** 2).sum(axis=-1),
+        "marker distance (Manhattan)": offset.sum(axis=-1),
+        "row offset": offset[:, 0],
+        "column offset": offset[:, 1],
+        "offset on the segment grid": (offset % segment_length == 0).all(axis=-1).astype(np.int64),
+        "markers' distance to the border": border,
+        "markers' mean row": made.markers[:, :, 0].sum(axis=1),
+        "markers' mean column": made.markers[:, :, 1].sum(axis=1),
+        "non-zero pixels": (pixels > 0).sum(axis=1),
+        "marker pixels": (pixels == MARKER_VALUE).sum(axis=1),
+        "stroke grey level": pixels.max(axis=1, where=pixels < MARKER_VALUE, initial=0),
+        "stroke pixels in the markers' bounding box": (stroke & box).reshape(count, -1).sum(axis=1),
+    }
+    return {name: threshold_accuracy(feature, made.labels) for name, feature in features.items()}

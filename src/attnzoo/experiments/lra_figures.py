@@ -1,0 +1,97 @@
+"""The two pictures of ``attnzoo lra``: average test accuracy (y) against speed (x, log), bubble area = peak memory.
+
+``lra.png``       speed and memory of the training cells themselves, at the tasks' own lengths (tokens per
+                  second of a training step, peak resident memory of the training process);
+``lra-long.png``  speed and memory of one attention layer's forward+backward at ``--long-length`` tokens,
+                  measured by the kernel benchmark (:mod:`attnzoo.experiments.lra_speed`): the Long Range
+                  Arena's picture, where the mechanisms differ.
+
+Each says in its axis label and title which lengths it measures. Mechanisms missing an accuracy task, or a
+long-length measurement, are left out and named below the title.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+from ..bench.results import BASELINE  # noqa: E402
+from .lra_speed import training_lengths_text  # noqa: E402
+
+Point = Tuple[str, float, float, float]  # mechanism, speed, accuracy %, memory MiB
+
+
+def _accuracy_tasks(data: Dict[str, Any]) -> List[str]:
+    return [t for t in data["tasks"] if data["metrics"][t] == "accuracy"]
+
+
+def _bubbles(data: Dict[str, Any], points: Sequence[Point], path: Path, xlabel: str, title: str,
+             missing: Sequence[str]) -> None:
+    """One bubble per point, the trivial baselines' average as a dashed line."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    largest = max((memory for *_, memory in points), default=1.0) or 1.0
+    for index, (name, speed, accuracy, memory) in enumerate(points):
+        ax.scatter(speed, accuracy, s=60 + 1400 * (memory / largest), alpha=0.45,
+                   color="black" if name == BASELINE else plt.get_cmap("tab20").colors[index % 20])
+        ax.annotate(name, (speed, accuracy), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    tasks = _accuracy_tasks(data)
+    if tasks:
+        chance = sum(data["baselines"][t]["accuracy"] for t in tasks) / len(tasks)
+        ax.axhline(100 * chance, color="grey", linestyle="--", linewidth=1, label="trivial baselines' average")
+        ax.legend(loc="lower right", fontsize=8)
+    if points:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"average test accuracy over {', '.join(tasks) or 'no task'} (%)")
+    ax.set_title(title + (f"\nnot shown: {', '.join(missing)}" if missing else ""), fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # long titles widen the image rather than being cut
+    plt.close(fig)
+
+
+def plot_training_length(data: Dict[str, Any], path: Path) -> None:
+    """Training speed (tokens per second, the mean over the tasks' cells) against the average accuracy, bubble
+    area = the training processes' largest peak memory: all at the tasks' own lengths."""
+    entries = [e for e in data["summary"] if e["average_accuracy"] is not None and e["tokens_per_second"]]
+    points = [(e["mechanism"], e["tokens_per_second"], 100 * e["average_accuracy"], e["peak_memory_mib"] or 1.0)
+              for e in entries]
+    lengths = training_lengths_text(data)
+    _bubbles(data, points, path,
+             f"training speed: tokens per second, mean over the tasks' cells (log)\nat the tasks' own lengths: "
+             f"{lengths} tokens",
+             f"attnzoo lra ({data['budget']} preset): accuracy, training speed and memory (bubble area: the "
+             f"training process's peak)\nall at the tasks' own lengths: {lengths} tokens",
+             [e["mechanism"] for e in data["summary"] if e not in entries])
+
+
+def plot_long_length(data: Dict[str, Any], path: Path) -> None:
+    """Forward+backward speed of one attention layer at the long length (tokens per second) against the average
+    accuracy (trained at the tasks' own lengths), bubble area = that layer's peak memory at the long length."""
+    long = data.get("long_length")
+    if long is None:
+        return
+    rows = {row["mechanism"]: row for row in long["rows"]}
+    points: List[Point] = []
+    missing = []
+    for entry in data["summary"]:
+        row: Optional[Dict[str, Any]] = rows.get(entry["mechanism"])
+        if entry["average_accuracy"] is None or row is None or not row["tokens_per_second"] \
+                or row["peak_memory_mib"] is None:
+            missing.append(entry["mechanism"] + (f" ({row['status']})" if row and row["status"] != "ok" else ""))
+            continue
+        points.append((entry["mechanism"], row["tokens_per_second"], 100 * entry["average_accuracy"],
+                       row["peak_memory_mib"]))
+    shape = (f"batch {long['batch']}, {long['heads']} heads of width {long['head_dim']} (model width {long['dim']}), "
+             f"{long['threads']} thread{'s' if long['threads'] != 1 else ''}")
+    _bubbles(data, points, path,
+             f"speed at N={long['length']}: tokens per second of one attention layer's forward+backward (log)",
+             f"attnzoo lra ({data['budget']} preset): accuracy trained at the tasks' own lengths "
+             f"({training_lengths_text(data)} tokens);\nspeed and peak memory (bubble area) of one attention "
+             f"layer at N={long['length']} tokens\n{shape}",
+             missing)
