@@ -227,9 +227,9 @@ class Mechanism(nn.Module):
         check_bool("causal", causal)
         check_bool("cross", cross)
         self.check_grouping(q, k, v, refuse=False)
-        if k.shape[2] != q.shape[2] or cross:  # refused there, naming what
+        spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)  # refuses cross=True and tracing
+        if k.shape[2] != q.shape[2]:  # refused there, naming the lengths
             self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)
         lengths = sorted({end - start for start, end in spans}, reverse=True)
         # The longest document first, so that a row of documents too long names the longest; then any other
         # length a length_multiple refuses.
