@@ -190,3 +190,15 @@ def test_prefill_of_a_packed_row_repeats_grouped_keys_for_a_repeating_mechanism(
     torch.testing.assert_close(out, out_r, rtol=0, atol=1e-12)
     for state, state_r in zip(states, states_r):
         torch.testing.assert_close(state.tensors["kv"], state_r.tensors["kv"], rtol=0, atol=1e-12)
+
+
+def test_length_multiple_binds_every_document():
+    mechanism = attnzoo.build_mechanism("linear", HEADS, HEAD_DIM).double()
+    # No built-in packing mechanism declares a length_multiple: an instance declaring one stands for one that does.
+    mechanism.capabilities = dataclasses.replace(mechanism.capabilities, length_multiple=2)
+    q, k, v = qkv(length=10)
+    out = mechanism(q, k, v, True, cu_seqlens=offsets(0, 4, 6, 10))
+    torch.testing.assert_close(out[:, :, 4:6], mechanism(q[:, :, 4:6], k[:, :, 4:6], v[:, :, 4:6], True),
+                               rtol=0, atol=1e-12)
+    with pytest.raises(UnsupportedOptionError, match=r"query length 3 is not a multiple of length_multiple=2"):
+        mechanism(q, k, v, True, cu_seqlens=offsets(0, 4, 7, 10))

@@ -146,7 +146,8 @@ class Mechanism(nn.Module):
                 ``seq_q == seq_kv``, and cross-attention may have any lengths, equal ones included.
             cu_seqlens: a packed batch (self-attention, batch 1): int64 document offsets ``[0, ..., seq]``,
                 each document attending only within itself (see :mod:`attnzoo.functional.packing`); for a
-                mechanism whose ``capabilities.packing`` accepts it. None: one sequence per batch row.
+                mechanism whose ``capabilities.packing`` accepts it; ``max_length`` binds each document, not the
+                row (:meth:`check_packed_inputs`). None: one sequence per batch row.
 
         Returns:
             (batch, heads, seq_q, head_dim_v)
@@ -230,11 +231,8 @@ class Mechanism(nn.Module):
         spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)  # refuses cross=True and tracing
         if k.shape[2] != q.shape[2]:  # refused there, naming the lengths
             self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        lengths = sorted({end - start for start, end in spans}, reverse=True)
-        # The longest document first, so that a row of documents too long names the longest; then any other
-        # length a length_multiple refuses.
-        checked = lengths if self.capabilities.length_multiple is not None else lengths[:1]
-        for length in checked:
+        lengths = sorted({end - start for start, end in spans}, reverse=True)  # the longest named first
+        for length in lengths if self.capabilities.length_multiple is not None else lengths[:1]:
             self.check_inputs(q[:, :, :length], k[:, :, :length], v[:, :, :length], causal, None, cross)
         return spans
 
@@ -392,7 +390,8 @@ class Mechanism(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor
     ) -> Tuple[Tensor, List[DecodingState]]:
         """:meth:`prefill` of a packed row (1, heads, N, head_dim) of prompts: the causal output, each document
-        alone, and one state per document (batch 1), in order, each continuing its own prompt."""
+        alone, and one state per document (batch 1), in order, each continuing its own prompt. Checked as a
+        packed :meth:`forward` is (:meth:`check_packed_inputs`)."""
         self.require_recurrent_step()
         spans = self.check_packed_inputs(q, k, v, True, None, False, cu_seqlens)
         k, v = self.repeated_kv(q, k, v)
