@@ -43,7 +43,8 @@ def grouped_inputs(seed=0):
     return q, k, v
 
 
-NATIVE = [("softmax", {}), ("softmax", {"quiet": True}), ("linear", {}), ("performer", {"nb_features": 16, "seed": 0})]
+NATIVE = [("softmax", {}), ("softmax", {"quiet": True}), ("linear", {}), ("performer", {"nb_features": 16, "seed": 0}),
+          ("efficient", {"chunk_size": 16})]
 
 
 @pytest.mark.parametrize("name, options", NATIVE, ids=lambda x: x if isinstance(x, str) else "")

@@ -145,3 +145,60 @@ def test_tracing_a_packed_call_is_refused():
     cu = offsets(0, 4, LENGTH)
     with pytest.raises(UnsupportedOptionError, match=r"cu_seqlens cannot be traced"):
         torch.jit.trace(lambda q, k, v: mechanism(q, k, v, cu_seqlens=cu), qkv())
+
+
+# Mechanisms whose max_length is 6 here (a learned table over positions, or bigbird's random table): a packed
+# row of documents of at most 6 positions may be longer than 6, and a document of 7 is refused.
+LIMITED = [
+    ("aft", {"variant": "full", "max_seq_len": 6}),
+    ("aft", {"variant": "local", "max_seq_len": 6, "window": 2}),
+    ("synthesizer", {"max_seq_len": 6}),
+    ("bigbird", {"block_size": 2, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "max_seq_len": 6}),
+]
+
+
+@pytest.mark.parametrize("name, options", LIMITED, ids=[f"{n}-{o.get('variant', '')}" for n, o in LIMITED])
+def test_max_length_binds_each_document_not_the_row(name, options):
+    mechanism = attnzoo.build_mechanism(name, HEADS, HEAD_DIM, **options).double()
+    assert mechanism.max_length == 6
+    q, k, v = qkv(length=14)
+    cu = offsets(0, 6, 8, 14)  # a row of 14 positions, no document longer than 6
+    causal = mechanism.capabilities.causal
+    out = mechanism(q, k, v, causal, cu_seqlens=cu)
+    for start, end in [(0, 6), (6, 8), (8, 14)]:
+        alone = mechanism(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], causal)
+        torch.testing.assert_close(out[:, :, start:end], alone, rtol=0, atol=1e-12)
+    with pytest.raises(UnsupportedOptionError, match=r"sequence length 7 exceeds max_length=6"):
+        mechanism(q, k, v, causal, cu_seqlens=offsets(0, 7, 14))
+    if mechanism.capabilities.recurrent_step:
+        _, states = mechanism.prefill_packed(q, k, v, cu_seqlens=cu)
+        assert [state.length for state in states] == [6, 2, 6]
+        with pytest.raises(UnsupportedOptionError, match=r"max_length=6"):
+            mechanism.prefill_packed(q, k, v, cu_seqlens=offsets(0, 7, 14))
+
+
+def test_prefill_of_a_packed_row_repeats_grouped_keys_for_a_repeating_mechanism():
+    mechanism = attnzoo.build_mechanism("gla", 4, HEAD_DIM, chunk_size=2).double()
+    assert mechanism.capabilities.grouped_kv == "repeat"
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, LENGTH, HEAD_DIM, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, LENGTH, HEAD_DIM, generator=generator, dtype=torch.float64) for _ in range(2))
+    cu = offsets(0, 4, LENGTH)
+    out, states = mechanism.prefill_packed(q, k, v, cu_seqlens=cu)
+    repeated = [x.repeat_interleave(2, dim=1) for x in (k, v)]
+    out_r, states_r = mechanism.prefill_packed(q, *repeated, cu_seqlens=cu)
+    torch.testing.assert_close(out, out_r, rtol=0, atol=1e-12)
+    for state, state_r in zip(states, states_r):
+        torch.testing.assert_close(state.tensors["kv"], state_r.tensors["kv"], rtol=0, atol=1e-12)
+
+
+def test_length_multiple_binds_every_document():
+    mechanism = attnzoo.build_mechanism("linear", HEADS, HEAD_DIM).double()
+    # No built-in packing mechanism declares a length_multiple: an instance declaring one stands for one that does.
+    mechanism.capabilities = dataclasses.replace(mechanism.capabilities, length_multiple=2)
+    q, k, v = qkv(length=10)
+    out = mechanism(q, k, v, True, cu_seqlens=offsets(0, 4, 6, 10))
+    torch.testing.assert_close(out[:, :, 4:6], mechanism(q[:, :, 4:6], k[:, :, 4:6], v[:, :, 4:6], True),
+                               rtol=0, atol=1e-12)
+    with pytest.raises(UnsupportedOptionError, match=r"query length 3 is not a multiple of length_multiple=2"):
+        mechanism(q, k, v, True, cu_seqlens=offsets(0, 4, 7, 10))

@@ -49,20 +49,10 @@ def _forward_and_grads(mechanism: Mechanism, qkv, causal: bool, weights: Tensor,
     return (out.detach(), *(x.grad for x in leaves))
 
 
-def within(lengths: Tuple[int, ...], max_length) -> Tuple[int, ...]:
-    """``lengths`` with the row cut to ``max_length`` (None: no limit): a longer row is refused as a whole."""
-    kept, room = [], sum(lengths) if max_length is None else max_length
-    for length in lengths:
-        if room > 0:
-            kept.append(min(length, room))
-            room -= kept[-1]
-    return tuple(kept)
-
-
 def check_packing(mechanism: Mechanism, lengths: Tuple[int, ...] = DOCUMENT_LENGTHS) -> None:
-    """Each document of a packed row gets what it gets alone, forward and gradients; or, undeclared, refused."""
+    """Each document of a packed row gets what it gets alone, forward and gradients; or, undeclared, refused.
+    Length limits bind each document, not the row: the row may be longer than ``max_length``."""
     caps = mechanism.capabilities
-    lengths = within(lengths, mechanism.max_length)
     if not caps.packed:
         expect_refused(mechanism)
         return

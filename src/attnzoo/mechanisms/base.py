@@ -146,19 +146,21 @@ class Mechanism(nn.Module):
                 ``seq_q == seq_kv``, and cross-attention may have any lengths, equal ones included.
             cu_seqlens: a packed batch (self-attention, batch 1): int64 document offsets ``[0, ..., seq]``,
                 each document attending only within itself (see :mod:`attnzoo.functional.packing`); for a
-                mechanism whose ``capabilities.packing`` accepts it. None: one sequence per batch row.
+                mechanism whose ``capabilities.packing`` accepts it; ``max_length`` binds each document, not the
+                row (:meth:`check_packed_inputs`). None: one sequence per batch row.
 
         Returns:
             (batch, heads, seq_q, head_dim_v)
         """
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        k, v = self.repeated_kv(q, k, v)
         if cu_seqlens is not None:
-            spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)
+            spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+            k, v = self.repeated_kv(q, k, v)
             if k.shape[1] != q.shape[1]:  # the packed paths take as many key/value heads as query heads
                 groups = query_groups(q.shape[1], k.shape[1])
                 k, v = repeat_kv(k, groups), repeat_kv(v, groups)
             return self.attend_packed(q, k, v, causal, spans)
+        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        k, v = self.repeated_kv(q, k, v)
         return self.attend(q, k, v, causal, key_padding_mask, cross)
 
     def repeated_kv(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
@@ -214,6 +216,25 @@ class Mechanism(nn.Module):
         if torch.jit.is_tracing():
             raise UnsupportedOptionError(f"{who}: cu_seqlens cannot be traced: the documents are read from its values")
         return check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[2], q.device)
+
+    def check_packed_inputs(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool,
+        cu_seqlens: object,
+    ) -> List[Tuple[int, int]]:
+        """Check a packed call as :meth:`check_inputs` checks an unpacked one (errors name the argument, before
+        any computation) and return its documents' (start, end). Length constraints bind each document, not
+        the row: a document is what runs alone, so ``max_length`` (and ``length_multiple``) apply to every
+        document's length, and a row of documents that each fit may be longer than ``max_length``."""
+        check_bool("causal", causal)
+        check_bool("cross", cross)
+        self.check_grouping(q, k, v, refuse=False)
+        spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)  # refuses cross=True and tracing
+        if k.shape[2] != q.shape[2]:  # refused there, naming the lengths
+            self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        lengths = sorted({end - start for start, end in spans}, reverse=True)  # the longest named first
+        for length in lengths if self.capabilities.length_multiple is not None else lengths[:1]:
+            self.check_inputs(q[:, :, :length], k[:, :, :length], v[:, :, :length], causal, None, cross)
+        return spans
 
     def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
         """Attention over a checked packed row (1, heads, N, dim), each document (start, end) of ``spans``
@@ -369,10 +390,11 @@ class Mechanism(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor
     ) -> Tuple[Tensor, List[DecodingState]]:
         """:meth:`prefill` of a packed row (1, heads, N, head_dim) of prompts: the causal output, each document
-        alone, and one state per document (batch 1), in order, each continuing its own prompt."""
+        alone, and one state per document (batch 1), in order, each continuing its own prompt. Checked as a
+        packed :meth:`forward` is (:meth:`check_packed_inputs`)."""
         self.require_recurrent_step()
-        self.check_inputs(q, k, v, True, None)
-        spans = self.check_packing(q, None, False, cu_seqlens)
+        spans = self.check_packed_inputs(q, k, v, True, None, False, cu_seqlens)
+        k, v = self.repeated_kv(q, k, v)
         outputs, states = [], []
         for start, end in spans:
             out, tensors = self.attend_prefill(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end])

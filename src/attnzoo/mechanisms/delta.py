@@ -37,7 +37,7 @@ from ..functional.delta import (
     delta_rule_unchecked,
 )
 from ..functional.gated import key_gate_logits
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
 
 _COMPLEXITY = "time O(N c d + N d^2), memory O(N c + N d^2 / c); c = chunk_size; decoding O(d^2) per token"
 
@@ -133,6 +133,8 @@ class DeltaNetAttention(_DeltaRuleMechanism):
         kind=OWN,
         complexity=_COMPLEXITY,
         summary="DeltaNet: the delta rule on a linear-attention state, chunked WY form (Yang et al. 2024)",
+        # beta is learned per query head, so a key/value head's state differs per query head.
+        grouped_kv=REPEAT_KV,
         packing=PACKED_SPLIT,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
@@ -165,6 +167,8 @@ class GatedDeltaNetAttention(_DeltaRuleMechanism):
         kind=OWN,
         complexity=_COMPLEXITY,
         summary="Gated DeltaNet: the delta rule with a data-dependent decay, chunked WY form (Yang et al. 2025)",
+        # beta and the decay are learned per query head, so a key/value head's state differs per query head.
+        grouped_kv=REPEAT_KV,
         packing=PACKED_SPLIT,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries

@@ -26,7 +26,7 @@ from ..functional.longformer import (
     window_plan,
 )
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, UnsupportedOptionError, register
-from .sparse_checks import check_block_size, check_packed_call
+from .sparse_checks import check_block_size
 
 
 @register
@@ -162,7 +162,7 @@ class LongformerAttention(Mechanism):
         if cu_seqlens is None:
             self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         else:
-            spans = check_packed_call(self, q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+            spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
             self.check_document_indices(spans)
         check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
         if global_mask is not None and torch.jit.is_tracing():

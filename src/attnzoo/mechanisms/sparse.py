@@ -35,7 +35,7 @@ from ..functional.blocksparse import (
 )
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, register
 from .longformer import LongformerAttention  # noqa: F401 - registered with the family, importable from here
-from .sparse_checks import check_block_size, check_packed_call
+from .sparse_checks import check_block_size
 
 
 class BlockSparseAttention(Mechanism):
@@ -89,7 +89,7 @@ class BlockSparseAttention(Mechanism):
         """:meth:`Mechanism.forward`; with ``cu_seqlens``, ``max_length`` binds each document, not the row."""
         if cu_seqlens is None:
             return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
-        spans = check_packed_call(self, q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+        spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
         k, v = self.repeated_kv(q, k, v)
         return self.attend_packed(q, k, v, causal, spans)
 
