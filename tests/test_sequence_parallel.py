@@ -126,6 +126,7 @@ MECHANISMS = {
     "rfa-gated": {"nb_features": 16, "seed": 0, "chunk_size": 4, "gated": True},
     "retention": {"chunk_size": 4},
     "gla": {"chunk_size": 4},
+    "ssd": {"chunk_size": 4},
 }
 
 
@@ -293,7 +294,9 @@ def test_the_supported_mechanisms_are_read_from_the_registry():
     from attnzoo.parallel.sequence import sequence_parallel_mechanisms
 
     supported = sequence_parallel_mechanisms()
-    assert set(supported) == {"linear", "performer", "rfa", "retention", "gla"}
+    assert set(supported) == {"linear", "performer", "rfa", "retention", "gla", "ssd"}
+    # Every one of them is run across processes above.
+    assert set(supported) == {label.split("-")[0] for label in MECHANISMS}
     for name in supported:
         assert sequence_parallel_reasons(attnzoo.build_mechanism(name, heads=2, head_dim=4)) == [], name
     refusal = sequence_parallel_reasons(attnzoo.build_mechanism("softmax", heads=2, head_dim=4))
