@@ -398,17 +398,38 @@ def test_a_wrong_mapping_is_caught():
 
 
 
+PEER_OPTIONS = {"nsa": NSA_SETTINGS, "based": {"feature_dim": BASED_FEATURES, "window": BASED_WINDOW}}
+"""Options given to both rows (``attnzoo compare --set``): NSA's where fla's reference computes the same thing,
+Based's smaller than its defaults so that the window is narrower than the sequence."""
+
+
 @pytest.mark.parametrize("mechanism, peer", [("delta", "fla-delta_rule"), ("gated_delta", "fla-gated_delta_rule"),
-                                             ("linear", "fla-linear_attn")])
+                                             ("linear", "fla-linear_attn"), ("ssd", "fla-simple_gla"),
+                                             ("forgetting", "fla-forgetting_attn"), ("based", "fla-based"),
+                                             ("nsa", "fla-nsa")])
 def test_compare_peers_compute_what_their_counterparts_compute(mechanism, peer):
     """`attnzoo compare --peers` times fla's references at equal settings: built under one seed, the peer row
     and the attnzoo row give the same outputs."""
     from attnzoo.bench.peers import build_peer
 
+    options = PEER_OPTIONS.get(mechanism, {})
     torch.manual_seed(0)
-    ours = build_mechanism(mechanism, 2, 16)
+    ours = build_mechanism(mechanism, 2, 16, **options)
     torch.manual_seed(0)
-    theirs = build_peer(peer, 2, 16, 128, True)
+    theirs = build_peer(peer, 2, 16, 128, True, options)
+    assert not isinstance(theirs, str), theirs
     q, k, v = torch.randn(3, 1, 2, 128, 16, generator=torch.Generator().manual_seed(1)).unbind(0)
     with torch.no_grad():
         torch.testing.assert_close(ours(q, k, v, causal=True), theirs(q, k, v, True), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, refused", [
+    ({}, "one block_size"),  # the defaults: overlapping compressed blocks, longer selectable ones
+    (dict(NSA_SETTINGS, top_k=2), "top_k >= 3"),
+    (dict(NSA_SETTINGS, selection_group=2), "selection per key/value head"),
+])
+def test_the_nsa_peer_refuses_settings_where_fla_computes_something_else(options, refused):
+    from attnzoo.bench.peers import build_peer
+
+    reason = build_peer("fla-nsa", 2, 16, 128, True, options)
+    assert isinstance(reason, str) and reason.startswith("unsupported") and refused in reason, reason
