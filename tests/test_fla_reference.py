@@ -14,6 +14,19 @@ Where the definitions differ on purpose, the case maps one onto the other and sa
 * ``linear``: fla's ``normalize=True`` divides by ``q . sum_j k_j + 1e-10`` on whatever features it is
   given; attnzoo's ``linear`` applies its feature map (elu + 1) itself, so fla gets the features, and
   the scale, which cancels in the ratio, only shifts fla's 1e-10 guard.
+* ``ssd``: Mamba-2's SSD is fla's ``simple_gla`` with ``q = C``, ``k = dt B``, ``v = x``, ``g = dt A`` and
+  ``scale=1.0`` (SSD has no query scale; fla's default is ``head_dim ** -0.5``); fla has no groups of B and C
+  and no skip ``D``, so they are repeated over the heads and ``D x`` added to its output.
+* ``forgetting``: the same definition; fla's ``g`` (batch, seq, heads) is attnzoo's ``log_forget``.
+* ``nsa``: ``naive_nsa`` needs a GPU (Triton mean pooling, flash-attn's window), so its branches are composed
+  here as it composes them, the pooling written out and the window taken from ``naive_forgetting_attn`` with
+  every gate 1. They compute attnzoo's NSA only with one block size (``compress_block = compress_stride =
+  select_block``), identity compression maps and ``top_k >= 3`` (``NSA_SETTINGS``); docs/nsa.md lists what
+  cannot be matched.
+* ``based``: fla's ``naive_parallel_based`` divides by ``z + 1e-6``, attnzoo by ``z``: equal in float32, and in
+  float64 once fla's numerator and ``z`` are taken apart (``use_norm=False`` on values with a column of ones).
+  fla's Based has no window; the mechanism's window part is checked against ``naive_forgetting_attn`` with
+  every gate 1 and ``window_size``.
 """
 
 import pytest
@@ -235,11 +248,11 @@ def _nsa_ours(branches=(1.0, 1.0, 1.0), kv_heads=None):
     return ours
 
 
-def _nsa_composed_in_fla(x, gates, k, v, scale=None):
+def _nsa_composed_in_fla(x, gates, k, v):
     """fla's ``naive_nsa`` without its two GPU-only pieces: compression (``naive_nsa_compression`` over mean-pooled
     blocks), ``naive_nsa_topk`` choosing ``NSA_TOP_K`` blocks for ``naive_nsa_selection``, and the window; gated
     and summed as it sums them. k, v may have fewer heads than q (fla's group shares one selection)."""
-    scale = x.scale if scale is None else scale
+    scale = x.scale
     q, fla_k, fla_v = to_fla(x.q), to_fla(k), to_fla(v)
     k_cmp, v_cmp = to_fla(_block_means(k)), to_fla(_block_means(v))
     compressed = naive_nsa_compression(q, k_cmp, v_cmp, NSA_BLOCK, scale)[0]
@@ -248,8 +261,7 @@ def _nsa_composed_in_fla(x, gates, k, v, scale=None):
     branches = [from_fla(compressed), from_fla(selected)]
     groups = x.q.shape[1] // k.shape[1]
     window = _window_in_fla(x.q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), NSA_WINDOW)
-    out = sum(gates[..., i:i + 1] * _in_dtype(branch, x.q) for i, branch in enumerate(branches + [window]))
-    return out
+    return sum(gates[..., i:i + 1] * _in_dtype(branch, x.q) for i, branch in enumerate(branches + [window]))
 
 
 def _nsa_in_fla(branches=(1.0, 1.0, 1.0), kv_heads=None):
