@@ -12,8 +12,8 @@ the test module, for example::
 Conventions the mappings rely on:
 
 * attnzoo's layout is (batch, heads, seq, dim); fla's newer references (``gated_delta_rule``, ``simple_gla``,
-  ``gla``, ``linear_attn``) take (batch, seq, heads, dim) and gates (batch, seq, heads): :func:`to_fla` and
-  :func:`from_fla` move the axes. Older ones (``delta_rule``, ``retention``, ``based``) take attnzoo's layout.
+  ``gla``, ``linear_attn``, ``forgetting_attn``, ``nsa``) take (batch, seq, heads, dim) and gates (batch, seq,
+  heads): :func:`to_fla` and :func:`from_fla` move the axes. Older ones (``delta_rule``, ``retention``, ``based``) take attnzoo's layout.
 * fla's default scale is ``head_dim ** -0.5`` on the queries, as attnzoo's.
 * Many fla references cast to float32 whatever they are given; a case says whether its reference computes
   in float64 (``float64=True``) and is then checked to 1e-10 there.
@@ -21,8 +21,8 @@ Conventions the mappings rely on:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -73,17 +73,20 @@ def from_fla(x: Tensor) -> Tensor:
 class FlaCase:
     """attnzoo's output and fla's reference output on the same inputs, both (batch, heads, seq, d_v).
 
-    ``float64``: the reference computes in float64 when given float64 inputs (many cast to float32)."""
+    ``float64``: the reference computes in float64 when given float64 inputs (many cast to float32).
+    ``sizes``: keyword arguments of :func:`make_inputs` where the defaults do not suit (e.g. ``d_v=16`` for a
+    mechanism whose parameters need values as wide as keys)."""
 
     name: str
     ours: Callable[[Inputs], Tensor]
     theirs: Callable[[Inputs], Tensor]
     float64: bool = False
+    sizes: Dict[str, int] = field(default_factory=dict)
 
 
 def assert_matches(case: FlaCase, dtype: torch.dtype) -> None:
     """Both sides equal to 1e-5 (float32) or 1e-10 (float64), relative to the largest output entry."""
-    inputs = make_inputs(dtype)
+    inputs = make_inputs(dtype, **case.sizes)
     ours, theirs = case.ours(inputs), case.theirs(inputs)
     assert ours.shape == theirs.shape, (case.name, ours.shape, theirs.shape)
     assert ours.dtype == theirs.dtype == dtype, (case.name, ours.dtype, theirs.dtype)

@@ -14,22 +14,48 @@ Where the definitions differ on purpose, the case maps one onto the other and sa
 * ``linear``: fla's ``normalize=True`` divides by ``q . sum_j k_j + 1e-10`` on whatever features it is
   given; attnzoo's ``linear`` applies its feature map (elu + 1) itself, so fla gets the features, and
   the scale, which cancels in the ratio, only shifts fla's 1e-10 guard.
+* ``ssd``: Mamba-2's SSD is fla's ``simple_gla`` with ``q = C``, ``k = dt B``, ``v = x``, ``g = dt A`` and
+  ``scale=1.0`` (SSD has no query scale; fla's default is ``head_dim ** -0.5``); fla has no groups of B and C
+  and no skip ``D``, so they are repeated over the heads and ``D x`` added to its output.
+* ``forgetting``: the same definition; fla's ``g`` (batch, seq, heads) is attnzoo's ``log_forget``.
+* ``nsa``: ``naive_nsa`` needs a GPU (Triton mean pooling, flash-attn's window), so its branches are composed
+  here as it composes them, the pooling written out and the window taken from ``naive_forgetting_attn`` with
+  every gate 1. They compute attnzoo's NSA only with one block size (``compress_block = compress_stride =
+  select_block``), identity compression maps and ``top_k >= 3`` (``NSA_SETTINGS``); docs/nsa.md lists what
+  cannot be matched.
+* ``based``: fla's ``naive_parallel_based`` divides by ``z + 1e-6``, attnzoo by ``z``: equal in float32, and in
+  float64 once fla's numerator and ``z`` are taken apart (``use_norm=False`` on values with a column of ones).
+  fla's Based has no window; the mechanism's window part is checked against ``naive_forgetting_attn`` with
+  every gate 1 and ``window_size``.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attnzoo.functional import delta_rule, elu_plus_one, gated_delta_rule, kernel_attention, linear_attention
+from attnzoo.functional import (
+    delta_rule,
+    elu_plus_one,
+    forgetting_attention,
+    gated_delta_rule,
+    kernel_attention,
+    linear_attention,
+    ssd,
+)
+from attnzoo.functional.based import based_features
+from attnzoo.functional.nsa import NSABlocks, nsa_attention
 from attnzoo.mechanisms import build_mechanism
 from fla_reference import FlaCase, assert_matches, from_fla, to_fla
 
 pytest.importorskip("fla", reason='flash-linear-attention (fla-core) is in the "peers" extra: scripts/install-peers.sh')
 
+from fla.ops.based.naive import naive_parallel_based  # noqa: E402
 from fla.ops.delta_rule.naive import delta_rule_chunkwise, delta_rule_recurrence  # noqa: E402
+from fla.ops.forgetting_attn.naive import naive_forgetting_attn  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.gla.naive import naive_recurrent_gla  # noqa: E402
 from fla.ops.linear_attn.naive import naive_chunk_linear_attn, naive_recurrent_linear_attn  # noqa: E402
+from fla.ops.nsa.naive import naive_nsa_compression, naive_nsa_selection, naive_nsa_topk  # noqa: E402
 from fla.ops.retention.naive import naive_retention  # noqa: E402
 from fla.ops.simple_gla.naive import naive_chunk_simple_gla, naive_recurrent_simple_gla  # noqa: E402
 
@@ -108,6 +134,207 @@ def _chunk_linear_unnormalised(x):
     return _fla(naive_chunk_linear_attn, elu_plus_one(x.q), elu_plus_one(x.k), x.v)
 
 
+# -- ssd: Mamba-2's names on the shared inputs ----------------------------------------------------------------
+def _ssd_gates(x):
+    """x = v, C = q, B = k (one group per head), positive step sizes dt in (0.05, 1.05) from beta, and per-head
+    rates A from -0.05 to -1: returns (dt (batch, heads, seq), A (heads,))."""
+    return 0.05 + x.beta, -torch.linspace(0.05, 1.0, x.q.shape[1], dtype=x.q.dtype)
+
+
+def _ssd_ours(x):
+    dt, A = _ssd_gates(x)
+    return ssd(x.v, dt, A, x.k, x.q, chunk_size=32)
+
+
+def _ssd_in_fla(function):
+    """SSD is simple GLA with q = C, k = dt B, v = x, g = dt A and no query scale (fla's default is
+    head_dim ** -0.5, so ``scale=1.0`` is passed)."""
+    def theirs(x):
+        dt, A = _ssd_gates(x)
+        log_decay = dt * A[:, None]
+        return _in_dtype(_fla(function, x.q, x.k * dt[..., None], x.v, log_decay, scale=1.0), x.q)
+    return theirs
+
+
+def _ssd_grouped_ours(x):
+    """One group of B and C shared by every head, and the skip D."""
+    dt, A = _ssd_gates(x)
+    skip = torch.linspace(0.5, 1.5, x.q.shape[1], dtype=x.q.dtype)
+    return ssd(x.v, dt, A, x.k[:, :1], x.q[:, :1], D=skip, chunk_size=32)
+
+
+def _ssd_grouped_in_fla(x):
+    """fla has no groups and no skip: B and C repeated over the heads, ``D x`` added to its output."""
+    dt, A = _ssd_gates(x)
+    skip = torch.linspace(0.5, 1.5, x.q.shape[1], dtype=x.q.dtype)
+    C, B = x.q[:, :1].expand_as(x.q), x.k[:, :1].expand_as(x.k)
+    out = _fla(naive_chunk_simple_gla, C, B * dt[..., None], x.v, dt * A[:, None], scale=1.0)
+    return _in_dtype(out, x.q) + skip[:, None, None] * x.v
+
+
+def _ssd_mechanism(x):
+    return _seeded("ssd", x.q.shape[1], x.q.shape[3], chunk_size=32).to(x.q.dtype)(x.q, x.k, x.v, causal=True)
+
+
+def _ssd_mechanism_in_fla(x):
+    """The ``ssd`` mechanism written out: ``dt = softplus(k . w + dt_bias)`` from the raw keys, ``A = -exp(A_log)``,
+    then fla's chunked simple GLA with keys ``dt k``, log decay ``dt A`` and scale 1."""
+    module = _seeded("ssd", x.q.shape[1], x.q.shape[3], chunk_size=32).to(x.q.dtype)
+    with torch.no_grad():
+        dt = F.softplus(torch.einsum("bhnd,hd->bhn", x.k, module.dt_weight) + module.dt_bias[:, None])
+        log_decay = -module.A_log.exp()[:, None] * dt
+        out = _fla(naive_chunk_simple_gla, x.q, x.k * dt[..., None], x.v, log_decay, scale=1.0)
+    return _in_dtype(out, x.q)
+
+
+# -- forgetting: fla's g is attnzoo's log_forget --------------------------------------------------------------
+def _forgetting_in_fla(x, kv_heads=None, scale=None):
+    k, v = (x.k, x.v) if kv_heads is None else (x.k[:, :kv_heads], x.v[:, :kv_heads])
+    return _in_dtype(_fla(naive_forgetting_attn, x.q, k, v, x.log_decay, scale=scale), x.q)
+
+
+def _forgetting_mechanism(x):
+    module = _seeded("forgetting", x.q.shape[1], x.q.shape[3], block_size=32).to(x.q.dtype)
+    return module(x.q, x.k, x.v, causal=True)
+
+
+def _forgetting_mechanism_in_fla(x):
+    """The ``forgetting`` mechanism written out: ``g = log sigmoid(k . w + b)`` from the raw keys."""
+    module = _seeded("forgetting", x.q.shape[1], x.q.shape[3], block_size=32).to(x.q.dtype)
+    with torch.no_grad():
+        g = F.logsigmoid(torch.einsum("bhnd,hd->bhn", x.k, module.gate_weight) + module.gate_bias[:, None])
+        return _in_dtype(_fla(naive_forgetting_attn, x.q, x.k, x.v, g), x.q)
+
+
+def _window_in_fla(q, k, v, window):
+    """Causal softmax over the last ``window`` keys: fla's forgetting attention with every gate 1 (g = 0) and
+    its ``window_size`` (the pure-PyTorch form of the ``flash_attn_func(..., window_size=(window - 1, 0))``
+    that fla's NSA reference calls for its window branch)."""
+    no_forgetting = torch.zeros(q.shape[:3], dtype=q.dtype)
+    return _in_dtype(_fla(naive_forgetting_attn, q, k, v, no_forgetting, window_size=window), q)
+
+
+# -- nsa: the branches of fla.ops.nsa.naive.naive_nsa, composed as it composes them ----------------------------
+NSA_BLOCK, NSA_TOP_K, NSA_WINDOW = 16, 4, 24
+NSA_SETTINGS = dict(compress_block=NSA_BLOCK, compress_stride=NSA_BLOCK, select_block=NSA_BLOCK, top_k=NSA_TOP_K,
+                    window=NSA_WINDOW)
+"""Where attnzoo's NSA and fla's compute the same thing: non-overlapping compressed blocks as long as the
+selectable ones (fla has one ``block_size``), and ``top_k >= 3`` (fla always selects the first, previous and
+own blocks)."""
+
+
+def _block_means(x):
+    """fla's ``mean_pooling`` (a Triton kernel) written out on (batch, heads, seq, dim): the mean of each block of
+    ``NSA_BLOCK`` positions, a shorter last block averaged over its own positions."""
+    return torch.stack([block.mean(2) for block in x.split(NSA_BLOCK, dim=2)], dim=2)
+
+
+def _nsa_gates(x, branches=(1.0, 1.0, 1.0)):
+    """(batch, heads, seq, 3) in (0, 1): compressed, selected, window; each multiplied by ``branches``."""
+    gates = torch.stack([x.beta, torch.sigmoid(4 * x.log_decay + 1), 1 - x.beta], dim=-1)
+    return gates * torch.tensor(branches, dtype=x.q.dtype)
+
+
+def _nsa_ours(branches=(1.0, 1.0, 1.0), kv_heads=None):
+    """attnzoo's NSA on the shared inputs; with ``kv_heads``, keys and values of that many heads repeated over
+    the query heads and one selection per group of heads (``selection_group``), the paper's sharing."""
+    def ours(x):
+        k, v, group = x.k, x.v, 1
+        if kv_heads is not None:
+            group = x.q.shape[1] // kv_heads
+            k, v = (t[:, :kv_heads].repeat_interleave(group, dim=1) for t in (x.k, x.v))
+        blocks = NSABlocks(**NSA_SETTINGS, selection_group=group)
+        return nsa_attention(x.q, k, v, _nsa_gates(x, branches), blocks)
+    return ours
+
+
+def _nsa_composed_in_fla(x, gates, k, v):
+    """fla's ``naive_nsa`` without its two GPU-only pieces: compression (``naive_nsa_compression`` over mean-pooled
+    blocks), ``naive_nsa_topk`` choosing ``NSA_TOP_K`` blocks for ``naive_nsa_selection``, and the window; gated
+    and summed as it sums them. k, v may have fewer heads than q (fla's group shares one selection)."""
+    scale = x.scale
+    q, fla_k, fla_v = to_fla(x.q), to_fla(k), to_fla(v)
+    k_cmp, v_cmp = to_fla(_block_means(k)), to_fla(_block_means(v))
+    compressed = naive_nsa_compression(q, k_cmp, v_cmp, NSA_BLOCK, scale)[0]
+    chosen = naive_nsa_topk(q, k_cmp, NSA_TOP_K, NSA_BLOCK, scale)
+    selected = naive_nsa_selection(q, fla_k, fla_v, chosen, NSA_BLOCK, scale)
+    branches = [from_fla(compressed), from_fla(selected)]
+    groups = x.q.shape[1] // k.shape[1]
+    window = _window_in_fla(x.q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), NSA_WINDOW)
+    return sum(gates[..., i:i + 1] * _in_dtype(branch, x.q) for i, branch in enumerate(branches + [window]))
+
+
+def _nsa_in_fla(branches=(1.0, 1.0, 1.0), kv_heads=None):
+    def theirs(x):
+        k, v = (x.k, x.v) if kv_heads is None else (x.k[:, :kv_heads], x.v[:, :kv_heads])
+        return _nsa_composed_in_fla(x, _nsa_gates(x, branches), k, v)
+    return theirs
+
+
+def _nsa_mechanism(x):
+    return _seeded("nsa", x.q.shape[1], x.q.shape[3], **NSA_SETTINGS).to(x.q.dtype)(x.q, x.k, x.v, causal=True)
+
+
+def _nsa_mechanism_in_fla(x):
+    """The ``nsa`` mechanism written out: gates ``sigmoid(q . w + c)`` per branch from the queries, its
+    compression maps at their start (the identity: mean pooling, fla's)."""
+    module = _seeded("nsa", x.q.shape[1], x.q.shape[3], **NSA_SETTINGS).to(x.q.dtype)
+    with torch.no_grad():
+        gates = torch.sigmoid(torch.einsum("bhnd,hgd->bhng", x.q, module.gate_weight) + module.gate_bias[:, None])
+        return _nsa_composed_in_fla(x, gates, x.k, x.v)
+
+
+# -- based: the Taylor part against naive_parallel_based, the window against forgetting attention with g = 0 ---
+BASED_FEATURES, BASED_WINDOW = 4, 16
+
+
+def _based_projections(x):
+    """Per-head maps (heads, head_dim, feature_dim) of queries and keys, seeded."""
+    g = torch.Generator().manual_seed(2)
+    heads, dim = x.q.shape[1], x.q.shape[3]
+    return [torch.randn(heads, dim, BASED_FEATURES, generator=g, dtype=x.q.dtype) / dim ** 0.5 for _ in range(2)]
+
+
+def _based_linear_ours(x):
+    """attnzoo's Taylor part: ``phi(q') . phi(k') = 1 + s + s^2 / 2`` on the kernelized core, exact normaliser."""
+    q_proj, k_proj = _based_projections(x)
+    return kernel_attention(*based_features(x.q, x.k, q_proj, k_proj), x.v, causal=True)
+
+
+def _projected(x, q_proj, k_proj):
+    return torch.einsum("bhnd,hdm->bhnm", x.q, q_proj), torch.einsum("bhnd,hdm->bhnm", x.k, k_proj)
+
+
+def _based_linear_in_fla(x):
+    """fla's ``naive_parallel_based`` with ``use_norm=True`` divides by ``z + 1e-6``; attnzoo by ``z`` (z >= 1/2
+    per visible key), so the two differ by at most 2e-6 of an output: within float32's 1e-5."""
+    return naive_parallel_based(*_projected(x, *_based_projections(x)), x.v, use_norm=True)
+
+
+def _based_linear_exact_in_fla(x):
+    """``use_norm=False`` on the values with a column of ones appended gives fla's numerator and normaliser
+    ``z`` without the 1e-6: their ratio is attnzoo's output to float64's precision."""
+    ones = torch.ones_like(x.v[..., :1])
+    both = naive_parallel_based(*_projected(x, *_based_projections(x)), torch.cat([x.v, ones], -1), use_norm=False)
+    return both[..., :-1] / both[..., -1:]
+
+
+def _based_mechanism(x):
+    module = _seeded("based", x.q.shape[1], x.q.shape[3], feature_dim=BASED_FEATURES, window=BASED_WINDOW,
+                     chunk_size=32).to(x.q.dtype)
+    return module(x.q, x.k, x.v, causal=True)
+
+
+def _based_mechanism_in_fla(x):
+    """The ``based`` mechanism written out: its projections into ``naive_parallel_based`` (whose default scale,
+    ``feature_dim ** -0.5`` on the projected queries, is attnzoo's), plus the window part."""
+    module = _seeded("based", x.q.shape[1], x.q.shape[3], feature_dim=BASED_FEATURES, window=BASED_WINDOW,
+                     chunk_size=32).to(x.q.dtype)
+    with torch.no_grad():
+        linear = naive_parallel_based(*_projected(x, module.q_proj, module.k_proj), x.v)
+        return linear + _window_in_fla(x.q, x.k, x.v, BASED_WINDOW)
+
+
 CASES = [
     # delta: functional.delta_rule, chunk 32 here against fla's chunk 64 and its per-token recurrence.
     FlaCase("delta/recurrence", lambda x: delta_rule(x.q, x.k, x.v, x.beta, chunk_size=32),
@@ -137,6 +364,30 @@ CASES = [
     FlaCase("linear/chunk", lambda x: linear_attention(x.q, x.k, x.v, causal=True),
             _linear_in_fla(naive_chunk_linear_attn), float64=True),
     FlaCase("linear/chunk_unnormalised", _unnormalised_linear, _chunk_linear_unnormalised, float64=True),
+    # ssd: Mamba-2's SSD as simple GLA: q = C, k = dt B, v = x, g = dt A, scale 1.
+    FlaCase("ssd/recurrent_simple_gla", _ssd_ours, _ssd_in_fla(naive_recurrent_simple_gla)),
+    FlaCase("ssd/chunk_simple_gla", _ssd_ours, _ssd_in_fla(naive_chunk_simple_gla)),
+    FlaCase("ssd/groups_and_skip", _ssd_grouped_ours, _ssd_grouped_in_fla),
+    FlaCase("ssd/mechanism", _ssd_mechanism, _ssd_mechanism_in_fla),
+    # forgetting: fla's g (batch, seq, heads) is attnzoo's log_forget; grouped keys native on both sides.
+    FlaCase("forgetting/functional", lambda x: forgetting_attention(x.q, x.k, x.v, x.log_decay, block_size=32),
+            _forgetting_in_fla),
+    FlaCase("forgetting/grouped_and_scaled",
+            lambda x: forgetting_attention(x.q, x.k[:, :1], x.v[:, :1], x.log_decay, scale=0.7, block_size=32),
+            lambda x: _forgetting_in_fla(x, kv_heads=1, scale=0.7)),
+    FlaCase("forgetting/mechanism", _forgetting_mechanism, _forgetting_mechanism_in_fla),
+    # nsa: each branch alone, then gated together; compress_block = compress_stride = select_block.
+    FlaCase("nsa/compressed", _nsa_ours((1.0, 0.0, 0.0)), _nsa_in_fla((1.0, 0.0, 0.0))),
+    FlaCase("nsa/selected", _nsa_ours((0.0, 1.0, 0.0)), _nsa_in_fla((0.0, 1.0, 0.0))),
+    FlaCase("nsa/window", _nsa_ours((0.0, 0.0, 1.0)), _nsa_in_fla((0.0, 0.0, 1.0))),
+    FlaCase("nsa/gated", _nsa_ours(), _nsa_in_fla()),
+    FlaCase("nsa/gated_ragged_length", _nsa_ours(), _nsa_in_fla(), sizes=dict(length=120)),
+    FlaCase("nsa/shared_selection", _nsa_ours(kv_heads=1), _nsa_in_fla(kv_heads=1)),
+    FlaCase("nsa/mechanism", _nsa_mechanism, _nsa_mechanism_in_fla, sizes=dict(d_v=16)),
+    # based: the Taylor part (fla's 1e-6 guard aside) and the mechanism with its window.
+    FlaCase("based/linear", _based_linear_ours, _based_linear_in_fla),
+    FlaCase("based/linear_exact_normaliser", _based_linear_ours, _based_linear_exact_in_fla, float64=True),
+    FlaCase("based/mechanism", _based_mechanism, _based_mechanism_in_fla),
 ]
 
 
@@ -159,17 +410,38 @@ def test_a_wrong_mapping_is_caught():
 
 
 
+PEER_OPTIONS = {"nsa": NSA_SETTINGS, "based": {"feature_dim": BASED_FEATURES, "window": BASED_WINDOW}}
+"""Options given to both rows (``attnzoo compare --set``): NSA's where fla's reference computes the same thing,
+Based's smaller than its defaults so that the window is narrower than the sequence."""
+
+
 @pytest.mark.parametrize("mechanism, peer", [("delta", "fla-delta_rule"), ("gated_delta", "fla-gated_delta_rule"),
-                                             ("linear", "fla-linear_attn")])
+                                             ("linear", "fla-linear_attn"), ("ssd", "fla-simple_gla"),
+                                             ("forgetting", "fla-forgetting_attn"), ("based", "fla-based"),
+                                             ("nsa", "fla-nsa")])
 def test_compare_peers_compute_what_their_counterparts_compute(mechanism, peer):
     """`attnzoo compare --peers` times fla's references at equal settings: built under one seed, the peer row
     and the attnzoo row give the same outputs."""
     from attnzoo.bench.peers import build_peer
 
+    options = PEER_OPTIONS.get(mechanism, {})
     torch.manual_seed(0)
-    ours = build_mechanism(mechanism, 2, 16)
+    ours = build_mechanism(mechanism, 2, 16, **options)
     torch.manual_seed(0)
-    theirs = build_peer(peer, 2, 16, 128, True)
+    theirs = build_peer(peer, 2, 16, 128, True, options)
+    assert not isinstance(theirs, str), theirs
     q, k, v = torch.randn(3, 1, 2, 128, 16, generator=torch.Generator().manual_seed(1)).unbind(0)
     with torch.no_grad():
         torch.testing.assert_close(ours(q, k, v, causal=True), theirs(q, k, v, True), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, refused", [
+    ({}, "one block_size"),  # the defaults: overlapping compressed blocks, longer selectable ones
+    (dict(NSA_SETTINGS, top_k=2), "top_k >= 3"),
+    (dict(NSA_SETTINGS, selection_group=2), "selection per key/value head"),
+])
+def test_the_nsa_peer_refuses_settings_where_fla_computes_something_else(options, refused):
+    from attnzoo.bench.peers import build_peer
+
+    reason = build_peer("fla-nsa", 2, 16, 128, True, options)
+    assert isinstance(reason, str) and reason.startswith("unsupported") and refused in reason, reason

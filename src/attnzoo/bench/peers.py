@@ -121,6 +121,10 @@ _REFORMER = ("reformer", "lsh")
 _LINEAR = ("linear",)
 _DELTA = ("delta",)
 _GATED_DELTA = ("gated_delta",)
+_SSD = ("ssd",)
+_FORGETTING = ("forgetting",)
+_BASED = ("based",)
+_NSA = ("nsa",)
 
 
 def _performer(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
@@ -281,6 +285,165 @@ def _fla_linear_attn(heads: int, head_dim: int, length: int, causal: bool, optio
     return PeerAttention(nn.Identity(), call)
 
 
+def _settings(given: Options, counterparts: Sequence[str], fallback: Options) -> Options:
+    """The options of the attnzoo counterpart: those ``given`` (``--set``) over its defaults (the first registered
+    one of ``counterparts``) over ``fallback``."""
+    registered = set(available())
+    defaults = next((mechanism_options(name) for name in counterparts if name in registered), {})
+    return {**fallback, **{name: value for name, value in defaults.items() if value is not None}, **given}
+
+
+def _heads_last(*tensors: Tensor) -> List[Tensor]:
+    """(batch, heads, seq, ...) -> fla's (batch, seq, heads, ...)."""
+    return [t.transpose(1, 2) for t in tensors]
+
+
+def _key_gate_logits(k: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``k_t . weight_h + bias_h`` (batch, heads, seq) in float32 from keys (batch, heads, seq, dim)."""
+    return torch.einsum("bhnd,hd->bhn", k.float(), weight.float()) + bias.float()[:, None]
+
+
+class _StepSizeGates(nn.Module):
+    """The parameters of attnzoo's ``ssd``, same shapes, order and initialisation: ``dt_weight``, ``dt_bias``
+    (inverse softplus of steps 0.001 to 0.1, geometric), ``A_log`` (log of 1 to 16)."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.dt_weight = nn.Parameter(torch.randn(heads, head_dim) / head_dim ** 0.5)
+        steps = torch.logspace(-3.0, -1.0, heads)
+        self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))
+        self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
+
+
+def _fla_simple_gla(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+    """fla's pure-PyTorch chunked simple GLA as Mamba-2's SSD: ``q = C``, ``k = dt B``, ``v = x``, ``g = dt A``,
+    scale 1, with the step size ``dt = softplus(k . w + dt_bias)`` from the raw keys as attnzoo's ``ssd``."""
+    if not causal:
+        return "unsupported: fla's naive_chunk_simple_gla is causal only"
+    chunk = _option(options, _SSD, ("chunk_size",), 64)
+    from fla.ops.simple_gla.naive import naive_chunk_simple_gla
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        dt = F.softplus(_key_gate_logits(k, module.dt_weight, module.dt_bias))
+        log_decay = -module.A_log.float().exp()[:, None] * dt
+        inputs = _heads_last(q, k * dt.unsqueeze(-1).to(k.dtype), v, log_decay)
+        return naive_chunk_simple_gla(*inputs, chunk_size=chunk, scale=1.0)[0].transpose(1, 2).to(q.dtype)
+
+    return PeerAttention(_StepSizeGates(heads, head_dim), call)
+
+
+class _ForgetGates(nn.Module):
+    """The parameters of attnzoo's ``forgetting``: ``gate_weight`` (heads, head_dim), ``gate_bias`` (heads,)."""
+
+    def __init__(self, heads: int, head_dim: int, bias: float) -> None:
+        super().__init__()
+        self.gate_weight = nn.Parameter(torch.randn(heads, head_dim) / head_dim ** 0.5)
+        self.gate_bias = nn.Parameter(torch.full((heads,), float(bias)))
+
+
+def _fla_forgetting_attn(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+    """fla's pure-PyTorch forgetting attention (the full (N, N) logits), ``g = log sigmoid(k . w + b)`` from the
+    raw keys, at the counterpart's scale and gate bias."""
+    if not causal:
+        return "unsupported: fla's naive_forgetting_attn is causal only"
+    settings = _settings(options, _FORGETTING, {"scale": None, "gate_bias_init": 5.0})
+    from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        g = F.logsigmoid(_key_gate_logits(k, module.gate_weight, module.gate_bias))
+        out = naive_forgetting_attn(*_heads_last(q, k, v, g), scale=settings["scale"])
+        return out.transpose(1, 2).to(q.dtype)
+
+    return PeerAttention(_ForgetGates(heads, head_dim, settings["gate_bias_init"]), call)
+
+
+def _causal_window(q: Tensor, k: Tensor, v: Tensor, window: int) -> Tensor:
+    """Softmax over the last ``window`` keys by fla's pure-PyTorch forgetting attention with every gate 1 (its
+    NSA reference calls flash-attn, GPU-only, for this); float32, attnzoo's layout."""
+    from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+
+    no_forgetting = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    return naive_forgetting_attn(*_heads_last(q, k, v, no_forgetting), window_size=window).transpose(1, 2)
+
+
+class _Projections(nn.Module):
+    """The parameters of attnzoo's ``based``: ``q_proj``, ``k_proj`` (heads, head_dim, feature_dim)."""
+
+    def __init__(self, heads: int, head_dim: int, features: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Parameter(torch.randn(heads, head_dim, features) / head_dim ** 0.5)
+        self.k_proj = nn.Parameter(torch.randn(heads, head_dim, features) / head_dim ** 0.5)
+
+
+def _fla_based(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+    """fla's pure-PyTorch quadratic Based (``naive_parallel_based``, normalised) on the counterpart's projected
+    queries and keys, plus its exact window part by fla's windowed forgetting attention with gates 1."""
+    if not causal:
+        return "unsupported: fla's naive_parallel_based is causal only"
+    settings = _settings(options, _BASED, {"feature_dim": 16, "window": 64})
+    from fla.ops.based.naive import naive_parallel_based
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        projected_q = torch.einsum("bhnd,hdm->bhnm", q, module.q_proj.to(q.dtype))
+        projected_k = torch.einsum("bhnd,hdm->bhnm", k, module.k_proj.to(k.dtype))
+        linear = naive_parallel_based(projected_q, projected_k, v)
+        return (linear + _causal_window(q, k, v, settings["window"]).to(linear.dtype)).to(q.dtype)
+
+    return PeerAttention(_Projections(heads, head_dim, settings["feature_dim"]), call)
+
+
+class _BranchGates(nn.Module):
+    """The gate parameters of attnzoo's ``nsa``: ``gate_weight`` (heads, 3, head_dim), ``gate_bias`` (heads, 3)."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.gate_weight = nn.Parameter(torch.randn(heads, 3, head_dim) / head_dim ** 0.5)
+        self.gate_bias = nn.Parameter(torch.zeros(heads, 3))
+
+
+def _nsa_settings_refusal(settings: Options) -> Optional[str]:
+    """Why fla's NSA reference cannot compute what attnzoo's ``nsa`` does at these settings, or None."""
+    block = settings["select_block"]
+    if not settings["compress_block"] == settings["compress_stride"] == block:
+        return ("unsupported: fla's NSA reference has one block_size; set compress_block = compress_stride = "
+                "select_block")
+    if settings["top_k"] < 3:
+        return "unsupported: fla's NSA reference always selects three blocks (first, previous, own); top_k >= 3"
+    if settings["selection_group"] != 1:
+        return "unsupported: fla's NSA reference shares a selection per key/value head only"
+    return None
+
+
+def _fla_nsa(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+    """fla's pure-PyTorch NSA branches (``naive_nsa_compression``, ``naive_nsa_topk``, ``naive_nsa_selection``)
+    composed as ``naive_nsa`` composes them, its two GPU-only pieces in plain torch (mean pooling; the window by
+    :func:`_causal_window`), gated as attnzoo's ``nsa`` at the start (``sigmoid(q . w + c)``, identity
+    compression maps). Only at settings where the two compute the same thing."""
+    if not causal:
+        return "unsupported: fla's NSA reference is causal only"
+    settings = _settings(options, _NSA, {"compress_block": 32, "compress_stride": 16, "select_block": 64,
+                                         "top_k": 16, "window": 512, "selection_group": 1})
+    refusal = _nsa_settings_refusal(settings)
+    if refusal is not None:
+        return refusal
+    from fla.ops.nsa.naive import naive_nsa_compression, naive_nsa_selection, naive_nsa_topk
+
+    block, scale = settings["select_block"], head_dim ** -0.5
+
+    def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        pooled_k, pooled_v = (torch.stack([b.mean(2) for b in x.split(block, dim=2)], dim=2) for x in (k, v))
+        fla_q, fla_k, fla_v, k_cmp, v_cmp = _heads_last(q, k, v, pooled_k, pooled_v)
+        compressed = naive_nsa_compression(fla_q, k_cmp, v_cmp, block, scale)[0].transpose(1, 2)
+        chosen = naive_nsa_topk(fla_q, k_cmp, settings["top_k"], block, scale)
+        selected = naive_nsa_selection(fla_q, fla_k, fla_v, chosen, block, scale).transpose(1, 2)
+        window = _causal_window(q, k, v, settings["window"]).to(q.dtype)
+        logits = torch.einsum("bhnd,hgd->bhng", q, module.gate_weight.to(q.dtype))
+        gates = torch.sigmoid(logits + module.gate_bias.to(q.dtype)[None, :, None, :])
+        return gates[..., 0:1] * compressed + gates[..., 1:2] * selected + gates[..., 2:3] * window
+
+    return PeerAttention(_BranchGates(heads, head_dim), call)
+
+
 PEERS: Dict[str, Peer] = {
     peer.name: peer
     for peer in [
@@ -295,6 +458,10 @@ PEERS: Dict[str, Peer] = {
         Peer("fla-delta_rule", "fla", _DELTA, _fla_delta_rule(gated=False), distribution="fla-core"),
         Peer("fla-gated_delta_rule", "fla", _GATED_DELTA, _fla_delta_rule(gated=True), distribution="fla-core"),
         Peer("fla-linear_attn", "fla", _LINEAR, _fla_linear_attn, distribution="fla-core"),
+        Peer("fla-simple_gla", "fla", _SSD, _fla_simple_gla, distribution="fla-core"),
+        Peer("fla-forgetting_attn", "fla", _FORGETTING, _fla_forgetting_attn, distribution="fla-core"),
+        Peer("fla-based", "fla", _BASED, _fla_based, distribution="fla-core"),
+        Peer("fla-nsa", "fla", _NSA, _fla_nsa, distribution="fla-core"),
     ]
 }
 
