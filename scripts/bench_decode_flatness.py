@@ -7,7 +7,8 @@ default): for a mechanism, a :class:`~attnzoo.models.DecoderLayer` (its self-att
 network of 4 dim) with ``heads`` heads; for a block (``--blocks``), the block's decoder layer, the Mamba-2
 block with ``heads`` SSM heads and state ``state_dim``. Each context is prefilled with the layer's own
 ``prefill``, then ``steps`` tokens are decoded one ``step`` at a time; the time is the median step after the
-first ``warmup``, and the state size is the sum of the bytes of the state's tensors after the prefill (a KV
+first ``warmup`` (the contexts take turns, one step each, so that the load of a shared machine falls on
+all of them alike), and the state size is the sum of the bytes of the state's tensors after the prefill (a KV
 cache counts its whole allocation: softmax's grows in blocks of 256 positions and at least doubles).
 
 Output: a table on stdout; with ``--output``, JSON (the command, settings, load average before and after,
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import attnzoo
 from attnzoo.cli.common import Parser
@@ -114,20 +115,28 @@ def state_bytes(state: Any) -> int:
     return sum(sizes)
 
 
-def measure(layer: nn.Module, context: int, steps: int, warmup: int, dim: int) -> Measurement:
-    """Prefill ``context`` positions of a seeded input (1, context + steps, dim), then decode ``steps``."""
-    x = torch.randn(1, context + steps, dim, generator=torch.Generator().manual_seed(0))
+def measure(layer: nn.Module, contexts: Sequence[int], steps: int, warmup: int, dim: int) -> Dict[int, Measurement]:
+    """Prefill each context of a seeded input (1, context + steps, dim), then decode ``steps`` tokens after
+    each, the contexts taking turns step by step so that a busy machine's slow spells fall on all of them
+    alike instead of on whichever context was running at the time."""
+    states: Dict[int, Any] = {}
+    inputs: Dict[int, Tensor] = {}
+    prefill: Dict[int, float] = {}
     with torch.no_grad():
-        start = time.perf_counter()
-        _, state = layer.prefill(x[:, :context])
-        prefill = time.perf_counter() - start
-        size = state_bytes(state)
-        samples: List[float] = []
-        for t in range(context, context + steps):
+        for context in contexts:
+            inputs[context] = torch.randn(1, context + steps, dim, generator=torch.Generator().manual_seed(0))
             start = time.perf_counter()
-            _, state = layer.step(x[:, t: t + 1], state)
-            samples.append(time.perf_counter() - start)
-    return Measurement(statistics.median(samples[warmup:]) * 1e3, size, prefill)
+            _, states[context] = layer.prefill(inputs[context][:, :context])
+            prefill[context] = time.perf_counter() - start
+        sizes = {context: state_bytes(states[context]) for context in contexts}
+        samples: Dict[int, List[float]] = {context: [] for context in contexts}
+        for offset in range(steps):
+            for context in contexts:
+                x_t = inputs[context][:, context + offset: context + offset + 1]
+                start = time.perf_counter()
+                _, states[context] = layer.step(x_t, states[context])
+                samples[context].append(time.perf_counter() - start)
+    return {n: Measurement(statistics.median(samples[n][warmup:]) * 1e3, sizes[n], prefill[n]) for n in contexts}
 
 
 def _parser() -> Parser:
@@ -136,8 +145,9 @@ def _parser() -> Parser:
     parser.add_argument("--mechanisms", default="softmax",
                         help="comma-separated mechanisms with a recurrent step, each in a DecoderLayer (default: "
                              "softmax; empty: none)")
-    parser.add_argument("--blocks", default="mamba2", help="comma-separated blocks (default: mamba2; empty: none)")
-    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--blocks", default="mamba2", help="comma-separated blocks, of "
+                        + ", ".join(b for b in BLOCKS if b != ATTENTION_BLOCK) + " (default: mamba2; empty: none)")
+    parser.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths > 0")
     parser.add_argument("--steps", type=int, default=200, help="decoded tokens per context")
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
     parser.add_argument("--dim", type=int, default=512)
@@ -185,17 +195,19 @@ def write_plot(data: Dict[str, Any], path: Path) -> None:
         style = "--" if row.startswith(BLOCK_PREFIX) else "-"
         times.plot(contexts, list(figures.values()), style, marker="o", label=row)
         sizes.plot(contexts, [b / 2 ** 20 for b in data["state_bytes"][row].values()], style, marker="o", label=row)
+    contexts = sorted({int(n) for figures in data["ms_per_token"].values() for n in figures})
     for axes, label in ((times, "ms per decoded token"), (sizes, "decoding state (MiB)")):
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")
+        axes.set_xticks(contexts, [str(n) for n in contexts])
         axes.set_xlabel("context (positions)")
         axes.set_ylabel(label)
         axes.grid(True, which="both", alpha=0.3)
     times.legend(fontsize=8)
     settings = data["settings"]
     figure.suptitle(f"decoding one layer: batch 1, dim {settings['dim']}, {settings['heads']} heads, float32, "
-                    f"{settings['threads']} thread(s), median of {settings['steps'] - settings['warmup']} steps",
-                    fontsize=10)
+                    f"{settings['threads']} thread(s), median of {settings['steps'] - settings['warmup']} steps; "
+                    f"load average {data['load_average']['before'][0]:.1f}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -217,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + "".join(f"{f'KiB@{n}':>12}" for n in contexts))
     results: Dict[str, Dict[int, Measurement]] = {}
     for row, layer in layers.items():
-        results[row] = {n: measure(layer, n, args.steps, args.warmup, args.dim) for n in contexts}
+        results[row] = measure(layer, contexts, args.steps, args.warmup, args.dim)
         _print_row(row, results[row])
     data = {
         "command": " ".join(["python", "scripts/bench_decode_flatness.py"] + list(sys.argv[1:] if argv is None

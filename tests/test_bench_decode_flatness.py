@@ -26,21 +26,22 @@ CONSTANT = ["linear", "delta", "gated_delta", "ssd", "based", "block=mamba2"]
 GROWING = ["softmax", "forgetting", "differential", "nsa"]
 
 
-def _state_bytes(row: str, context: int) -> int:
+def _state_bytes(row: str) -> dict:
     layer = bench.build_layer(row, DIM, HEADS, STATE_DIM)
-    return bench.measure(layer, context, steps=2, warmup=1, dim=DIM).state_bytes
+    return {n: m.state_bytes for n, m in bench.measure(layer, [SHORT, LONG], steps=2, warmup=1, dim=DIM).items()}
 
 
 @pytest.mark.parametrize("row", CONSTANT)
 def test_constant_memory_states_do_not_grow(row):
-    short = _state_bytes(row, SHORT)
-    assert short > 0
-    assert _state_bytes(row, LONG) == short
+    sizes = _state_bytes(row)
+    assert sizes[SHORT] > 0
+    assert sizes[LONG] == sizes[SHORT]
 
 
 @pytest.mark.parametrize("row", GROWING)
 def test_kv_cache_states_grow(row):
-    assert _state_bytes(row, LONG) > _state_bytes(row, SHORT)
+    sizes = _state_bytes(row)
+    assert sizes[LONG] > sizes[SHORT]
 
 
 def test_state_bytes_sums_every_tensor_in_the_tree():
@@ -50,8 +51,9 @@ def test_state_bytes_sums_every_tensor_in_the_tree():
 
 def test_measure_gives_a_positive_time():
     layer = bench.build_layer("linear", DIM, HEADS, STATE_DIM)
-    figures = bench.measure(layer, 8, steps=3, warmup=1, dim=DIM)
-    assert figures.ms_per_token > 0 and figures.prefill_s > 0
+    figures = bench.measure(layer, [8, 24], steps=3, warmup=1, dim=DIM)
+    assert list(figures) == [8, 24]
+    assert all(m.ms_per_token > 0 and m.prefill_s > 0 for m in figures.values())
 
 
 def test_run_writes_json_table_and_plot(tmp_path, capsys):
