@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 from attnzoo.functional.differential import (
@@ -15,6 +14,7 @@ from attnzoo.functional.differential import (
     packed_differential_attention,
 )
 from attnzoo.functional.softmax import softmax_attention_reference
+from tensor_records import TensorRecorder
 
 
 def inputs(batch=2, heads=4, kv_heads=4, q_len=9, k_len=9, dim=8, dim_v=6, seed=0):
@@ -87,32 +87,17 @@ def test_odd_head_dim_and_bad_options_are_refused_naming_them():
         differential_attention(q, k, v, torch.ones(2), 0.2)
 
 
-class TensorSizes(TorchDispatchMode):
-    """Records the number of elements of every floating tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():  # not softmax's own bool causal mask
-                self.sizes.append(t.numel())
-        return out
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_keys_and_values_are_never_repeated(causal):
     batch, heads, keys, dim = 2, 8, 200, 8
     mechanism = attnzoo.build_mechanism("differential", heads, dim)
     q = torch.randn(batch, heads, 3, dim, requires_grad=True)
     k, v = (torch.randn(batch, 1, keys, dim, requires_grad=True) for _ in range(2))
-    with TensorSizes() as recorded:
+    with TensorRecorder() as recorded:
         out = mechanism(q, k, v, causal=causal, cross=True)
         out.square().sum().backward()
     # Keys or values repeated to the 8 query heads (or their halves) would be at least this large.
-    assert max(recorded.sizes) < batch * heads * keys * dim // 2
+    assert recorded.largest_floating < batch * heads * keys * dim // 2
 
 
 def test_packed_rows_equal_each_document_alone():
@@ -131,6 +116,6 @@ def test_both_maps_run_on_the_fused_kernel_nothing_n_by_n(causal):
     batch, heads, seq, dim = 1, 2, 512, 8
     mechanism = attnzoo.build_mechanism("differential", heads, dim)
     q, k, v = (torch.randn(batch, heads, seq, dim, requires_grad=True) for _ in range(3))
-    with TensorSizes() as recorded:
+    with TensorRecorder() as recorded:
         mechanism(q, k, v, causal=causal).square().sum().backward()
-    assert max(recorded.sizes) < batch * heads * seq * seq // 8
+    assert recorded.largest_floating < batch * heads * seq * seq // 8

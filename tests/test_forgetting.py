@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 from attnzoo.functional.forgetting import (
@@ -16,6 +15,7 @@ from attnzoo.functional.forgetting import (
     forgetting_attention_unchecked,
 )
 from attnzoo.functional.softmax import softmax_attention_reference
+from tensor_records import TensorRecorder
 
 
 def inputs(batch=2, heads=4, kv_heads=4, seq=13, dim=8, dim_v=6, dtype=torch.float64, seed=0, strength=2.0):
@@ -83,27 +83,12 @@ def test_the_reference_with_a_constant_gate_is_a_distance_bias():
                                    rtol=1e-12, atol=1e-12)
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_nothing_n_by_n_is_made_forward_or_backward(causal):
     batch, heads, seq, block = 1, 2, 256, 32
     q, k, v, log_forget = inputs(batch=batch, heads=heads, kv_heads=heads, seq=seq, dim=8, dim_v=8,
                                  dtype=torch.float32)
-    with LargestTensor() as sizes:
+    with TensorRecorder() as sizes:
         out = forgetting_attention(q, k, v, log_forget, causal, block_size=block)
         out.square().sum().backward()
     # One block's logits: every row against `block` keys. The (N, N) matrix would be 8 times larger.

@@ -6,33 +6,18 @@ from typing import List, Tuple
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 from attnzoo import MultiHeadAttention, UnsupportedOptionError
+from tensor_records import TensorRecorder
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, QUERIES, KEYS = 2, 8, 1, 8, 3, 200
 
 
-class TensorSizes(TorchDispatchMode):
-    """Records the number of elements of every tensor an operation returns (views included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.created: List[Tuple[str, Tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.created.append((str(func), tuple(tensor.shape)))
-        return out
-
-    def repeated(self) -> List[Tuple[str, Tuple[int, ...]]]:
-        """Tensors as large as the keys repeated to every query head (nothing else here is: the queries are
-        few, the keys have one head)."""
-        limit = BATCH * HEADS * KEYS * HEAD_DIM
-        return [(op, shape) for op, shape in self.created if torch.Size(shape).numel() >= limit]
+def repeated(sizes: TensorRecorder) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Tensors as large as the keys repeated to every query head (nothing else here is: the queries are
+    few, the keys have one head)."""
+    return sizes.at_least(BATCH * HEADS * KEYS * HEAD_DIM)
 
 
 def grouped_inputs(seed=0):
@@ -55,11 +40,11 @@ def test_native_mechanisms_never_make_the_repeated_keys_or_values(name, options,
     q, k, v = grouped_inputs()
     mask = torch.zeros(BATCH, KEYS, dtype=torch.bool)
     mask[1, -5:] = True
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         out = mechanism(q, k, v, causal=causal, key_padding_mask=mask, cross=True)
         out.square().sum().backward()
     assert out.shape == (BATCH, HEADS, QUERIES, HEAD_DIM)
-    assert sizes.repeated() == []
+    assert repeated(sizes) == []
 
 
 @pytest.mark.parametrize("name, options", NATIVE[:1] + NATIVE[2:], ids=lambda x: x if isinstance(x, str) else "")
@@ -69,17 +54,17 @@ def test_native_decoding_steps_never_make_the_repeated_cache(name, options):
     q = torch.randn(BATCH, HEADS, KEYS + 1, HEAD_DIM, generator=generator)
     k, v = (torch.randn(BATCH, KV_HEADS, KEYS + 1, HEAD_DIM, generator=generator) for _ in range(2))
     _, state = mechanism.prefill(q[:, :, :KEYS], k[:, :, :KEYS], v[:, :, :KEYS])
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         mechanism.step(q[:, :, KEYS:], k[:, :, KEYS:], v[:, :, KEYS:], state)
-    assert sizes.repeated() == []
+    assert repeated(sizes) == []
 
 
 def test_the_allocation_check_sees_a_repeating_mechanism():
     mechanism = attnzoo.build_mechanism("rfa", HEADS, HEAD_DIM, nb_features=16, seed=0)
     assert mechanism.capabilities.grouped_kv == "repeat"
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         mechanism(*grouped_inputs(), cross=True)
-    assert sizes.repeated()
+    assert repeated(sizes)
 
 
 def test_attnzoo_list_capabilities_declare_grouping():
@@ -157,9 +142,9 @@ def test_swapped_llama_uses_grouped_heads_without_repeating():
     torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=0, atol=1e-10)
     # A decoding step from the cache: the repeated keys would be (batch, 8 heads, 12 positions, head_dim 4).
     cache = ours(ids[:, :-1], use_cache=True).past_key_values
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         ours(ids[:, -1:], cache=cache, use_cache=True)
-    assert not [shape for _, shape in sizes.created if shape == (2, 8, 12, 4)]
+    assert not [shape for _, shape, _ in sizes.created if shape == (2, 8, 12, 4)]
     # A native mechanism the swap calls itself sees the two key/value heads.
     seen = []
     linear = copy.deepcopy(theirs)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnzoo.functional.blocksparse import LocalPattern, blocksparse_attention_reference, selected
 from attnzoo.functional.nsa import NSABlocks, nsa_attention, nsa_attention_reference
 from attnzoo.functional.softmax import softmax_attention_reference
 from attnzoo.mechanisms import build_mechanism
+from tensor_records import TensorRecorder
 
 BLOCKS = NSABlocks(compress_block=8, compress_stride=4, select_block=8, top_k=3, window=6, selection_group=1)
 
@@ -115,25 +115,12 @@ def test_decoding_crosses_block_completions(dense_share, monkeypatch):
     assert state.tensors["ck"].shape[2] == (37 - 8) // 4 + 1
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.largest = max(self.largest, tensor.numel())
-        return out
-
-
 def test_no_quadratic_tensor():
     length = 2048
     mechanism = build_mechanism("nsa", 1, 16, compress_block=32, compress_stride=16, select_block=32, top_k=2,
                                 window=64)
     q, k, v = (torch.randn(1, 1, length, 16, requires_grad=True) for _ in range(3))
-    with _LargestTensor() as recorder:
+    with TensorRecorder() as recorder:
         mechanism(q, k, v, causal=True).sum().backward()
     assert recorder.largest <= length * length / 4, recorder.largest
 

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
 from attnzoo.functional.blocksparse import (
@@ -27,6 +26,7 @@ from attnzoo.functional.blocksparse import (
     pattern_dense_mask,
 )
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
+from tensor_records import TensorRecorder
 
 
 def qkv(batch, heads, length, dim, seed=0, dtype=torch.float64):
@@ -136,21 +136,6 @@ def test_float32_close_to_float64():
 
 
 # -- memory: nothing N x N ------------------------------------------------------------------------------------
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("name, options, per_query", [
     ("local", {"window": 16, "block_size": 8}, 16 + 8),
     ("local", {"window": 16, "block_size": 8, "sink_tokens": 4}, 16 + 8 + 8),
@@ -166,7 +151,7 @@ def test_no_quadratic_tensor(name, options, per_query):
     slots = plan.index.numel()  # gathered key slots over all query blocks
     assert slots <= length * per_query < length * length // 4
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, length, 4, dtype=torch.float32))
-    with LargestTensor() as probe:
+    with TensorRecorder() as probe:
         m(q, k, v, True, torch.zeros(1, length, dtype=torch.bool)).sum().backward()
     assert probe.largest <= 4 * length * per_query, (probe.largest, length * length)
 

@@ -8,10 +8,10 @@ from typing import List, Tuple
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnzoo.functional.grouped import repeat_kv
 from attnzoo.mechanisms import build_mechanism
+from tensor_records import TensorRecorder
 
 BATCH, HEADS, KV_HEADS, DIM, LENGTH = 2, 8, 1, 32, 256
 MECHANISMS = [
@@ -25,26 +25,11 @@ MECHANISMS = [
 IDS = [f"{name}-{'-'.join(str(v) for v in options.values())}" for name, options in MECHANISMS]
 
 
-class TensorSizes(TorchDispatchMode):
-    """Records the shape of every tensor an operation returns (views included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.created: List[Tuple[str, Tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
-                self.created.append((str(func), tuple(tensor.shape)))
-        return out
-
-    def repeated(self, batch: int = BATCH) -> List[Tuple[str, Tuple[int, ...]]]:
-        """Tensors as large as 1.5 times the queries: the gathered key blocks of every query head would be
-        (each block reads several blocks of keys); the queries, outputs, logits and masks are not (head_dim 32
-        over at most 20 keys per block), nor the keys gathered once per key/value head."""
-        limit = 1.5 * batch * HEADS * LENGTH * DIM
-        return [(op, shape) for op, shape in self.created if torch.Size(shape).numel() >= limit]
+def repeated(sizes: TensorRecorder, batch: int = BATCH) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Tensors as large as 1.5 times the queries: the gathered key blocks of every query head would be
+    (each block reads several blocks of keys); the queries, outputs, logits and masks are not (head_dim 32
+    over at most 20 keys per block), nor the keys gathered once per key/value head."""
+    return sizes.at_least(1.5 * batch * HEADS * LENGTH * DIM)
 
 
 def inputs(batch=BATCH, seed=0):
@@ -67,11 +52,11 @@ def test_grouped_keys_are_never_repeated(name, options, causal):
     assert mechanism.capabilities.grouped_kv == "native"
     mask = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
     mask[1, -5:] = True
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         out = mechanism(*inputs(), causal=causal, key_padding_mask=mask)
         out.square().sum().backward()
     assert out.shape == (BATCH, HEADS, LENGTH, DIM)
-    assert sizes.repeated() == []
+    assert repeated(sizes) == []
 
 
 @pytest.mark.parametrize("name, options", MECHANISMS, ids=IDS)
@@ -79,20 +64,20 @@ def test_packed_grouped_keys_are_never_repeated_and_equal_the_repeated(name, opt
     mechanism = build_mechanism(name, HEADS, DIM, **options)
     q, k, v = inputs(batch=1)
     cu_seqlens = torch.tensor([0, 37, 38, 101, LENGTH])
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         out = mechanism(q, k, v, cu_seqlens=cu_seqlens)
         out.square().sum().backward()
-    assert sizes.repeated(batch=1) == []
-    repeated = mechanism(q, repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS), cu_seqlens=cu_seqlens)
-    torch.testing.assert_close(out, repeated, rtol=1e-5, atol=1e-6)
+    assert repeated(sizes, batch=1) == []
+    with_copies = mechanism(q, repeat_kv(k, HEADS // KV_HEADS), repeat_kv(v, HEADS // KV_HEADS), cu_seqlens=cu_seqlens)
+    torch.testing.assert_close(out, with_copies, rtol=1e-5, atol=1e-6)
 
 
 def test_the_check_sees_a_repeating_instance():
     mechanism = build_mechanism("local", HEADS, DIM, window=5, block_size=4)
     mechanism.capabilities = mechanism.capabilities.narrowed("a test", grouped_kv="repeat")
-    with TensorSizes() as sizes:
+    with TensorRecorder() as sizes:
         mechanism(*inputs())
-    assert sizes.repeated()
+    assert repeated(sizes)
 
 
 def test_global_projections_repeat_grouped_keys():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnzoo.functional.blocksparse import (
     BigBirdPattern,
@@ -21,6 +20,7 @@ from attnzoo.functional.blocksparse import (
     packed_blocksparse_plan,
 )
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
+from tensor_records import TensorRecorder
 
 # Block size 3: lengths 1..7 start and end at every offset within a block, and repeat (batched by length); the
 # long ones run blockwise even where short documents run densely (dense_when_cheaper).
@@ -132,19 +132,6 @@ def test_refusals_name_the_argument(name):
 
 
 # -- memory: nothing N x N ------------------------------------------------------------------------------------
-class LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("name, options", [
     ("local", {"window": 16, "block_size": 8}),
     ("strided", {"pattern": "strided", "stride": 32, "block_size": 8}),
@@ -156,6 +143,6 @@ def test_packed_rows_make_nothing_n_by_n(name, options):
     n = sum(lengths)
     mechanism = build_mechanism(name, 1, 4, **options)
     q, k, v = (t.float().requires_grad_() for t in row(n, 1, 4))
-    with LargestTensor() as probe:
+    with TensorRecorder() as probe:
         mechanism(q, k, v, name != "bigbird", cu_seqlens=offsets(lengths)).sum().backward()
     assert probe.largest < n * n // 16, (probe.largest, n * n)
