@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .._autocast import without_autocast
 from ..._dtypes import working_dtype
+from ..grouped import per_query_group
 from .inputs import _pad_seq, _with_ones
 from .normalize import normalize_output
 from .packed_chunks import PackedMasks, _PackedChunks, scan_steps, states_before
@@ -121,9 +122,17 @@ def packed_causal_kernel_attention_unchecked(
 ) -> Tensor:
     """Causal kernelized attention of a checked packed row (1, H, N, .), each document (start, end) of
     ``spans`` alone: :func:`.chunk.kernel_attention_unchecked`'s causal form with the state reset at every
-    document start. Returns (1, H, N, d_v) in the dtype of ``v``."""
+    document start. phi_k, v (and log_decay) may have fewer heads than phi_q (grouped-query attention, kv_heads
+    dividing H): each member of a query group reads them in turn, never repeated. Returns (1, H, N, d_v) in the
+    dtype of ``v``."""
     out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     log_decay = None if log_decay is None else log_decay.to(dtype)
-    num_den = packed_causal_unnormalised(phi_q.to(dtype), phi_k.to(dtype), v.to(dtype), log_decay, spans,
-                                         chunk_size)
-    return normalize_output(num_den, normalizer, denominator_eps).to(out_dtype)
+    keys, values = phi_k.to(dtype), v.to(dtype)
+
+    def attend(queries: Tensor) -> Tensor:
+        num_den = packed_causal_unnormalised(queries, keys, values, log_decay, spans, chunk_size)
+        return normalize_output(num_den, normalizer, denominator_eps)
+
+    queries = phi_q.to(dtype)
+    out = attend(queries) if keys.shape[1] == queries.shape[1] else per_query_group(attend, queries, keys.shape[1])
+    return out.to(out_dtype)
