@@ -9,14 +9,19 @@ start. In the chunked form (``chunk_size`` positions at a time, a carried (m, d 
   (decayed) only if no document starts inside the chunk;
 * query i reads the carried state only if no document starts between the chunk's start and i.
 
-The states between chunks are a segmented scan, computed in ``log2`` of the longest document's chunk count
-vectorised steps (:func:`.packed_chunks.segmented_scan`), never by a loop over chunks, and only adding states of one document:
-no prefix of the whole row minus the prefix at a document start, whose difference would lose the short
-documents after long ones to rounding. Without a decay (``linear``, ``rfa`` ungated) no decay factor is
-computed at all, and a hand-written backward (:class:`.packed_chunks._PackedChunks`) masks the gradients in
-place.
+The states between chunks are a segmented scan (:func:`.packed_chunks.segmented_scan`): ``log2`` of the
+longest document's chunk count vectorised steps, never a loop over chunks, each adding states of one document
+only. Never the prefix of the whole row minus the prefix at a document start, whose difference would lose a
+short document after long ones to rounding. Without a decay (``linear``, ``rfa`` ungated) no decay factor is
+computed at all, and :class:`.packed_chunks._PackedChunks` (a hand-written backward) goes a group of chunks at
+a time as the unpacked path does, fixing its products only in the chunks where a document starts.
 
-Memory as the decayed chunked path: O(N (m + d) + (N / chunk_size) m d), no (N, N) mask.
+Memory: without a decay as the unpacked path (:mod:`.causal_chunks`: a group of chunks at a time) plus the
+states before each chunk, O(N (m + d) + (N / chunk_size) m d); with one as the decayed chunked path, the same
+plus the chunk scores of the whole row, O(N chunk_size). Never an (N, N) mask.
+
+Grouped keys and values (fewer heads than the queries) are read by each member of a query group in turn
+(:func:`attnzoo.functional.grouped.per_query_group`), never repeated.
 """
 
 from __future__ import annotations

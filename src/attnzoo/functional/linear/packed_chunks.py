@@ -89,17 +89,16 @@ def _plan(batch_heads: int, n: int, chunk: int, start_chunks: List[int], device:
 
 def _zero_at_starts(x: Tensor, group: _Group, zero: Tensor) -> Tensor:
     """``x`` (G_h * C_g, r, c), a group's chunks, with the entries ``zero`` (C, r, c) or (C, r, 1) (the whole
-    row's chunks) set to zero, in place, in the chunks where a document starts: the only ones whose masks are
-    not all False. A product over every chunk, then a fix of the few, and no mask pass over the whole row."""
+    row's chunks) set to zero, in place, in the chunks where a document starts: elsewhere the masks are the
+    unpacked path's (``tril``, every key passed on, every query reading the state). A product over every chunk,
+    then a fix of the few, and no mask pass over the whole row."""
     if group.starts.numel():
         grouped = x.view(-1, group.chunks.stop - group.chunks.start, x.shape[1], x.shape[2])
         grouped[:, group.starts] = grouped[:, group.starts].masked_fill_(zero[group.chunks][group.starts], 0.0)
     return x
 
 
-def _product_at_starts(
-    x: Tensor, y: Tensor, group: _Group, zero: Tensor, product: Tensor
-) -> Tensor:
+def _product_at_starts(x: Tensor, y: Tensor, group: _Group, zero: Tensor, product: Tensor) -> Tensor:
     """``product`` (G_h * C_g, c, e) = ``x^T y`` per chunk of a group (x (G_h * C_g, r, c), y (G_h * C_g, r, e)),
     recomputed, in place, in the chunks where a document starts with x's rows ``zero`` (C, r, 1) set to zero."""
     if group.starts.numel():
@@ -107,7 +106,8 @@ def _product_at_starts(
         rows = x.view(-1, n_chunks, x.shape[1], x.shape[2])[:, group.starts]
         rows = rows.masked_fill(zero[group.chunks][group.starts], 0.0)
         grouped = product.view(-1, n_chunks, product.shape[1], product.shape[2])
-        grouped[:, group.starts] = rows.transpose(-1, -2) @ y.view(-1, n_chunks, y.shape[1], y.shape[2])[:, group.starts]
+        other = y.view(-1, n_chunks, y.shape[1], y.shape[2])[:, group.starts]
+        grouped[:, group.starts] = rows.transpose(-1, -2) @ other
     return product
 
 
