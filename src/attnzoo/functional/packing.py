@@ -16,6 +16,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import Tensor
 
+from .grouped import per_query_group
+
 PerDocument = Callable[[Tensor, Tensor, Tensor], Tensor]
 """An attention on a batch of whole documents: q, k, v (docs, heads, length, dim) -> (docs, heads, length,
 dim_v), each batch element attending only within itself."""
@@ -64,24 +66,32 @@ def spans_by_length(spans: List[Tuple[int, int]]) -> Dict[int, List[int]]:
     return groups
 
 
-def attend_per_document(attend: PerDocument, q: Tensor, k: Tensor, v: Tensor, spans: List[Tuple[int, int]]) -> Tensor:
+def attend_per_document(attend: PerDocument, q: Tensor, k: Tensor, v: Tensor, spans: List[Tuple[int, int]], *,
+                        takes_grouped: bool = False) -> Tensor:
     """``attend`` run on each document of a packed row alone, documents of equal length batched together.
 
     Args:
         attend: the attention on whole documents (see :data:`PerDocument`).
-        q, k: (1, heads, N, head_dim); v: (1, heads, N, head_dim_v), one packed row.
+        q: (1, heads, N, head_dim); k: (1, kv_heads, N, head_dim); v: (1, kv_heads, N, head_dim_v), one packed
+            row; ``kv_heads`` divides ``heads`` (grouped-query attention, :mod:`.grouped`).
         spans: each document's (start, end), covering the row in order (from :func:`check_cu_seqlens`).
+        takes_grouped: ``attend`` itself takes keys and values of fewer heads than the queries. Otherwise, with
+            fewer, it runs once per member of each query group on the same keys and values
+            (:func:`.grouped.per_query_group`): they are never repeated to every query head.
 
     Returns:
         (1, heads, N, head_dim_v): row i of a document is row i of ``attend`` on that document alone.
     """
-    heads, device = q.shape[1], q.device
+    heads, kv_heads, device = q.shape[1], k.shape[1], q.device
     outputs, positions = [], []
     for length, starts in spans_by_length(spans).items():
         index = torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)  # (docs, L)
         # (heads, docs, L, dim) -> (docs, heads, L, dim): each document a batch element.
-        gathered = [x[0][:, index].transpose(0, 1) for x in (q, k, v)]
-        out = attend(*gathered)
+        queries, keys, values = (x[0][:, index].transpose(0, 1) for x in (q, k, v))
+        if takes_grouped or kv_heads == heads:
+            out = attend(queries, keys, values)
+        else:
+            out = per_query_group(lambda member: attend(member, keys, values), queries, kv_heads)
         outputs.append(out.transpose(0, 1).reshape(heads, index.numel(), out.shape[-1]))
         positions.append(index.reshape(-1))
     order = torch.argsort(torch.cat(positions))  # back from grouped order to row order

@@ -154,10 +154,7 @@ class Mechanism(nn.Module):
         """
         if cu_seqlens is not None:
             spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
-            k, v = self.repeated_kv(q, k, v)
-            if k.shape[1] != q.shape[1]:  # the packed paths take as many key/value heads as query heads
-                groups = query_groups(q.shape[1], k.shape[1])
-                k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+            k, v = self.repeated_kv(q, k, v)  # kv_heads heads stay for a native mechanism, as unpacked
             return self.attend_packed(q, k, v, causal, spans)
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         k, v = self.repeated_kv(q, k, v)
@@ -237,10 +234,12 @@ class Mechanism(nn.Module):
         return spans
 
     def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
-        """Attention over a checked packed row (1, heads, N, dim), each document (start, end) of ``spans``
-        alone. By default :meth:`attend` on every document, equal lengths batched (``packing="split"``);
-        a ``"native"`` mechanism overrides it."""
-        return attend_per_document(lambda *qkv: self.attend(*qkv, causal, None, False), q, k, v, spans)
+        """Attention over a checked packed row q (1, heads, N, dim), k, v (1, kv_heads, N, dim), each document
+        (start, end) of ``spans`` alone; k, v with fewer heads than q only if ``grouped_kv="native"`` (never
+        repeated), as :meth:`attend` takes them. By default :meth:`attend` on every document, equal lengths
+        batched (``packing="split"``); a ``"native"`` mechanism overrides it."""
+        return attend_per_document(lambda *qkv: self.attend(*qkv, causal, None, False), q, k, v, spans,
+                                   takes_grouped=True)
 
     def reference_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, *, cu_seqlens: Tensor) -> Tensor:
         """:meth:`reference` of a packed row: float64, each document's reference computed alone in turn."""

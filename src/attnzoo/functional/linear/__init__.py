@@ -5,7 +5,9 @@ family, one module per form.
   (non-causal, and causal in chunks with a carried state), with the paths and their costs in its docstring;
   :mod:`.causal_chunks`: its hand-written autograd for the causal form without decay.
 * :mod:`.recurrent`: :func:`kernel_attention_prefill` and :func:`kernel_attention_step`, O(m d) per token.
-* :mod:`.packed`: the causal chunked form over a packed row of documents, its state reset at each start.
+* :mod:`.packed`: the causal chunked form over a packed row of documents, its state reset at each start;
+  :mod:`.packed_chunks`: the segmented scan of the states between its chunks, and its hand-written autograd
+  without decay.
 * :mod:`.reference`: the float64 quadratic forms every fast path is tested against.
 * :mod:`.checks`, :mod:`.inputs`, :mod:`.normalize`, :mod:`.protocol`: what the forms share (argument checks;
   masking and the ones column of the values; the normaliser and its guards; what a feature map provides).
