@@ -23,7 +23,7 @@ from attnzoo.functional.longformer import (
 )
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
 from conformance import checks
-from test_sparse import LargestTensor
+from tensor_records import TensorRecorder
 
 
 def qkv(batch, heads, length, dim, seed=0, dtype=torch.float64):
@@ -333,7 +333,7 @@ def test_no_quadratic_tensor_with_a_global_mask():
     q, k, v = (t.requires_grad_() for t in qkv(1, 1, length, 4, dtype=torch.float32))
     mask = torch.zeros(1, length, dtype=torch.bool)
     mask[0, torch.randperm(length, generator=torch.Generator().manual_seed(0))[:count]] = True
-    with LargestTensor() as probe:
+    with TensorRecorder() as probe:
         m(q, k, v, False, torch.zeros(1, length, dtype=torch.bool), global_mask=mask).sum().backward()
     # Window span of a query block plus the global keys per query, and the (G + 1) x N global rows.
     per_query = (2 * window + block) + count + 1
