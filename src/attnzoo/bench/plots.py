@@ -333,34 +333,3 @@ def write_plots(data: Dict[str, Any], output: Path, accuracy: Optional[Dict[str,
     plot_bubble(data, paths["bubble"], accuracy)
     return paths
 
-
-def plot_lra_bubble(data: Dict[str, Any], path: Path) -> None:
-    """``attnzoo lra``'s chart: training speed (x, tokens per second) against the average test accuracy over
-    the accuracy tasks (y), bubble area = peak memory of the training process; the baselines' average as a
-    dashed line. Mechanisms missing a task are left out and named below the chart."""
-    entries = [e for e in data["summary"] if e["average_accuracy"] is not None and e["tokens_per_second"]]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    memories = [e["peak_memory_mib"] or 1.0 for e in entries]
-    largest = max(memories, default=1.0)
-    for index, entry in enumerate(entries):
-        size = 60 + 1400 * (memories[index] / largest)
-        ax.scatter(entry["tokens_per_second"], 100 * entry["average_accuracy"], s=size, alpha=0.45,
-                   color="black" if entry["mechanism"] == BASELINE else plt.get_cmap("tab20").colors[index % 20])
-        ax.annotate(entry["mechanism"], (entry["tokens_per_second"], 100 * entry["average_accuracy"]),
-                    textcoords="offset points", xytext=(6, 4), fontsize=8)
-    accuracy_tasks = [t for t in data["tasks"] if data["metrics"][t] == "accuracy"]
-    if accuracy_tasks:
-        chance = sum(data["baselines"][t]["accuracy"] for t in accuracy_tasks) / len(accuracy_tasks)
-        ax.axhline(100 * chance, color="grey", linestyle="--", linewidth=1, label="trivial baselines' average")
-        ax.legend(loc="lower right", fontsize=8)
-    if entries:
-        ax.set_xscale("log")
-    ax.set_xlabel("training speed (tokens per second, mean over tasks; log scale)")
-    ax.set_ylabel(f"average test accuracy over {', '.join(accuracy_tasks) or 'no task'} (%)")
-    missing = [e["mechanism"] for e in data["summary"] if e not in entries]
-    ax.set_title(f"attnzoo lra ({data['budget']} budget): accuracy, speed and memory (bubble area)"
-                 + ("\nnot shown (a task missing): " + ", ".join(missing) if missing else ""), fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
