@@ -4,6 +4,8 @@ selection that matters, decoding across block completions, no N x N tensor, and 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -155,3 +157,37 @@ def test_short_sequences_read_every_block():
     expected = nsa_attention_reference(q, k, v, gates, mechanism.blocks, k_weight=mechanism.k_compress,
                                        v_weight=mechanism.v_compress, causal=True)
     torch.testing.assert_close(mechanism(q, k, v, causal=True), expected, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("gates, weight, match", [
+    ("nan", None, "gates must lie in"),
+    ("five", None, "gates must lie in"),
+    ("bool", None, "gates must be a floating"),
+    (None, "long", "k_weight must be a floating"),
+    (None, "nan", "k_weight must be finite"),
+    (None, "shape", "k_weight must be a tensor of shape"),
+])
+def test_nsa_attention_refuses_bad_gates_and_weights_naming_them(gates, weight, match):
+    from attnzoo.functional.nsa import NSABlocks, nsa_attention
+
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    blocks = NSABlocks(4, 2, 2, 2, 3)
+    g = {None: torch.rand(1, 2, 8, 3), "nan": torch.full((1, 2, 8, 3), math.nan), "five": torch.full((1, 2, 8, 3), 5.0),
+         "bool": torch.ones(1, 2, 8, 3, dtype=torch.bool)}[gates]
+    w = {None: None, "long": torch.ones(4, 4, dtype=torch.long), "nan": torch.full((4, 4), math.nan),
+         "shape": torch.eye(3)}[weight]
+    with pytest.raises((ValueError, TypeError), match=match):
+        nsa_attention(q, k, v, g, blocks, k_weight=w)
+
+
+def test_nsa_attention_ignores_what_padded_gates_hold():
+    from attnzoo.functional.nsa import NSABlocks, nsa_attention
+
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    blocks, gates = NSABlocks(4, 2, 2, 2, 3), torch.rand(1, 2, 8, 3, generator=torch.Generator().manual_seed(3))
+    padding = torch.zeros(1, 8, dtype=torch.bool)
+    padding[:, 6:] = True
+    clean = nsa_attention(q, k, v, gates, blocks, key_padding_mask=padding)
+    noisy = nsa_attention(q, k, v, gates.masked_fill(padding[:, None, :, None], math.nan), blocks,
+                          key_padding_mask=padding)
+    torch.testing.assert_close(noisy[:, :, :6], clean[:, :, :6], rtol=0, atol=0)

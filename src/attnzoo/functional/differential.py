@@ -91,7 +91,8 @@ def differential_attention(
 def _checked_lambda(lambda_: object, q: Tensor) -> Tensor:
     if isinstance(lambda_, Tensor):
         if lambda_.dim() != 0 or not lambda_.is_floating_point():
-            raise ValueError(f"lambda_ must be a number or a 0-d floating tensor, got shape {tuple(lambda_.shape)}")
+            raise ValueError(f"lambda_ must be a number or a 0-d floating tensor, got shape {tuple(lambda_.shape)} "
+                             f"and dtype {lambda_.dtype}")
         if not bool(torch.isfinite(lambda_)):
             raise ValueError("lambda_ must be finite")
         return lambda_

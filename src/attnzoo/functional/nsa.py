@@ -38,7 +38,14 @@ import torch
 from torch import Tensor
 
 from .._dtypes import working_dtype
-from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
+from .._validation import (
+    check_bool,
+    check_floating,
+    check_key_padding_mask,
+    check_number,
+    check_positive_int,
+    check_qkv,
+)
 from .blocksparse import BlockPlan, LocalPattern, blocksparse_attention_unchecked
 from .blocksparse.selected import selected_blocks_attention_unchecked
 from .masks import zero_padded
@@ -120,9 +127,24 @@ def compress(
     return ((sums / count) @ weight.to(dtype).t()).to(x.dtype), valid
 
 
+def _check_weight(name: str, weight: Optional[Tensor], dim: int, like: Tensor) -> None:
+    """A compression map: None, or a finite floating (dim, dim) tensor on the inputs' device."""
+    if weight is None:
+        return
+    if not isinstance(weight, Tensor) or weight.shape != (dim, dim):
+        raise ValueError(f"{name} must be a tensor of shape {(dim, dim)}, got "
+                         f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
+    check_floating(name, weight)
+    if weight.device != like.device:
+        raise ValueError(f"{name} is on {weight.device}, the inputs on {like.device}")
+    if not bool(torch.isfinite(weight).all()):
+        raise ValueError(f"{name} must be finite")
+
+
 def check_nsa_inputs(
     q: Tensor, k: Tensor, v: Tensor, gates: Tensor, blocks: NSABlocks, causal: bool,
     key_padding_mask: Optional[Tensor], scale: Optional[float],
+    k_weight: Optional[Tensor] = None, v_weight: Optional[Tensor] = None,
 ) -> Optional[float]:
     """Every argument of :func:`nsa_attention` checked, naming it; returns the scale."""
     check_bool("causal", causal)
@@ -138,6 +160,15 @@ def check_nsa_inputs(
     if not isinstance(gates, Tensor) or gates.shape != (*q.shape[:3], GATES):
         raise ValueError(f"gates must be a tensor of shape {(*q.shape[:3], GATES)}, got "
                          f"{tuple(gates.shape) if isinstance(gates, Tensor) else type(gates).__name__}")
+    check_floating("gates", gates)
+    if gates.device != q.device:
+        raise ValueError(f"gates is on {gates.device}, q on {q.device}")
+    # Padded rows are left out: whatever a padded position holds must not matter.
+    kept = gates if key_padding_mask is None else gates.masked_fill(key_padding_mask[:, None, :, None], 0.5)
+    if not bool(((kept >= 0) & (kept <= 1)).all()):  # NaN fails both comparisons
+        raise ValueError("gates must lie in [0, 1] (e.g. a sigmoid) at every unpadded position")
+    _check_weight("k_weight", k_weight, k.shape[3], k)
+    _check_weight("v_weight", v_weight, v.shape[3], v)
     return scale
 
 
@@ -170,7 +201,7 @@ def nsa_attention(
     Returns:
         (batch, heads, seq, dim_v).
     """
-    scale = check_nsa_inputs(q, k, v, gates, blocks, causal, key_padding_mask, scale)
+    scale = check_nsa_inputs(q, k, v, gates, blocks, causal, key_padding_mask, scale, k_weight, v_weight)
     k_weight = torch.eye(k.shape[3], dtype=k.dtype, device=k.device) if k_weight is None else k_weight
     v_weight = torch.eye(v.shape[3], dtype=v.dtype, device=v.device) if v_weight is None else v_weight
     return nsa_attention_unchecked(q, k, v, gates, blocks, k_weight, v_weight, causal, key_padding_mask, scale)

@@ -43,7 +43,8 @@ class NativeSparseAttention(Mechanism):
             of a key/value group); must divide heads.
 
     Self-attention only (the blocks pair positions of one sequence). Grouped keys and values are repeated.
-    Decoding state (growing, like softmax's cache): the keys and values ``k``, ``v`` (heads, seq, head_dim) and
+    Decoding state (growing: each step concatenates its key and value, an O(N) copy, where softmax's cache grows
+    in blocks and writes in place): the keys and values ``k``, ``v`` (heads, seq, head_dim) and
     the compressed summaries ``ck``, ``cv`` (heads, n_blocks, head_dim), one appended per ``compress_stride``
     steps; a step costs O(N / d + n l' + w) with the selected blocks gathered (contexts over 128 n l'), O(N)
     below (:mod:`attnzoo.functional.blocksparse.selected`).
