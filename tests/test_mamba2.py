@@ -277,3 +277,24 @@ def test_train_bytes_with_block_mamba2_from_the_command_line(capsys, tmp_path):
     assert main(["eval", str(out_dir), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["block"] == "mamba2" and result["metrics"]["bits_per_byte"] > 0
+
+
+def test_cls_pooling_is_refused_where_the_first_position_sees_no_token():
+    from attnzoo import UnsupportedOptionError
+    from attnzoo.models import SequenceClassifier
+
+    with pytest.raises(UnsupportedOptionError, match="pooling='cls'.*mamba2"):
+        SequenceClassifier(20, 3, dim=16, heads=2, depth=1, pooling="cls", block="mamba2",
+                           block_options={"state_dim": 8})
+
+
+def test_a_stack_of_mamba2_layers_refuses_a_packed_row_by_name():
+    from attnzoo import UnsupportedOptionError
+    from attnzoo.models import Decoder, Encoder
+
+    offsets = torch.tensor([0, 2, 5])
+    decoder = Decoder(dim=16, heads=2, depth=1, block="mamba2", cross_attention=None)
+    encoder = Encoder(dim=16, heads=2, depth=1, block="mamba2")
+    for stack in (decoder, encoder):
+        with pytest.raises(UnsupportedOptionError, match="mamba2.*cu_seqlens"):
+            stack(torch.randn(1, 5, 16), cu_seqlens=offsets)

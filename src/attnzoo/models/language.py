@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from .._validation import check_choice, check_positive_int
 from .config import ModelConfig, check_model_config
 from .embeddings import TokenEmbedding
+from ..mechanisms.base import UnsupportedOptionError
 from .inputs import check_padding_mask, check_tokens, packed_spans
 from .nat import mean_over_positions
 from .reversible import decoder_class, encoder_class
@@ -207,6 +208,11 @@ class SequenceClassifier(nn.Module):
         self.vocab_size = config.vocab_size
         self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
         use_cls = pooling == "cls"
+        if use_cls and config.block == "mamba2":
+            # Its layers read left to right only: the vector put first would see no token.
+            raise UnsupportedOptionError("pooling='cls' needs layers that read the whole sequence; block='mamba2' "
+                                         "reads left to right, so the first position sees no token: use "
+                                         "pooling='mean'")
         positions = None if config.max_length is None else config.max_length + int(use_cls)
         self.embedding = _embedding(config, positions)
         self.cls = nn.Parameter(torch.randn(1, 1, config.dim) * 0.02) if use_cls else None

@@ -62,8 +62,9 @@ def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
     reason = task.packing_refusal()
     if reason is not None:
         return f"{task.name} cannot be packed: {reason}"
-    if block_packing_refusal(config.block) is not None:
-        return block_packing_refusal(config.block)
+    refusal = block_packing_refusal(config.block)
+    if refusal is not None:
+        return refusal
     if config.block != "attention":  # gated units build their own mechanisms, which run each document alone
         return None
     if mechanism_class(config.mechanism).length_option is not None:
