@@ -77,3 +77,28 @@ def test_budgets_are_checked_naming_the_option():
         tasks.load("bytes", **{**OPTIONS, "test_bytes": 100})
     with pytest.raises(ValueError, match="ran out before the train split held train_bytes=1000000000"):
         tasks.load("bytes", **{**OPTIONS, "train_bytes": 10**9})
+
+
+def test_compression_baselines_measure_what_they_name():
+    import gzip
+    import random
+
+    from attnzoo.tasks.byte_lm import COMPRESSORS, compression_baselines, order0_entropy
+
+    rng = random.Random(0)
+    noise = bytes(rng.randrange(256) for _ in range(4096))
+    text = b"def f(x):\n    return x + 1\n" * 200
+    assert abs(order0_entropy(bytes(range(256)) * 4) - 8.0) < 1e-12
+    assert order0_entropy(b"aaaa") == 0.0
+    figures = compression_baselines(text, context=noise)
+    assert figures["gzip -9"] == pytest.approx(len(gzip.compress(text, 9, mtime=0)) * 8 / len(text), rel=1e-12)
+    for name in COMPRESSORS:
+        assert 0 < figures[name] < 0.5  # repetitive text compresses well
+        assert f"{name}, after context" in figures
+    # random bytes do not compress: every compressor pays at least 8 bits per byte
+    assert all(compression_baselines(noise)[name] >= 8.0 for name in COMPRESSORS)
+    # text seen in the context costs less the second time
+    assert compression_baselines(text[:1000], context=text)["xz -9, after context"] < \
+        compression_baselines(text[:1000])["xz -9"]
+    with pytest.raises(ValueError, match="at least one byte"):
+        compression_baselines(b"")
