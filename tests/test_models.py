@@ -753,7 +753,7 @@ def test_the_old_module_paths_and_exports_keep_working():
 
 
 @pytest.mark.parametrize("model_class, own", [(LanguageModel, set()), (SequenceClassifier, {"num_classes", "pooling"}),
-                                              (SequenceTagger, {"num_classes"})])
+                                              (SequenceTagger, {"num_classes", "causal"})])
 def test_keyword_constructors_take_exactly_the_config_fields_with_its_defaults(model_class, own):
     """The keyword constructors are thin wrappers that make a ModelConfig: a field added to the config and
     forgotten in a wrapper (or a default that drifts) fails here."""

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_choice, check_positive_int
+from .._validation import check_bool, check_choice, check_positive_int
 from .config import ModelConfig, check_model_config
 from .embeddings import TokenEmbedding
 from ..mechanisms.base import UnsupportedOptionError
@@ -262,12 +262,16 @@ class SequenceClassifier(nn.Module):
 
 
 class SequenceTagger(nn.Module):
-    """Encoder-only tagger: tokens (batch, seq) -> a label's logits at every position (batch, seq, num_classes).
+    """Tagger: tokens (batch, seq) -> a label's logits at every position (batch, seq, num_classes).
 
-    The encoder is bidirectional (no causal mask), so every mechanism can serve it; padded positions are
+    By default the stack is bidirectional (an :class:`~attnzoo.models.Encoder`, no causal mask), so every
+    mechanism can serve it. ``causal=True`` makes it causal: the stack is then a decoder-only
+    :class:`~attnzoo.models.Decoder` (as in :class:`LanguageModel`, without its head), so the logits at
+    position t depend on tokens 0..t only; it needs a mechanism with causal support. Padded positions are
     masked as keys and their own logits are meaningless (leave them out of the loss). Used for per-position
-    tasks such as associative recall. Arguments as for :class:`SequenceClassifier`, without pooling;
-    ``SequenceTagger.from_config(config, num_classes)`` builds one from a :class:`ModelConfig`.
+    tasks such as associative recall. Arguments as for :class:`SequenceClassifier`, without pooling, plus
+    ``causal``; ``SequenceTagger.from_config(config, num_classes, causal=...)`` builds one from a
+    :class:`ModelConfig`. ``model.causal`` says which it is; ``model.encoder`` is its stack either way.
     """
 
     def __init__(
@@ -293,42 +297,56 @@ class SequenceTagger(nn.Module):
         block_options: Optional[Dict[str, Any]] = None,
         token_shift: bool = False,
         kv_heads: Optional[int] = None,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         check_positive_int("num_classes", num_classes)
+        check_bool("causal", causal)
         self._build(ModelConfig(
             vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
             dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
             self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
             reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
             kv_heads=kv_heads,
-        ), num_classes)
+        ), num_classes, causal)
 
     @classmethod
-    def from_config(cls, config: ModelConfig, num_classes: int) -> "SequenceTagger":
-        """The tagger of ``config`` into ``num_classes`` labels per position."""
+    def from_config(cls, config: ModelConfig, num_classes: int, *, causal: bool = False) -> "SequenceTagger":
+        """The tagger of ``config`` into ``num_classes`` labels per position; causal if ``causal``."""
         model = _blank(cls)
-        model._build(check_model_config(config), check_positive_int("num_classes", num_classes))
+        model._build(check_model_config(config), check_positive_int("num_classes", num_classes),
+                     check_bool("causal", causal))
         return model
 
-    def _build(self, config: ModelConfig, num_classes: int) -> None:
+    def _build(self, config: ModelConfig, num_classes: int, causal: bool) -> None:
         self.config = config
         self.vocab_size = config.vocab_size
-        self.embedding = _embedding(config, config.max_length)
-        self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
+        self.causal = causal
+        self.embedding = _embedding(config, config.max_length)  # token_shift reads backwards: causal-safe
+        # A causal tagger is a decoder-only stack without memory: the same layers, with causal self-attention.
+        stack_class = decoder_class(config.reversible) if causal else encoder_class(config.reversible)
+        self.encoder = stack_class.from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, num_classes)
 
     def forward(
         self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
     ) -> Tensor:
         """tokens: (batch, seq) ids; padding_mask: (batch, seq) bool, True = padding. Returns
-        (batch, seq, num_classes). ``cu_seqlens``: a packed batch (1, seq) of documents at these int64 offsets,
-        each tagged as it would be alone."""
+        (batch, seq, num_classes); with ``causal`` the logits at position t depend on tokens 0..t only.
+        ``cu_seqlens``: a packed batch (1, seq) of documents at these int64 offsets, each tagged as it would be
+        alone."""
         check_tokens("tokens", tokens, self.vocab_size)
         check_padding_mask("padding_mask", padding_mask, tokens)
         spans = None if cu_seqlens is None else packed_spans(self, tokens, padding_mask, cu_seqlens)
-        x = self.embedding(tokens, padding_mask=padding_mask, spans=spans)
-        return self.head(self.encoder(x, key_padding_mask=padding_mask, **packed_options(cu_seqlens)))
+        x = self.embedding(tokens, padding_mask=padding_mask, spans=spans)  # (batch, seq, dim)
+        if self.causal:
+            hidden = self.encoder(x, padding_mask=padding_mask, **packed_options(cu_seqlens))
+        else:
+            hidden = self.encoder(x, key_padding_mask=padding_mask, **packed_options(cu_seqlens))
+        return self.head(hidden)
+
+    def extra_repr(self) -> str:
+        return f"causal={self.causal}"
 
 
 __all__ = ["LanguageModel", "POOLING_KINDS", "SequenceClassifier", "SequenceTagger"]

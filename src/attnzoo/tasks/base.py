@@ -9,7 +9,8 @@ Three kinds of task, which decide the shape of the targets and the metric:
 
 * ``"classify"``: one class per sequence, targets ``(n,)``; metric ``"accuracy"``.
 * ``"tag"``: one class per position, targets ``(n, seq_len)`` with :data:`IGNORE_INDEX` where no answer is
-  scored; metric ``"accuracy"`` over the scored positions.
+  scored; metric ``"accuracy"`` over the scored positions. The model is bidirectional unless the task asks
+  for a causal one (:attr:`Task.needs_causal_model`, e.g. ``recall`` with ``causal=True``).
 * ``"lm"``: next-token prediction, targets ``(n, seq_len)`` = the inputs shifted by one; metric
   ``"bits_per_byte"``; a model must be causal.
 * ``"seq2seq"``: a source sequence to a target sequence of another length (and vocabulary); the splits are
@@ -126,7 +127,8 @@ class Task:
         name: the word ``load`` and ``attnzoo train`` take.
         kind: ``"classify"``, ``"tag"``, ``"lm"`` or ``"seq2seq"`` (see the module docstring).
         metric: ``"accuracy"`` (classify, tag) or ``"bits_per_byte"`` (lm).
-        needs_causal: True for ``"lm"`` only: the model must not see the token it predicts.
+        needs_causal: True for ``"lm"`` only: the model must not see the token it predicts. What the kind
+            demands; :attr:`needs_causal_model` says what this instance, with its options, demands.
         summary: one line for listings.
 
     Instance attributes:
@@ -184,13 +186,32 @@ class Task:
                                  f"expected {expected} for kind {self.kind!r}")
             if (self.pad_id is None) != (split.padding_mask is None):
                 raise ValueError(f"{self.name} {split_name}: padding_mask must be given exactly when pad_id is set")
+        self._check_causal_model()
         self._splits = {name: splits[name] for name in SPLITS}
+
+    def _check_causal_model(self) -> None:
+        """A kind that needs a causal model (lm) gets one; only a tag task may ask for one on its own."""
+        causal = self.needs_causal_model
+        if not isinstance(causal, bool):
+            raise TypeError(f"{self.name}: needs_causal_model must be a bool, got {type(causal).__name__}")
+        if self.needs_causal and not causal:
+            raise ValueError(f"{self.name}: a {self.kind!r} task's model must be causal (needs_causal)")
+        if causal and self.kind not in ("lm", "tag"):
+            raise ValueError(f"{self.name}: only lm and tag tasks have causal models, not kind {self.kind!r}")
 
     def _describe_extra(self) -> List[str]:
         """Task-specific lines for :meth:`describe` (where the data comes from, its knobs)."""
         return []
 
     # -- the API ---------------------------------------------------------------------------------------------
+    @property
+    def needs_causal_model(self) -> bool:
+        """Whether the model serving this task, with its options, must be causal: each position sees only
+        itself and earlier positions. Always for an ``"lm"`` task (:attr:`needs_causal`); a ``"tag"`` task may
+        ask for it through an option (``recall``'s ``causal``), its targets staying where they are. The
+        training code builds the model, and checks the mechanism, from this."""
+        return self.needs_causal
+
     def split(self, name: str) -> Split:
         """The split ``name``: ``"train"``, ``"validation"`` or ``"test"``."""
         if not isinstance(name, str) or name not in SPLITS:

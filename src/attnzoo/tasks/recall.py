@@ -7,6 +7,10 @@ The inputs hold no answers, so a bidirectional encoder can be trained on them; t
 position is the index (0..num_values-1) of the value paired with that key, and :data:`IGNORE_INDEX` at every
 other position. Every sequence has the same length, ``2 * num_pairs + num_queries``; nothing is padded.
 
+``causal=True`` asks for a causal model (each position sees only itself and earlier ones), as in the papers'
+recall (MQAR, Zoology): a query then reads what the pairs before it stored, before any later query writes.
+The data is the same: every pair precedes the queries, and each target sits at its query key.
+
 Token ids: keys ``0..num_keys-1``, values ``num_keys..num_keys+num_values-1`` (value index i is token
 ``num_keys + i``); ``vocab_size = num_keys + num_values``, ``num_classes = num_values``.
 """
@@ -18,7 +22,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from .._validation import check_number, check_positive_int
+from .._validation import check_bool, check_number, check_positive_int
 from .base import IGNORE_INDEX, Split, Task, register
 
 
@@ -60,6 +64,7 @@ class Recall(Task):
         num_queries: Optional[int] = None,
         num_keys: int = 64,
         num_values: int = 64,
+        causal: bool = False,
     ) -> None:
         self.seed = self._check_seed(seed)
         self._set_split_sizes(train_size, validation_size, test_size)
@@ -70,6 +75,7 @@ class Recall(Task):
         self.num_queries = self.num_pairs if queries is None else queries
         self.num_keys = check_number("num_keys", num_keys, integer=True, minimum=self.num_pairs)
         self.num_values = check_number("num_values", num_values, integer=True, minimum=2)
+        self.causal = check_bool("causal", causal)
 
         self.vocab_size = self.num_keys + self.num_values
         self.seq_len = 2 * self.num_pairs + self.num_queries
@@ -84,8 +90,16 @@ class Recall(Task):
                                                  num_keys=self.num_keys, num_values=self.num_values, rng=rng)
         self._set_splits(splits)
 
+    @property
+    def needs_causal_model(self) -> bool:
+        """``causal``: the model must be causal, each query reading only the positions before it."""
+        return self.causal
+
     def _describe_extra(self) -> List[str]:
+        model = ("causal model: each query sees only the positions before it" if self.causal
+                 else "bidirectional model: every position sees the whole sequence")
         return [
             f"{self.num_pairs} key-value pairs then {self.num_queries} queries; keys are tokens "
             f"0..{self.num_keys - 1}, values {self.num_keys}..{self.vocab_size - 1}; seed {self.seed}",
+            f"causal {self.causal}: {model}",
         ]

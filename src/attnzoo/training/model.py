@@ -32,7 +32,8 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     """Why this mechanism (with these options) cannot train on this task: empty when it can.
 
     Asks the mechanism itself (:meth:`~attnzoo.Mechanism.unsupported_reasons`) about the calls the model will
-    make: causal attention for a language-modelling task, key padding for a task that pads, its length.
+    make: causal attention for a task whose model is causal (:attr:`~attnzoo.tasks.Task.needs_causal_model`:
+    language modelling, or a tag task that asks for it), key padding for a task that pads, its length.
     Invalid options raise their own errors (a typo is not an unsupported task)."""
     try:
         mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
@@ -42,16 +43,19 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
     length = model_length(config, task)
     padding = None if task.pad_id is None else torch.zeros(1, length, dtype=torch.bool, device="meta")
     q, k, v = shapes_only(1, config.heads, length, length, config.dim // config.heads, kv_heads=config.kv_heads)
-    reasons = mechanism.unsupported_reasons(q, k, v, causal=task.needs_causal, key_padding_mask=padding)
+    causal = task.needs_causal_model
+    reasons = mechanism.unsupported_reasons(q, k, v, causal=causal, key_padding_mask=padding)
     if task.kind == "seq2seq":  # the mechanism is also the decoder's self-attention: causal unless NAT
         target = shapes_only(1, config.heads, task.target_len, task.target_len, config.dim // config.heads,
                              kv_heads=config.kv_heads)
-        causal = config.decoding == "autoregressive"
-        target_padding = None if causal else torch.zeros(1, task.target_len, dtype=torch.bool, device="meta")
+        decoder_causal = config.decoding == "autoregressive"
+        target_padding = None if decoder_causal else torch.zeros(1, task.target_len, dtype=torch.bool, device="meta")
         reasons += [f"as the decoder's self-attention: {reason}" for reason in
-                    mechanism.unsupported_reasons(*target, causal=causal, key_padding_mask=target_padding)]
-    if task.needs_causal and not mechanism.capabilities.causal:
-        reasons = [f"{task.name} is next-token prediction, which needs causal attention: " + "; ".join(reasons)]
+                    mechanism.unsupported_reasons(*target, causal=decoder_causal, key_padding_mask=target_padding)]
+    if causal and not mechanism.capabilities.causal:
+        why = ("is next-token prediction" if task.needs_causal
+               else "asks for a causal model (each position sees only itself and earlier ones)")
+        reasons = [f"{task.name} {why}, which needs causal attention: " + "; ".join(reasons)]
     return reasons
 
 
@@ -83,6 +87,10 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
     on each side), every self-attention slot using ``config.mechanism``, or every layer a gated unit of
     ``config.block`` (not for seq2seq).
+
+    The tagger is causal when the task's options ask for it (:attr:`~attnzoo.tasks.Task.needs_causal_model`):
+    ``attnzoo eval`` and ``--resume`` rebuild the task from the options the run recorded, so they rebuild
+    the same model.
 
     Raises :class:`~attnzoo.UnsupportedOptionError` when the mechanism cannot serve the task."""
     if task.kind != "seq2seq" and config.scheduled_sampling != "none":
@@ -126,7 +134,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling,
                                   token_shift=config.token_shift, **common)
     if task.kind == "tag":
-        return SequenceTagger(task.vocab_size, task.num_classes, token_shift=config.token_shift, **common)
+        return SequenceTagger(task.vocab_size, task.num_classes, token_shift=config.token_shift,
+                              causal=task.needs_causal_model, **common)
     if task.kind == "lm":
         return LanguageModel(task.vocab_size, token_shift=config.token_shift, **common)
     if task.kind == "seq2seq":
