@@ -93,7 +93,7 @@ def short_conv_unchecked(
             tap = padded[:, kernel - 1 - shift : kernel - 1 - shift + length]  # x[t - shift], zeros before the start
             if positions is not None:  # a position reads no further back than its document's start
                 tap = tap.masked_fill(_broadcast_over_channels(positions < shift, x), 0.0)
-            out = out + tap * weight[..., kernel - 1 - shift]
+            out = torch.addcmul(out, tap, weight[..., kernel - 1 - shift])
     if bias is not None:
         out = out + bias.to(x.dtype)
     return F.silu(out) if silu else out
