@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from attnzoo.functional import short_conv, short_conv_reference, short_conv_state, short_conv_step
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
+from attnzoo.models import LanguageModel
 
 EXACT = {"rtol": 0.0, "atol": 1e-10}
 CHANNELS = (3, 4)  # (heads, head_dim)-like channel dims
@@ -247,3 +248,18 @@ def test_cross_attention_stays_refused(name):
     q, k, v = _qkv(1, 5)
     with pytest.raises(UnsupportedOptionError, match="cross"):
         _mechanism(name, 4)(q, k, v, cross=True)
+
+
+@pytest.mark.parametrize("name", MECHANISMS)
+def test_a_language_model_decodes_through_the_convolution_like_its_forward(name):
+    torch.manual_seed(0)
+    model = LanguageModel(11, dim=16, heads=2, depth=2, max_length=16, self_attention=name,
+                          self_attention_options={"conv_size": 4, "chunk_size": 4}).double().eval()
+    sequence = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(0))
+    full = model(sequence)
+    logits, state = model.prefill(sequence[:, :3])
+    steps = [logits]
+    for t in range(3, 9):
+        logits, state = model.step(sequence[:, t], state)
+        steps.append(logits[:, None])
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **EXACT)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import check_floating, check_key_padding_mask
+from .._validation import check_floating, check_key_padding_mask, check_positive_int
 from .packing import check_cu_seqlens
 
 
@@ -150,8 +150,7 @@ def short_conv_state(x: Tensor, kernel: int, key_padding_mask: Optional[Tensor] 
     (batch, kernel - 1, *channels), zeros where the prefix is shorter and at padded positions (so a padded
     value reaches no later step). What :func:`short_conv_step` continues from."""
     x = _check_sequence(x)
-    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1:
-        raise ValueError(f"kernel must be an int >= 1, got {kernel!r}")
+    kernel = check_positive_int("kernel", kernel)
     check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
     return short_conv_state_unchecked(x, kernel, key_padding_mask)
 
