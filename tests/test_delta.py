@@ -184,7 +184,7 @@ def test_mechanism_gates_are_in_their_domain(name):
     torch.manual_seed(0)
     mechanism = build_mechanism(name, 4, D).double()
     k = 10 * torch.randn(2, 4, 12, D, dtype=torch.float64)
-    _, unit_k, beta, log_decay = mechanism._gated_inputs(k, k, None)
+    _, unit_k, _, beta, log_decay = mechanism._gated_inputs(k, k, k, None, mechanism._fast_conv)
     assert ((beta > 0) & (beta < 1)).all()
     torch.testing.assert_close(unit_k.norm(dim=-1), torch.ones(2, 4, 12, dtype=torch.float64))
     if name == "delta":

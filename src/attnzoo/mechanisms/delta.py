@@ -13,23 +13,30 @@ The mechanism sees only q, k and v (not the layer input the papers project beta 
 and the decay are computed from the (raw, unnormalised) keys, as ``gla`` computes its gate:
 ``beta_t = sigmoid(k_t . w_beta + b_beta)``, one scalar per head and position.
 
+Option ``conv_size`` (0, off, by default): DeltaNet's and Gated DeltaNet's short convolution (fla's
+``ShortConvolution``): q, k and v each go through their own causal depthwise convolution of ``conv_size`` taps
+per head channel and a SiLU (:mod:`attnzoo.functional.short_convolution`) before q and k are L2-normalised.
+beta and the decay are still computed from the raw keys (a projection of the position's own input, as the
+papers' gates are). The convolution looks back only, in either mode.
+
 Capabilities: causal (each query reads the state after its own position) and non-causal (every query reads
 the state after the whole sequence, as non-causal linear attention reads the sum over every key; the writes
 still happen in sequence order). Self-attention only (the order of the writes is the keys' sequence order).
-Padded positions write nothing and do not decay the state. Decoding carries the (d_k x d_v) state.
+Padded positions write nothing and do not decay the state; with the convolution they enter it as zeros.
+Decoding carries the (d_k x d_v) state, and with ``conv_size >= 2`` the last ``conv_size - 1`` q, k and v.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._dtypes import working_dtype
-from .._validation import check_positive_int
+from .._validation import check_number, check_positive_int
 from ..functional.delta import (
     DEFAULT_CHUNK_SIZE,
     delta_rule_reference,
@@ -37,43 +44,95 @@ from ..functional.delta import (
     delta_rule_unchecked,
 )
 from ..functional.gated import key_gate_logits
+from ..functional.short_convolution import (
+    short_conv_reference,
+    short_conv_state_unchecked,
+    short_conv_step_unchecked,
+    short_conv_unchecked,
+)
 from .base import OWN, PACKED_SPLIT, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
+
+_CONVOLVED = ("q", "k", "v")
 
 _COMPLEXITY = "time O(N c d + N d^2), memory O(N c + N d^2 / c); c = chunk_size; decoding O(d^2) per token"
 
 
 class _DeltaRuleMechanism(Mechanism):
-    """Shared wiring: L2-normalised q and k, beta (and a decay) from the keys, the chunked, step and prefill
-    forms of :mod:`attnzoo.functional.delta`. Decoding state: ``{"state": (batch, heads, head_dim, head_dim)}``
-    in the working dtype (float32 for half-precision inputs)."""
+    """Shared wiring: the optional short convolutions, L2-normalised q and k, beta (and a decay) from the keys,
+    the chunked, step and prefill forms of :mod:`attnzoo.functional.delta`. Decoding state:
+    ``{"state": (batch, heads, head_dim, head_dim)}``, and with ``conv_size >= 2`` ``{"q_conv", "k_conv",
+    "v_conv"}`` of (batch, conv_size - 1, heads, head_dim), the last inputs of each convolution; all in the
+    working dtype (float32 for half-precision inputs)."""
 
-    def __init__(self, heads: int, head_dim: int, *, chunk_size: int) -> None:
+    def __init__(self, heads: int, head_dim: int, *, chunk_size: int, conv_size: int) -> None:
         super().__init__(heads, head_dim)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.conv_size = check_number("conv_size", conv_size, integer=True, minimum=0)
         self.beta_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
         self.beta_bias = nn.Parameter(torch.zeros(heads))
+        if self.conv_size:
+            # torch.nn.Conv1d's default initialisation (fla's ShortConvolution keeps it): U(-1/sqrt(K), 1/sqrt(K)).
+            bound = 1.0 / math.sqrt(self.conv_size)
+            for name in _CONVOLVED:
+                weight = torch.empty(heads, head_dim, self.conv_size).uniform_(-bound, bound)
+                self.register_parameter(f"{name}_conv", nn.Parameter(weight))
 
     def log_decay(self, k: Tensor) -> Optional[Tensor]:
         """(B, H, N) log decay from the (masked, raw) keys, or None for the plain delta rule."""
         return None
 
+    def _conv_weights(self) -> List[Tensor]:
+        """The (heads, head_dim, conv_size) weights of the q, k and v convolutions."""
+        return [getattr(self, f"{name}_conv") for name in _CONVOLVED]
+
     def _gated_inputs(
-        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]
-    ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """(unit q, unit k, beta, log decay) in the working dtype. Padded keys are zeroed first, so that a NaN
-        or inf they hold reaches neither beta, nor the decay, nor a gradient."""
+        self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], convolve: Callable[..., Tensor]
+    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """(unit q, unit k, v, beta, log decay) in the working dtype (v as given without the convolution).
+        Padded keys are zeroed first, so that a NaN or inf they hold reaches neither beta, nor the decay, nor a
+        gradient. ``convolve`` is the short convolution's form (fast, or the float64 reference), called on
+        (batch, seq, heads, head_dim) views as ``convolve(name, x, weight, key_padding_mask)``, name "q", "k" or "v"."""
         dtype = working_dtype(q.dtype)
         q, k = q.to(dtype), k.to(dtype)
         if key_padding_mask is not None:
             k = k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
         beta = torch.sigmoid(key_gate_logits(k, self.beta_weight, self.beta_bias))
-        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), beta, self.log_decay(k)
+        log_decay = self.log_decay(k)
+        if self.conv_size:
+            q, k, v = (convolve(name, x.to(dtype).transpose(1, 2), weight, key_padding_mask).transpose(1, 2)
+                       for name, x, weight in zip(_CONVOLVED, (q, k, v), self._conv_weights()))
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta, log_decay
+
+    @staticmethod
+    def _fast_conv(name: str, x: Tensor, weight: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        return short_conv_unchecked(x, weight, None, True, key_padding_mask, None)
+
+    @staticmethod
+    def _reference_conv(name: str, x: Tensor, weight: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        return short_conv_reference(x, weight, silu=True, key_padding_mask=key_padding_mask)
+
+    def check_inputs(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool = False
+    ) -> None:
+        super().check_inputs(q, k, v, causal, key_padding_mask, cross)
+        self._check_value_width(v)
+
+    def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
+        super().check_step_inputs(q_t, k_t, v_t)
+        self._check_value_width(v_t)
+
+    def _check_value_width(self, v: Tensor) -> None:
+        """The v convolution has one weight per channel of head_dim: v of another width is refused, naming
+        conv_size (the delta rule itself takes any value width)."""
+        if self.conv_size and v.shape[-1] != self.head_dim:
+            raise ValueError(f"{self.name} with conv_size={self.conv_size} convolves v per channel: v must have "
+                             f"head_dim={self.head_dim} channels, got {v.shape[-1]}")
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
-        unit_q, unit_k, beta, log_decay = self._gated_inputs(q, k, key_padding_mask)
-        out, _ = delta_rule_unchecked(unit_q, unit_k, v, beta, log_decay, key_padding_mask, None, causal,
+        unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q, k, v, key_padding_mask, self._fast_conv)
+        out, _ = delta_rule_unchecked(unit_q, unit_k, v_, beta, log_decay, key_padding_mask, None, causal,
                                       self.chunk_size)
         return out.to(q.dtype)
 
@@ -88,30 +147,53 @@ class _DeltaRuleMechanism(Mechanism):
         cross: bool = False,
     ) -> Tensor:
         """The per-position recurrence in float64 (:func:`attnzoo.functional.delta.delta_rule_reference`),
-        with beta and the decay computed from the float64 keys by the same definitions."""
+        with the convolutions (:func:`~attnzoo.functional.short_convolution.short_conv_reference`), beta and
+        the decay computed from the float64 inputs by the same definitions."""
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        unit_q, unit_k, beta, log_decay = self._gated_inputs(q.double(), k.double(), key_padding_mask)
-        return delta_rule_reference(unit_q, unit_k, v.double(), beta, log_decay, causal=causal,
+        unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q.double(), k.double(), v.double(),
+                                                                 key_padding_mask, self._reference_conv)
+        return delta_rule_reference(unit_q, unit_k, v_, beta, log_decay, causal=causal,
                                     key_padding_mask=key_padding_mask)
 
     def state_layout(self, dtype: torch.dtype) -> StateLayout:
-        return {"state": ((self.heads, self.head_dim, self.head_dim), working_dtype(dtype))}
+        working = working_dtype(dtype)
+        layout = {"state": ((self.heads, self.head_dim, self.head_dim), working)}
+        if self.conv_size > 1:
+            window = (self.conv_size - 1, self.heads, self.head_dim)
+            layout.update({f"{name}_conv": (window, working) for name in _CONVOLVED})
+        return layout
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
-        unit_q, unit_k, beta, log_decay = self._gated_inputs(q, k, None)
-        out, state = delta_rule_unchecked(unit_q, unit_k, v, beta, log_decay, None, None, True, self.chunk_size)
-        return out.to(q.dtype), {"state": state}
+        unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q, k, v, None, self._fast_conv)
+        out, state = delta_rule_unchecked(unit_q, unit_k, v_, beta, log_decay, None, None, True, self.chunk_size)
+        tensors = {"state": state}
+        if self.conv_size > 1:
+            dtype = working_dtype(q.dtype)
+            tensors.update({f"{name}_conv": short_conv_state_unchecked(x.to(dtype).transpose(1, 2), self.conv_size)
+                            for name, x in zip(_CONVOLVED, (q, k, v))})
+        return out.to(q.dtype), tensors
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
-        unit_q, unit_k, beta, log_decay = self._gated_inputs(q_t, k_t, None)
+        windows: Dict[str, Tensor] = {}
+
+        def convolve_step(name: str, x: Tensor, weight: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+            previous = None if tensors is None or self.conv_size == 1 else tensors[f"{name}_conv"]
+            out, windows[name] = short_conv_step_unchecked(x, previous, weight, None, True)
+            return out
+
+        unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q_t, k_t, v_t, None, convolve_step)
         previous = None if tensors is None else tensors["state"]
-        out, state = delta_rule_step_unchecked(unit_q, unit_k, v_t, beta, log_decay, previous)
-        return out.to(q_t.dtype), {"state": state}
+        out, state = delta_rule_step_unchecked(unit_q, unit_k, v_, beta, log_decay, previous)
+        new = {"state": state}
+        if self.conv_size > 1:
+            new.update({f"{name}_conv": window for name, window in windows.items()})
+        return out.to(q_t.dtype), new
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, chunk_size={self.chunk_size}"
+        return f"{super().extra_repr()}, chunk_size={self.chunk_size}" + (
+            f", conv_size={self.conv_size}" if self.conv_size else "")
 
 
 @register
@@ -122,6 +204,8 @@ class DeltaNetAttention(_DeltaRuleMechanism):
 
     Options:
         chunk_size: chunk length of the parallel form.
+        conv_size: taps of the short causal convolutions on q, k and v (with SiLU) before the normalisation,
+            as the paper's layer has them (4 there); 0 (the default): none.
     """
 
     name = "delta"
@@ -138,9 +222,12 @@ class DeltaNetAttention(_DeltaRuleMechanism):
         packing=PACKED_SPLIT,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
+    test_variants = ({"chunk_size": 4, "conv_size": 3},)
 
-    def __init__(self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(heads, head_dim, chunk_size=chunk_size)
+    def __init__(
+        self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE, conv_size: int = 0
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
 
 
 @register
@@ -156,6 +243,8 @@ class GatedDeltaNetAttention(_DeltaRuleMechanism):
 
     Options:
         chunk_size: chunk length of the parallel form.
+        conv_size: taps of the short causal convolutions on q, k and v (with SiLU) before the normalisation,
+            as the paper's layer has them (4 there); 0 (the default): none.
     """
 
     name = "gated_delta"
@@ -172,9 +261,12 @@ class GatedDeltaNetAttention(_DeltaRuleMechanism):
         packing=PACKED_SPLIT,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
+    test_variants = ({"chunk_size": 4, "conv_size": 3},)
 
-    def __init__(self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        super().__init__(heads, head_dim, chunk_size=chunk_size)
+    def __init__(
+        self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE, conv_size: int = 0
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
         self.decay_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
         self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
         steps = torch.logspace(math.log10(0.001), math.log10(0.1), heads)

@@ -38,6 +38,7 @@ from ..functional.ssd import (
     ssd_step_unchecked,
     ssd_unchecked,
 )
+from ..functional.short_convolution import short_conv_state_unchecked, short_conv_step_unchecked, short_conv_unchecked
 from .config import BlockConfig
 from .layers import _Sublayer
 from .mamba2_options import mamba2_options
@@ -116,10 +117,18 @@ class Mamba2Block(nn.Module):
         """The convolved, activated xBC (batch, e + 2 g n, seq) as x (batch, heads, seq, head_dim) and B, C
         (batch, groups, seq, state_dim)."""
         batch, _, seq = xbc.shape
-        x, b, c = F.silu(xbc).split([self.inner_dim, self.groups * self.state_dim, self.groups * self.state_dim], 1)
+        x, b, c = xbc.split([self.inner_dim, self.groups * self.state_dim, self.groups * self.state_dim], 1)
         x = x.view(batch, self.heads, self.head_dim, seq).transpose(-1, -2)
         b, c = (t.view(batch, self.groups, self.state_dim, seq).transpose(-1, -2) for t in (b, c))
         return x, b, c
+
+    def _conv(self, xbc: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """silu(causal depthwise conv(xBC)), (batch, e + 2 g n, seq) in and out
+        (:func:`attnzoo.functional.short_convolution.short_conv`; padded positions enter as zeros, so a NaN or
+        inf they hold stays out)."""
+        out = short_conv_unchecked(xbc.transpose(1, 2), self.conv1d.weight[:, 0], self.conv1d.bias, True,
+                                   key_padding_mask, None)
+        return out.transpose(1, 2)
 
     def _rates(self, dtype: torch.dtype) -> Tensor:
         """A = -exp(A_log), (heads,)."""
@@ -132,11 +141,7 @@ class Mamba2Block(nn.Module):
 
     def _branch(self, h: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         z, xbc, dt = self._project(h)
-        if key_padding_mask is not None:
-            # masked_fill, not a product: a NaN or inf a padded position holds stays out of the convolution.
-            xbc = xbc.masked_fill(key_padding_mask[:, None, :], 0.0)
-        xbc = self.conv1d(F.pad(xbc, (self.conv_size - 1, 0)))
-        x, b, c = self._ssd_inputs(xbc)
+        x, b, c = self._ssd_inputs(self._conv(xbc, key_padding_mask))
         y = ssd_unchecked(x, dt, self._rates(x.dtype), b, c, self.D, True, key_padding_mask, None, self.chunk_size)
         return self._finish(y, z)
 
@@ -152,10 +157,9 @@ class Mamba2Block(nn.Module):
         def branch(h: Tensor) -> Tensor:
             nonlocal state
             z, xbc, dt = self._project(h)
-            padded = F.pad(xbc, (self.conv_size - 1, 0))
-            x_, b, c = self._ssd_inputs(self.conv1d(padded))
+            x_, b, c = self._ssd_inputs(self._conv(xbc))
             y, ssm = ssd_prefill_unchecked(x_, dt, self._rates(x_.dtype), b, c, self.D, self.chunk_size)
-            state = Mamba2State(padded[..., padded.shape[-1] - (self.conv_size - 1):], ssm)
+            state = Mamba2State(short_conv_state_unchecked(xbc.transpose(1, 2), self.conv_size).transpose(1, 2), ssm)
             return self._finish(y, z)
 
         out = self.block(x, branch)
@@ -180,11 +184,11 @@ class Mamba2Block(nn.Module):
         def branch(h: Tensor) -> Tensor:
             nonlocal new_state
             z, xbc, dt = self._project(h)
-            window = torch.cat([state.conv.to(xbc.dtype), xbc], dim=-1)  # (batch, e + 2 g n, conv_size)
-            convolved = (window * self.conv1d.weight[:, 0].to(xbc.dtype)).sum(-1, keepdim=True)
-            x_, b, c = self._ssd_inputs(convolved + self.conv1d.bias.to(xbc.dtype)[:, None])
+            convolved, conv = short_conv_step_unchecked(xbc.transpose(1, 2), state.conv.transpose(1, 2),
+                                                        self.conv1d.weight[:, 0], self.conv1d.bias, True)
+            x_, b, c = self._ssd_inputs(convolved.transpose(1, 2))
             y, ssm = ssd_step_unchecked(x_, dt, self._rates(x_.dtype), b, c, state.ssm, self.D)
-            new_state = Mamba2State(window[..., 1:], ssm)
+            new_state = Mamba2State(conv.transpose(1, 2), ssm)
             return self._finish(y, z)
 
         out = self.block(x_t, branch)
