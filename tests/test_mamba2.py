@@ -401,12 +401,12 @@ def test_stacks_of_mamba2_layers_pack(stack):
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 9]), key_padding_mask=torch.zeros(1, 9, dtype=torch.bool)),
+    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 9]), key_padding_mask=torch.zeros(1, 9).bool()),
      ValueError, "cu_seqlens and key_padding_mask"),
     (lambda layer, x: layer(x.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 3, 9])), ValueError, "cu_seqlens.*batch"),
     (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 8])), ValueError, "cu_seqlens must end at"),
     (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 3, 9])), ValueError, "cu_seqlens must be strictly"),
-    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 9], dtype=torch.int32)), TypeError, "cu_seqlens must be int64"),
+    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 9]).int()), TypeError, "cu_seqlens must be int64"),
     (lambda layer, x, cu=torch.tensor([0, 9]): torch.jit.trace(lambda x: layer(x, cu_seqlens=cu), (x,)),
      attnzoo.UnsupportedOptionError, "cu_seqlens cannot be traced"),
 ])

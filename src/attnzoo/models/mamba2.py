@@ -19,8 +19,8 @@ Padding: a padded position enters the convolution as zeros and neither writes to
 so nothing it holds reaches another position (NaN and inf included); a sequence padded at its end gives what
 it gives alone. Packed rows (``cu_seqlens``, batch 1): the convolution's window and the SSM state restart at
 every document start, and every other part (projections, step sizes, the gated norm, the stack's layer norm)
-works on one position at a time, so each document gives what it gives alone. Parameter names follow mamba_ssm's ``Mamba2`` (``in_proj``, ``conv1d``, ``dt_bias``,
-``A_log``, ``D``, ``norm.weight``, ``out_proj``).
+works on one position at a time, so each document gives what it gives alone. Parameter names follow
+mamba_ssm's ``Mamba2`` (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``).
 """
 
 from __future__ import annotations
