@@ -288,13 +288,146 @@ def test_cls_pooling_is_refused_where_the_first_position_sees_no_token():
                            block_options={"state_dim": 8})
 
 
-def test_a_stack_of_mamba2_layers_refuses_a_packed_row_by_name():
-    from attnzoo import UnsupportedOptionError
-    from attnzoo.models import Decoder, Encoder
+# -- packed rows (cu_seqlens) ---------------------------------------------------------------------------------
+LENGTHS = (5, 1, 7, 3, 8)  # a document of one position, none a multiple of the chunk sizes 3 and 4 but one
 
-    offsets = torch.tensor([0, 2, 5])
-    decoder = Decoder(dim=16, heads=2, depth=1, block="mamba2", cross_attention=None)
-    encoder = Encoder(dim=16, heads=2, depth=1, block="mamba2")
-    for stack in (decoder, encoder):
-        with pytest.raises(UnsupportedOptionError, match="mamba2.*cu_seqlens"):
-            stack(torch.randn(1, 5, 16), cu_seqlens=offsets)
+
+def _packed(lengths=LENGTHS):
+    """Each document's (start, end) and the int64 offsets of the row that holds them back to back."""
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return list(zip(offsets[:-1].tolist(), offsets[1:].tolist())), offsets
+
+
+def _gradients(module, loss):
+    module.zero_grad(set_to_none=True)
+    loss.backward()
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def _assert_packed_equals_alone(module, run, inputs, offsets, spans):
+    """Outputs and parameter gradients of the packed row equal those of its documents run one by one."""
+    packed = run(inputs, offsets)
+    alone = [run(inputs[:, start:end], None) for start, end in spans]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), **TIGHT)
+    weights = randn(*packed.shape, seed=9)  # a loss that weighs every output differently
+    expected = _gradients(module, sum((out * weights[:, s:e]).sum() for out, (s, e) in zip(alone, spans)))
+    for got, want in zip(_gradients(module, (run(inputs, offsets) * weights).sum()), expected):
+        torch.testing.assert_close(got, want, **TIGHT)
+
+
+@pytest.mark.parametrize("options, norm_first, causal_layer", [
+    *((options, True, Mamba2DecoderLayer) for options in OPTIONS),
+    (OPTIONS[0], False, Mamba2EncoderLayer),
+])
+def test_a_block_on_a_packed_row_gives_each_document_what_it_gives_alone(options, norm_first, causal_layer):
+    """Convolution window and SSM state restart at each document (conv_size 1, 2 and 4; chunks of 3 and 4
+    that documents straddle), in outputs, input gradients and parameter gradients."""
+    torch.manual_seed(0)
+    heads = 4 if options.get("groups") == 2 else 2
+    layer = causal_layer(BlockConfig(16, heads, norm_first=norm_first, block="mamba2", block_options=options))
+    layer = layer.double()
+    _spread_step_sizes(layer)
+    spans, offsets = _packed()
+    x = randn(1, int(offsets[-1]), 16, seed=2).requires_grad_()
+
+    def run(inputs, cu_seqlens):
+        return layer(inputs, cu_seqlens=cu_seqlens)
+
+    _assert_packed_equals_alone(layer, run, x, offsets, spans)
+    weights = randn(*x.shape, seed=4)
+    packed_grad, = torch.autograd.grad((run(x, offsets) * weights).sum(), x)
+    alone_grad = torch.cat([torch.autograd.grad((run(x[:, s:e], None) * weights[:, s:e]).sum(), x)[0][:, s:e]
+                            for s, e in spans], dim=1)
+    torch.testing.assert_close(packed_grad, alone_grad, **TIGHT)
+    # The comparison can fail: the row run as one sequence carries the window and state across documents.
+    assert (run(x, None) - run(x, offsets)).abs().max() > 1e-3
+
+
+def test_the_unpacked_block_is_unchanged_by_the_packed_path():
+    """A row of one document packed is the row itself, bit for bit."""
+    torch.manual_seed(0)
+    layer = Mamba2EncoderLayer(BlockConfig(16, 2, block="mamba2", block_options={"state_dim": 4, "chunk_size": 3}))
+    x = torch.randn(1, 10, 16)
+    assert torch.equal(layer(x, cu_seqlens=torch.tensor([0, 10])), layer(x))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: language_model({"state_dim": 4, "chunk_size": 3}, token_shift=True),
+    lambda: language_model({"state_dim": 5, "chunk_size": 4, "groups": 2, "conv_size": 2}, heads=4,
+                           positional="none", norm_first=False),
+    lambda: SequenceTagger(VOCAB, 3, dim=16, heads=2, depth=2, block="mamba2", token_shift=True,
+                           block_options={"state_dim": 4, "chunk_size": 4}),
+], ids=["language_model", "language_model_post_norm", "tagger"])
+def test_token_models_with_mamba2_blocks_pack(build):
+    model = build().double().eval()
+    _spread_step_sizes(model)
+    spans, offsets = _packed()
+    sequence = tokens(1, int(offsets[-1]), seed=6)
+
+    def run(inputs, cu_seqlens):
+        return model(inputs, cu_seqlens=cu_seqlens)
+
+    _assert_packed_equals_alone(model, run, sequence, offsets, spans)
+
+
+def test_a_classifier_with_mamba2_blocks_classifies_each_packed_document_as_alone():
+    torch.manual_seed(0)
+    model = SequenceClassifier(VOCAB, 3, dim=16, heads=2, depth=2, block="mamba2", positional="learned",
+                               max_length=16, block_options={"state_dim": 4, "chunk_size": 3}).double().eval()
+    _spread_step_sizes(model)
+    spans, offsets = _packed()
+    sequence = tokens(1, int(offsets[-1]), seed=7)
+    packed = model(sequence, cu_seqlens=offsets)
+    alone = [model(sequence[:, s:e]) for s, e in spans]
+    torch.testing.assert_close(packed, torch.cat(alone), **TIGHT)
+    expected = _gradients(model, sum(out.square().sum() for out in alone))
+    for got, want in zip(_gradients(model, model(sequence, cu_seqlens=offsets).square().sum()), expected):
+        torch.testing.assert_close(got, want, **TIGHT)
+
+
+@pytest.mark.parametrize("stack", [
+    lambda: Decoder(dim=16, heads=2, depth=2, block="mamba2", cross_attention=None,
+                    block_options={"state_dim": 4, "chunk_size": 4}),
+    lambda: Encoder(dim=16, heads=2, depth=2, block="mamba2", block_options={"state_dim": 4, "chunk_size": 4}),
+], ids=["decoder", "encoder"])
+def test_stacks_of_mamba2_layers_pack(stack):
+    torch.manual_seed(0)
+    stack = stack().double()
+    _spread_step_sizes(stack)
+    spans, offsets = _packed()
+    x = randn(1, int(offsets[-1]), 16, seed=8)
+    torch.testing.assert_close(stack(x, cu_seqlens=offsets), torch.cat([stack(x[:, s:e]) for s, e in spans], dim=1),
+                               **TIGHT)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 9]), key_padding_mask=torch.zeros(1, 9).bool()),
+     ValueError, "cu_seqlens and key_padding_mask"),
+    (lambda layer, x: layer(x.expand(2, -1, -1), cu_seqlens=torch.tensor([0, 3, 9])), ValueError, "cu_seqlens.*batch"),
+    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 8])), ValueError, "cu_seqlens must end at"),
+    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 3, 3, 9])), ValueError, "cu_seqlens must be strictly"),
+    (lambda layer, x: layer(x, cu_seqlens=torch.tensor([0, 9]).int()), TypeError, "cu_seqlens must be int64"),
+    (lambda layer, x, cu=torch.tensor([0, 9]): torch.jit.trace(lambda x: layer(x, cu_seqlens=cu), (x,)),
+     attnzoo.UnsupportedOptionError, "cu_seqlens cannot be traced"),
+])
+def test_bad_packed_rows_are_refused_naming_cu_seqlens_before_computation(call, error, match):
+    layer = Mamba2EncoderLayer(BlockConfig(16, 2, block="mamba2", block_options={"state_dim": 4}))
+    calls = []
+    layer.in_proj.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(error, match=match):
+        call(layer, torch.randn(1, 9, 16))
+    assert not calls
+
+
+def test_train_bytes_packed_with_block_mamba2_from_the_command_line(capsys, tmp_path):
+    bytes_options = {"train_bytes": 8192, "validation_bytes": 2048, "test_bytes": 2048, "seq_len": 32}
+    argv = ["train", "bytes", "--pack", "--task-options", json.dumps(bytes_options), "--dim", "16", "--depth", "1",
+            "--heads", "2", "--batch-size", "4", "--steps", "3", "--eval-interval", "3", "--block", "mamba2",
+            "--block-options", "state_dim=8,chunk_size=8", "--output", str(tmp_path / "run"), "--quiet", "--json",
+            "--threads", "1"]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["config"]["pack"] is True and result["config"]["block"] == "mamba2"
+    assert result["test"]["bits_per_byte"] > 0

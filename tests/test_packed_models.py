@@ -70,8 +70,12 @@ def test_tagger_packed_equals_alone(mechanism):
                                rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("fields", [{"reversible": True}, {"block": "flash_gau", "block_options": {"chunk_size": 4}}])
-def test_reversible_and_gated_stacks_pack(fields):
+@pytest.mark.parametrize("fields", [
+    {"reversible": True},
+    {"block": "flash_gau", "block_options": {"chunk_size": 4}},
+    {"block": "mamba2", "block_options": {"state_dim": 4, "chunk_size": 4}},
+])
+def test_reversible_gated_and_mamba2_stacks_pack(fields):
     documents, row, offsets = _documents(4)
     model = _model(LanguageModel, _config("softmax", **fields))
     torch.testing.assert_close(model(row, cu_seqlens=offsets), torch.cat([model(d) for d in documents], dim=1),
@@ -92,16 +96,6 @@ def test_mechanism_that_cannot_pack_is_refused_by_name_before_computation():
     calls = []
     model.embedding.register_forward_hook(lambda *args: calls.append(1))
     with pytest.raises(UnsupportedOptionError, match="linformer.*cu_seqlens"):
-        model(row, cu_seqlens=offsets)
-    assert not calls
-
-
-def test_block_that_cannot_pack_is_refused_by_name_before_computation():
-    _, row, offsets = _documents()
-    model = _model(LanguageModel, _config("softmax", block="mamba2"))
-    calls = []
-    model.embedding.register_forward_hook(lambda *args: calls.append(1))
-    with pytest.raises(UnsupportedOptionError, match="mamba2.*cu_seqlens"):
         model(row, cu_seqlens=offsets)
     assert not calls
 

@@ -53,10 +53,6 @@ def packed_spans(
     if padding_mask is not None:
         raise ValueError("cu_seqlens and padding_mask cannot be used together: a packed row has no padding")
     for module in model.modules():
-        # A layer that is not an attention (e.g. a state-space block) says why it cannot pack.
-        refusal = getattr(module, "packing_refusal", None)
-        if refusal is not None:
-            raise UnsupportedOptionError(refusal)
         if isinstance(module, Mechanism) and not module.capabilities.packed:
             caps = module.capabilities
             who = module.name + (f" with {caps.limited_by}" if caps.limited_by else "")

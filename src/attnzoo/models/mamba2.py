@@ -17,14 +17,16 @@ inputs and the SSM state, so each token costs the same whatever the context leng
 
 Padding: a padded position enters the convolution as zeros and neither writes to nor decays the SSM state,
 so nothing it holds reaches another position (NaN and inf included); a sequence padded at its end gives what
-it gives alone. Parameter names follow mamba_ssm's ``Mamba2`` (``in_proj``, ``conv1d``, ``dt_bias``,
-``A_log``, ``D``, ``norm.weight``, ``out_proj``).
+it gives alone. Packed rows (``cu_seqlens``, batch 1): the convolution's window and the SSM state restart at
+every document start, and every other part (projections, step sizes, the gated norm, the stack's layer norm)
+works on one position at a time, so each document gives what it gives alone. Parameter names follow
+mamba_ssm's ``Mamba2`` (``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,14 @@ from ..functional.ssd import (
     ssd_step_unchecked,
     ssd_unchecked,
 )
-from ..functional.short_convolution import short_conv_state_unchecked, short_conv_step_unchecked, short_conv_unchecked
+from ..functional.packing import check_cu_seqlens
+from ..functional.short_convolution import (
+    document_positions,
+    short_conv_state_unchecked,
+    short_conv_step_unchecked,
+    short_conv_unchecked,
+)
+from ..mechanisms.base import UnsupportedOptionError
 from .config import BlockConfig
 from .layers import _Sublayer
 from .mamba2_options import mamba2_options
@@ -52,6 +61,22 @@ class Mamba2State:
 
     conv: Tensor
     ssm: Tensor
+
+
+_PackedRow = Tuple[List[Tuple[int, int]], Tensor]
+"""A checked packed row: each document's (start, end) and each position's offset in its document (seq,)."""
+
+
+def _packed_row(x: Tensor, key_padding_mask: Optional[Tensor], cu_seqlens: object) -> _PackedRow:
+    """Check ``cu_seqlens`` for the packed row x (1, seq, dim) before any computation (errors name it)."""
+    if key_padding_mask is not None:
+        raise ValueError("cu_seqlens and key_padding_mask cannot be used together: a packed row has no padding")
+    if torch.jit.is_tracing():
+        raise UnsupportedOptionError("block='mamba2': cu_seqlens cannot be traced: the documents are read from its "
+                                     "values")
+    spans = check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], x.device)
+    assert isinstance(cu_seqlens, Tensor)
+    return spans, document_positions(cu_seqlens, x.shape[1])
 
 
 class GatedRMSNorm(nn.Module):
@@ -77,12 +102,6 @@ class Mamba2Block(nn.Module):
     wide; ``config.block_options`` holds ``state_dim``, ``expansion``, ``conv_size``, ``groups`` and
     ``chunk_size`` (:func:`attnzoo.models.mamba2_options.mamba2_options`).
     """
-
-    packing_refusal = (
-        "block='mamba2' does not take cu_seqlens (packed batches) yet: its convolution and state would run "
-        "across document boundaries; pad the documents into rows instead"
-    )
-    """Why a packed batch is refused (:func:`attnzoo.models.inputs.packed_spans` reads it before computing)."""
 
     def __init__(self, config: BlockConfig) -> None:
         super().__init__()
@@ -122,12 +141,15 @@ class Mamba2Block(nn.Module):
         b, c = (t.view(batch, self.groups, self.state_dim, seq).transpose(-1, -2) for t in (b, c))
         return x, b, c
 
-    def _conv(self, xbc: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    def _conv(
+        self, xbc: Tensor, key_padding_mask: Optional[Tensor] = None, positions: Optional[Tensor] = None
+    ) -> Tensor:
         """silu(causal depthwise conv(xBC)), (batch, e + 2 g n, seq) in and out
         (:func:`attnzoo.functional.short_convolution.short_conv`; padded positions enter as zeros, so a NaN or
-        inf they hold stays out)."""
+        inf they hold stays out; ``positions``, each position's offset in its document of a packed row, restarts
+        the window at every document)."""
         out = short_conv_unchecked(xbc.transpose(1, 2), self.conv1d.weight[:, 0], self.conv1d.bias, True,
-                                   key_padding_mask, None)
+                                   key_padding_mask, positions)
         return out.transpose(1, 2)
 
     def _rates(self, dtype: torch.dtype) -> Tensor:
@@ -139,15 +161,23 @@ class Mamba2Block(nn.Module):
         y = y.transpose(1, 2).flatten(2)  # (batch, seq, e)
         return self.out_proj(self.norm(y, z))
 
-    def _branch(self, h: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def _branch(
+        self, h: Tensor, key_padding_mask: Optional[Tensor], packed: Optional[_PackedRow] = None
+    ) -> Tensor:
         z, xbc, dt = self._project(h)
-        x, b, c = self._ssd_inputs(self._conv(xbc, key_padding_mask))
-        y = ssd_unchecked(x, dt, self._rates(x.dtype), b, c, self.D, True, key_padding_mask, None, self.chunk_size)
+        spans, positions = (None, None) if packed is None else packed
+        x, b, c = self._ssd_inputs(self._conv(xbc, key_padding_mask, positions))
+        y = ssd_unchecked(x, dt, self._rates(x.dtype), b, c, self.D, True, key_padding_mask, spans, self.chunk_size)
         return self._finish(y, z)
 
-    def run(self, x: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
-        return self.block(x, lambda h: self._branch(h, key_padding_mask))
+    def run(
+        self, x: Tensor, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1, int64 ``[0, ..., seq]``), each document run as if alone. Returns
+        (batch, seq, dim)."""
+        packed = None if cu_seqlens is None else _packed_row(x, key_padding_mask, cu_seqlens)
+        return self.block(x, lambda h: self._branch(h, key_padding_mask, packed))
 
     # -- incremental decoding --------------------------------------------------------------------------------
     def prefill_block(self, x: Tensor) -> Tuple[Tensor, Mamba2State]:
@@ -204,9 +234,12 @@ class Mamba2EncoderLayer(Mamba2Block):
     """A Mamba-2 block with the interface of :class:`~attnzoo.models.EncoderLayer` (causal, see the module
     docstring)."""
 
-    def forward(self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
-        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
-        return self.run(x, key_padding_mask)
+    def forward(
+        self, x: Tensor, *, key_padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
+    ) -> Tensor:
+        """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1). Returns (batch, seq, dim)."""
+        return self.run(x, key_padding_mask, cu_seqlens)
 
 
 class Mamba2DecoderLayer(Mamba2Block):
@@ -223,10 +256,12 @@ class Mamba2DecoderLayer(Mamba2Block):
         *,
         padding_mask: Optional[Tensor] = None,
         memory_padding_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> Tensor:
-        """x: (batch, seq, dim); padding_mask: (batch, seq) bool, True = padding. Returns (batch, seq, dim)."""
+        """x: (batch, seq, dim); padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
+        offsets of a packed row (batch 1). Returns (batch, seq, dim)."""
         self._check_memory(memory)
-        return self.run(x, padding_mask)
+        return self.run(x, padding_mask, cu_seqlens)
 
     def project_memory(self, memory: Optional[Tensor]) -> Tuple[None, None]:
         """No memory to project (the block has no cross-attention): (None, None)."""

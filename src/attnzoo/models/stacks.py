@@ -14,7 +14,6 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar, Un
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_positive_int
-from ..mechanisms.base import UnsupportedOptionError
 from .config import AttentionSpec, BlockConfig, attention_slot
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
@@ -23,22 +22,12 @@ from .mamba2 import Mamba2Block, Mamba2DecoderLayer, Mamba2EncoderLayer, Mamba2S
 StackT = TypeVar("StackT", bound="_LayerStack")
 
 
-def packed_options(cu_seqlens: Optional[Tensor], block: str = "attention") -> Dict[str, Tensor]:
-    """The keyword a layer takes a packed row's offsets by; none for an unpacked batch, so a layer that has
-    no packed path is called as before. A packed row for ``block`` layers that cannot take one is refused."""
-    if cu_seqlens is None:
-        return {}
-    refusal = block_packing_refusal(block)
-    if refusal is not None:
-        raise UnsupportedOptionError(refusal)
-    return {"cu_seqlens": cu_seqlens}
+def packed_options(cu_seqlens: Optional[Tensor]) -> Dict[str, Tensor]:
+    """The keyword a layer takes a packed row's offsets by; none for an unpacked batch, so a layer is called
+    as before. Every kind of layer packs (attention layers, gated units, Mamba-2 blocks); a mechanism that
+    cannot refuses the offsets by name itself."""
+    return {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
-
-
-def block_packing_refusal(block: str) -> Optional[str]:
-    """Why a stack of ``block`` layers cannot take packed batches (``cu_seqlens``), or None when it can: the
-    layer class says so in its ``packing_refusal`` (attention layers and gated units pack)."""
-    return getattr({"mamba2": Mamba2Block}.get(block), "packing_refusal", None)
 
 class _LayerStack(nn.Module):
     """``depth`` layers of ``layer_type`` built from one :class:`BlockConfig` (kept as ``config``), closed by a
@@ -119,7 +108,7 @@ class Encoder(_LayerStack):
         """x: (batch, seq, dim); key_padding_mask: (batch, seq) bool, True = padding; cu_seqlens: the document
         offsets of a packed row (batch 1), each document attending only within itself."""
         for layer in self.layers:
-            x = layer(x, key_padding_mask=key_padding_mask, **packed_options(cu_seqlens, self.config.block))
+            x = layer(x, key_padding_mask=key_padding_mask, **packed_options(cu_seqlens))
         return self.norm(x)
 
 
@@ -199,7 +188,7 @@ class Decoder(_LayerStack):
             raise ValueError(f"causal=False needs attention layers; block={self.config.block!r} units are causal")
         # Gated units take no causal argument (they are causal only, refused above).
         bidirectional = {} if causal else {"causal": False}
-        bidirectional.update(packed_options(cu_seqlens, self.config.block))
+        bidirectional.update(packed_options(cu_seqlens))
         for layer in self.layers:
             x = layer(x, memory, padding_mask=padding_mask, memory_padding_mask=memory_padding_mask, **bidirectional)
         return self.norm(x)

@@ -9,7 +9,6 @@ from torch import nn
 
 from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
 from ..models import LanguageModel, Seq2SeqTransformer, SequenceClassifier, SequenceTagger
-from ..models.stacks import block_packing_refusal
 from ..tasks import Task
 from .config import TrainConfig
 
@@ -66,10 +65,7 @@ def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
     reason = task.packing_refusal()
     if reason is not None:
         return f"{task.name} cannot be packed: {reason}"
-    refusal = block_packing_refusal(config.block)
-    if refusal is not None:
-        return refusal
-    if config.block != "attention":  # gated units build their own mechanisms, which run each document alone
+    if config.block != "attention":  # gated units and Mamba-2 blocks run each document alone
         return None
     if mechanism_class(config.mechanism).length_option is not None:
         return (f"{config.mechanism}'s learned tables span the task's length, and a packed row holds a whole batch "
