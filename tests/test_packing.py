@@ -202,3 +202,36 @@ def test_length_multiple_binds_every_document():
                                rtol=0, atol=1e-12)
     with pytest.raises(UnsupportedOptionError, match=r"query length 3 is not a multiple of length_multiple=2"):
         mechanism(q, k, v, True, cu_seqlens=offsets(0, 4, 7, 10))
+
+
+class NeedsThreePositions(attnzoo.mechanisms.SoftmaxAttention):
+    """Stands for a mechanism with a minimum length: a rule only a short document breaks (not registered)."""
+
+    name = "needs-three-positions"
+
+    def unsupported_reasons(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+        reasons = super().unsupported_reasons(q, k, v, causal, key_padding_mask, cross=cross)
+        if q.shape[2] < 3:
+            reasons.append(f"{self.name}: sequence length {q.shape[2]} is under 3")
+        return reasons
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_short_document_is_refused_as_it_is_alone_naming_it(prefill):
+    """Every document's length is checked, not only the longest's: a row with one document too short is
+    refused with that document's own reason, naming the document and cu_seqlens."""
+    mechanism = NeedsThreePositions(HEADS, HEAD_DIM).double()
+    q, k, v = qkv(length=LENGTH)
+    with pytest.raises(UnsupportedOptionError) as alone:
+        mechanism(q[:, :, 6:8], k[:, :, 6:8], v[:, :, 6:8], True)
+    cu = offsets(0, 3, 6, 8, LENGTH)  # lengths 3, 3, 2, 1: the longest refused, [6, 8), is named
+    with pytest.raises(UnsupportedOptionError) as packed:
+        if prefill:
+            mechanism.prefill_packed(q, k, v, cu_seqlens=cu)
+        else:
+            mechanism(q, k, v, True, cu_seqlens=cu)
+    message = str(packed.value)
+    assert str(alone.value) in message and "document [6, 8) of cu_seqlens" in message
+    out = mechanism(q, k, v, True, cu_seqlens=offsets(0, 3, 6, LENGTH))  # every document long enough runs
+    torch.testing.assert_close(out[:, :, 3:6], mechanism(q[:, :, 3:6], k[:, :, 3:6], v[:, :, 3:6], True),
+                               rtol=0, atol=1e-12)

@@ -137,6 +137,51 @@ def test_impossible_geometry_is_refused_naming_the_options():
         tasks.load("pathfinder", num_distractors=-1)
 
 
+GEOMETRY = dict(size=16, contour_length=4, segment_length=2, num_distractors=2, distractor_length=2)
+
+
+@pytest.mark.parametrize("argument, value, error, message", [
+    ("count", 0, ValueError, r"^count must be an integer >= 1, got 0$"),
+    ("count", -3, ValueError, r"^count must be an integer >= 1, got -3$"),
+    ("count", 2.0, TypeError, r"^count must be an integer, got 2.0 \(float\)$"),
+    ("count", True, TypeError, r"^count must be an integer, got True"),
+    ("size", 4, ValueError, r"^size must be an integer >= 8, got 4$"),
+    ("size", -16, ValueError, r"^size must be an integer >= 8"),
+    ("size", 16.0, TypeError, r"^size must be an integer"),
+    ("contour_length", 0, ValueError, r"^contour_length must be an integer >= 1"),
+    ("contour_length", -1, ValueError, r"^contour_length must be an integer >= 1"),
+    ("segment_length", 0, ValueError, r"^segment_length must be an integer >= 1"),
+    ("num_distractors", -1, ValueError, r"^num_distractors must be an integer >= 0"),
+    ("distractor_length", 0, ValueError, r"^distractor_length must be an integer >= 1"),
+    ("rng", None, TypeError, r"^rng must be a numpy.random.Generator .*got None"),
+    ("rng", 0, TypeError, r"^rng must be a numpy.random.Generator .*got 0 \(int\)"),
+])
+def test_bad_generator_arguments_are_refused_naming_them(argument, value, error, message):
+    """One clear error naming the argument, before anything is drawn (a count of 0 used to fail unpacking an
+    empty list; a negative size or count deep in numpy; a seed passed as rng with an AttributeError)."""
+    arguments = dict(GEOMETRY, count=4, rng=np.random.default_rng(0))
+    arguments[argument] = value
+    with pytest.raises(error, match=message):
+        generate_pathfinder(arguments.pop("count"), **arguments)
+
+
+def test_the_generator_and_the_task_take_the_same_options():
+    """The task checks its options as the generator does: the same error for the same value."""
+    for option, value in (("size", 4), ("distractor_length", 0), ("num_distractors", -1)):
+        errors = []
+        for make in (lambda: tasks.load("pathfinder", **{option: value}),
+                     lambda: generate_pathfinder(2, rng=np.random.default_rng(0), **{**GEOMETRY, option: value})):
+            with pytest.raises(ValueError) as refused:
+                make()
+            errors.append(str(refused.value))
+        assert errors[0] == errors[1], option
+
+
+def test_one_image_is_one_of_label_0():
+    made = generate_pathfinder(1, rng=np.random.default_rng(0), **GEOMETRY)
+    assert made.images.shape == (1, 16, 16) and made.labels.tolist() == [0]
+
+
 def _lra_settings():
     """Pathfinder's task options in every preset of attnzoo lra (each once), the defaults filled in."""
     defaults = dict(size=32, contour_length=9, segment_length=3, num_distractors=6, distractor_length=2)

@@ -109,6 +109,44 @@ def test_documents_of_equal_length_stay_apart(name, options):
     check_packing(checks.build(name, options=options), REPEATED_LENGTHS)
 
 
+def refused_short_lengths(mechanism: Mechanism, longest: int = 8) -> List[int]:
+    """The lengths up to ``longest`` this instance refuses alone (a rule a short document breaks)."""
+    return [length for length in range(1, longest + 1) if mechanism.unsupported_reasons(
+        *shapes_only(1, mechanism.heads, length, length, mechanism.head_dim))]
+
+
+def check_short_document_refused_as_alone(mechanism: Mechanism) -> None:
+    """A packed row whose one short document is refused alone is refused with that document's own error
+    (type and message), naming the document of ``cu_seqlens``, whichever document is the longest."""
+    refused = refused_short_lengths(mechanism)
+    accepted = max(length for length in range(1, 9) if length not in refused)
+    for short in refused:
+        qkv = checks.random_qkv(mechanism, 1, accepted + short, accepted + short, torch.float64, seed=3)
+        with pytest.raises(ValueError) as alone:
+            mechanism(*(x[:, :, accepted:] for x in qkv))
+        with pytest.raises(ValueError) as packed:
+            mechanism(*qkv, cu_seqlens=offsets((accepted, short)))
+        where = f"{type(mechanism).__name__}: documents ({accepted}, {short}) packed"
+        assert type(packed.value) is type(alone.value), f"{where}: {type(packed.value)} vs {type(alone.value)} alone"
+        assert str(alone.value) in str(packed.value), f"{where}: {packed.value!r} lacks what alone says, {alone.value!r}"
+        assert f"document [{accepted}, {accepted + short}) of cu_seqlens" in str(packed.value), \
+            f"{where}: {packed.value!r} does not name the document"
+
+
+SHORT_REFUSED = [(name, options) for name, options in CASES if attnzoo.capabilities(name).packed
+                 and refused_short_lengths(checks.build(name, options=options))]
+
+
+def test_some_mechanism_refuses_a_short_document():
+    """What the next test checks exists (longformer's global_indices name positions a short document lacks)."""
+    assert SHORT_REFUSED
+
+
+@pytest.mark.parametrize("name, options", SHORT_REFUSED, ids=[IDS[CASES.index(case)] for case in SHORT_REFUSED])
+def test_a_short_document_is_refused_as_it_is_alone(name, options):
+    check_short_document_refused_as_alone(checks.build(name, options=options))
+
+
 @pytest.mark.parametrize("name", ["softmax", "linear", "rfa", "retention", "gla", "local", "strided", "longformer",
                                   "bigbird"])
 def test_packs_natively(name):

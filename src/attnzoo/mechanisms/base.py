@@ -18,6 +18,7 @@ from .._validation import check_bool, check_key_padding_mask, check_number, chec
 from ..functional.grouped import query_groups, repeat_kv
 from ..functional.packing import attend_per_document, check_cu_seqlens, reference_per_document
 from ..state import DecodingState
+from .packed_checks import check_document_lengths
 from .capabilities import (  # noqa: F401 - the contract's declarations, importable from here as before
     APPROXIMATE,
     Capabilities,
@@ -220,17 +221,16 @@ class Mechanism(nn.Module):
     ) -> List[Tuple[int, int]]:
         """Check a packed call as :meth:`check_inputs` checks an unpacked one (errors name the argument, before
         any computation) and return its documents' (start, end). Length constraints bind each document, not
-        the row: a document is what runs alone, so ``max_length`` (and ``length_multiple``) apply to every
-        document's length, and a row of documents that each fit may be longer than ``max_length``."""
+        the row: a document is what runs alone, so ``max_length``, ``length_multiple`` and a mechanism's own
+        rules apply to every document's length (:func:`.packed_checks.check_document_lengths`, errors naming
+        the document), and a row of documents that each fit may be longer than ``max_length``."""
         check_bool("causal", causal)
         check_bool("cross", cross)
         self.check_grouping(q, k, v, refuse=False)
         spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)  # refuses cross=True and tracing
         if k.shape[2] != q.shape[2]:  # refused there, naming the lengths
             self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        lengths = sorted({end - start for start, end in spans}, reverse=True)  # the longest named first
-        for length in lengths if self.capabilities.length_multiple is not None else lengths[:1]:
-            self.check_inputs(q[:, :, :length], k[:, :, :length], v[:, :, :length], causal, None, cross)
+        check_document_lengths(self.check_inputs, q, k, v, causal, spans)  # cross is False: refused above
         return spans
 
     def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:

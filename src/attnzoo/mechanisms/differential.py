@@ -20,8 +20,8 @@ from ..functional.differential import (
     packed_differential_attention_unchecked,
     reparametrised_lambda,
 )
+from ..functional.kv_cache import cache_append, cache_capacity, new_cache
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, register
-from .forgetting import cache_capacity, cache_append, new_cache
 
 
 @register

@@ -25,55 +25,12 @@ from ..functional.forgetting import (
     forgetting_attention_step_unchecked,
     forgetting_attention_unchecked,
 )
+from ..functional.kv_cache import cache_append, kv_cache_layout, prefilled_cache
 from ..functional.masks import zero_padded
 from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
 
 DEFAULT_GATE_BIAS = 5.0
 """The forget gate bias's starting value: gates start near 1, a long memory (see ``gate_bias_init``)."""
-
-CACHE_BLOCK = 256
-"""A decoding cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
-copies it O(log T) times instead of once per token."""
-
-
-def cache_capacity(needed: int, current: int = 0) -> int:
-    """Room for ``needed`` positions: at least double ``current``, rounded up to whole blocks."""
-    wanted = max(needed, 2 * current)
-    return -(-wanted // CACHE_BLOCK) * CACHE_BLOCK
-
-
-def new_cache(entries: Dict[str, Tensor], capacity: int) -> Dict[str, Tensor]:
-    """A cache of ``capacity`` positions holding ``entries`` (batch, heads, t, ...) at its start, and
-    ``filled`` (batch,): how far the shared buffers have been written."""
-    cache = {}
-    for name, x in entries.items():
-        buffer = x.new_empty(x.shape[0], x.shape[1], capacity, *x.shape[3:])
-        buffer[:, :, : x.shape[2]] = x
-        cache[name] = buffer
-    batch, _, length = x.shape[:3]
-    cache["filled"] = torch.full((batch,), length, dtype=torch.long, device=x.device)
-    return cache
-
-
-def cache_append(tensors: Optional[Dict[str, Tensor]], entries: Dict[str, Tensor], length: int) -> Dict[str, Tensor]:
-    """``tensors`` (a cache of :func:`new_cache` holding ``length`` positions, or None) with one position
-    more, ``entries`` (batch, heads, 1, ...) written into its free room. A cache that another state sharing its
-    buffers has written past ``length`` (stepping twice from one state, to branch) is copied first, so every
-    state stays valid however it is reused; a full one grows by :func:`cache_capacity`."""
-    if tensors is None:
-        return new_cache(entries, cache_capacity(1))
-    cache = tensors
-    capacity = next(x for name, x in cache.items() if name != "filled").shape[2]
-    shared_ahead = int(cache["filled"][0]) != length
-    if shared_ahead or length == capacity:
-        grown = cache_capacity(length + 1, capacity if length == capacity else 0)
-        kept = {name: x[:, :, :length] for name, x in cache.items() if name != "filled"}
-        cache = new_cache(kept, max(grown, capacity))
-    for name, x in entries.items():
-        cache[name][:, :, length] = x[:, :, 0]
-    cache["filled"].fill_(length + 1)
-    return cache
-
 
 @register
 class ForgettingAttention(Mechanism):
@@ -96,7 +53,7 @@ class ForgettingAttention(Mechanism):
     head_dim), "log_gate": (batch, heads, capacity) float64, "filled": (batch,)}``, of which the first
     ``state.length`` positions are in use; ``log_gate`` holds the cumulative log gate ``c_t`` of every position
     (a new one adds its gate to the last), kept in float64 so that a long decode loses nothing to its size. It
-    grows in blocks, as ``softmax``'s cache does.
+    is ``softmax``'s cache (:mod:`attnzoo.functional.kv_cache`), growing in blocks, with the gates kept beside.
 
     Grouped-query attention is native: the keys and values of ``kv_heads`` heads are never repeated, and the
     cache holds ``kv_heads`` heads of them (the gates are per query head). Packed batches run each document
@@ -158,12 +115,7 @@ class ForgettingAttention(Mechanism):
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
         kv_heads = self.heads if kv_heads is None else kv_heads
-        return {
-            "k": ((kv_heads, None, self.head_dim), dtype),
-            "v": ((kv_heads, None, self.head_dim), dtype),
-            "log_gate": ((self.heads, None), torch.float64),
-            "filled": ((), torch.long),
-        }
+        return {**kv_cache_layout(kv_heads, self.head_dim, dtype), "log_gate": ((self.heads, None), torch.float64)}
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
@@ -181,7 +133,7 @@ class ForgettingAttention(Mechanism):
         log_forget = self.log_forget(k, None)
         out = forgetting_attention_unchecked(q, k, v, log_forget, True, None, self.scale, self.block_size)
         entries = {"k": k, "v": v, "log_gate": cumulative_log_forget(log_forget, None)}
-        return out, new_cache(entries, cache_capacity(k.shape[2] + 1))
+        return out, prefilled_cache(entries)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, block_size={self.block_size}, scale={self.scale}, " \

@@ -16,6 +16,12 @@ from ..functional.blocksparse import (
     window_cache_step,
 )
 from ..functional.grouped import grouped_query_attention
+from ..functional.kv_cache import (  # noqa: F401 - CACHE_BLOCK is also public here
+    CACHE_BLOCK,
+    cache_append,
+    kv_cache_layout,
+    prefilled_cache,
+)
 from ..functional.softmax import (
     masked_sdpa,
     masked_softmax_reference,
@@ -24,28 +30,6 @@ from ..functional.softmax import (
     softmax_attention_unchecked,
 )
 from .base import EXACT, NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
-
-CACHE_BLOCK = 256
-"""The KV cache grows in whole blocks of this many positions (and at least doubles), so decoding T tokens
-copies the cache O(log T) times instead of once per token."""
-
-
-def _capacity(needed: int, current: int = 0) -> int:
-    """Room for ``needed`` positions: at least double ``current``, rounded up to whole blocks."""
-    wanted = max(needed, 2 * current)
-    return -(-wanted // CACHE_BLOCK) * CACHE_BLOCK
-
-
-def _new_cache(keys: Tensor, values: Tensor, capacity: int) -> Dict[str, Tensor]:
-    """A cache of ``capacity`` positions holding ``keys``/``values`` (batch, heads, t, dim) at its start."""
-    batch, heads, length, _ = keys.shape
-    k = keys.new_empty(batch, heads, capacity, keys.shape[3])
-    v = values.new_empty(batch, heads, capacity, values.shape[3])
-    k[:, :, :length] = keys
-    v[:, :, :length] = values
-    filled = torch.full((batch,), length, dtype=torch.long, device=keys.device)
-    return {"k": k, "v": v, "filled": filled}
-
 
 @register
 class SoftmaxAttention(Mechanism):
@@ -158,30 +142,14 @@ class SoftmaxAttention(Mechanism):
         kv_heads = self.heads if kv_heads is None else kv_heads
         if self.window is not None:
             return window_cache_layout(kv_heads, self.window, self.sink_tokens, self.head_dim, dtype)
-        return {
-            "k": ((kv_heads, None, self.head_dim), dtype),
-            "v": ((kv_heads, None, self.head_dim), dtype),
-            "filled": ((), torch.long),
-        }
+        return kv_cache_layout(kv_heads, self.head_dim, dtype)
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
         if self.window is not None:  # a bounded cache: the sinks and the window's ring buffer
             return window_cache_step(q_t, k_t, v_t, tensors, length, self.window, self.sink_tokens, self.scale)
-        if tensors is None:
-            cache = _new_cache(k_t, v_t, _capacity(1))
-        else:
-            cache = tensors
-            capacity = cache["k"].shape[2]
-            # Another state sharing these buffers has written past our length (a branch): copy, don't clobber.
-            shared_ahead = int(cache["filled"][0]) != length
-            if shared_ahead or length == capacity:
-                grown = _capacity(length + 1, capacity if length == capacity else 0)
-                cache = _new_cache(cache["k"][:, :, :length], cache["v"][:, :, :length], max(grown, capacity))
-            cache["k"][:, :, length] = k_t[:, :, 0]
-            cache["v"][:, :, length] = v_t[:, :, 0]
-            cache["filled"].fill_(length + 1)
+        cache = cache_append(tensors, {"k": k_t, "v": v_t}, length)
         # The new position sees the whole cache and itself: no mask needed.
         keys, values = cache["k"][:, :, : length + 1], cache["v"][:, :, : length + 1]
         return self._softmax(q_t, keys, values, False, None), cache
@@ -189,7 +157,7 @@ class SoftmaxAttention(Mechanism):
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         if self.window is not None:
             return self.attend(q, k, v, True, None, False), window_cache_prefill(k, v, self.window, self.sink_tokens)
-        return self.attend(q, k, v, True, None, False), _new_cache(k, v, _capacity(k.shape[2] + 1))
+        return self.attend(q, k, v, True, None, False), prefilled_cache({"k": k, "v": v})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, quiet={self.quiet}, scale={self.scale}" + (

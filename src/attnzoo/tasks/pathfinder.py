@@ -275,13 +275,35 @@ MAX_CANDIDATES_PER_IMAGE = 64
 label-0 markings share too few offsets."""
 
 
+def check_geometry(
+    size: object, contour_length: object, segment_length: object, num_distractors: object, distractor_length: object,
+) -> Tuple[int, int, int, int, int]:
+    """The image options of Pathfinder, checked (a TypeError for a non-int, a ValueError out of range, naming
+    the option) and returned in this order: ``size`` >= 8, ``num_distractors`` >= 0, the others >= 1."""
+    return (
+        check_number("size", size, integer=True, minimum=8),
+        check_positive_int("contour_length", contour_length),
+        check_positive_int("segment_length", segment_length),
+        check_number("num_distractors", num_distractors, integer=True, minimum=0),
+        check_positive_int("distractor_length", distractor_length),
+    )
+
+
 def generate_pathfinder(
     count: int, *, size: int, contour_length: int, segment_length: int, num_distractors: int,
     distractor_length: int, rng: np.random.Generator,
 ) -> PathfinderImages:
     """``count`` Pathfinder images drawn from ``rng``: ``count // 2`` of label 1, the others label 0, in random
     order. Label 1 and label 0 come in pairs of equal marker offsets (:class:`_OffsetMatcher`), so for an even
-    ``count`` the markers' relative position has the same distribution for both labels, exactly."""
+    ``count`` the markers' relative position has the same distribution for both labels, exactly. ``count`` is
+    an int >= 1, the image options as :func:`check_geometry` takes them, ``rng`` a ``numpy.random.Generator``;
+    anything else is refused naming the argument, before anything is drawn."""
+    count = check_positive_int("count", count)
+    size, contour_length, segment_length, num_distractors, distractor_length = check_geometry(
+        size, contour_length, segment_length, num_distractors, distractor_length)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator (np.random.default_rng(seed)), got {rng!r} "
+                        f"({type(rng).__name__})")
     wanted = (count + 1) // 2
     matcher = _OffsetMatcher()
     parts: List[Tuple[np.ndarray, ...]] = []
@@ -354,11 +376,8 @@ class Pathfinder(Task):
     ) -> None:
         self.seed = self._check_seed(seed)
         self._set_split_sizes(train_size, validation_size, test_size)
-        self.size = check_number("size", size, integer=True, minimum=8)
-        self.contour_length = check_positive_int("contour_length", contour_length)
-        self.segment_length = check_positive_int("segment_length", segment_length)
-        self.num_distractors = check_number("num_distractors", num_distractors, integer=True, minimum=0)
-        self.distractor_length = check_positive_int("distractor_length", distractor_length)
+        self.size, self.contour_length, self.segment_length, self.num_distractors, self.distractor_length = \
+            check_geometry(size, contour_length, segment_length, num_distractors, distractor_length)
 
         self.vocab_size = 256
         self.seq_len = self.size * self.size
