@@ -162,8 +162,7 @@ class LongformerAttention(Mechanism):
         if cu_seqlens is None:
             self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         else:
-            spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
-            self.check_document_indices(spans)
+            spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)  # each document
         check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
         if global_mask is not None and torch.jit.is_tracing():
             raise UnsupportedOptionError(
@@ -173,16 +172,6 @@ class LongformerAttention(Mechanism):
         if spans is not None:
             return self._attend_packed(q, k, v, causal, spans, global_mask)
         return self._attend(q, k, v, causal, key_padding_mask, global_mask)
-
-    def check_document_indices(self, spans: List[Tuple[int, int]]) -> None:
-        """Refuse, naming ``global_indices``, a packed row with a document too short for them (as that
-        document alone is refused)."""
-        for start, end in spans:
-            outside = out_of_range(self.global_indices, end - start)
-            if outside:
-                raise UnsupportedOptionError(
-                    f"{self.name}: global_indices {list(outside)} name no position of the document [{start}, {end}) "
-                    f"of cu_seqlens, of length {end - start} (an index i needs {start - end} <= i < {end - start})")
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
