@@ -113,6 +113,15 @@ def test_a_padded_prefix_leaves_zeros_in_the_state():
     (lambda x, w, b: short_conv_step(x, None, w, b), r"\bx_t\b"),
     (lambda x, w, b: short_conv_step(x[:, :1], x[:, :2], w, b), r"\bstate\b"),
     (lambda x, w, b: short_conv_state(x, 0), r"\bkernel\b"),
+    (lambda x, w, b: short_conv(x, w, b, silu="False"), r"\bsilu\b"),
+    (lambda x, w, b: short_conv_step(x[:, :1], None, w, b, silu=1), r"\bsilu\b"),
+    (lambda x, w, b: short_conv_reference(x, w, b, silu="yes"), r"\bsilu\b"),
+    (lambda x, w, b: short_conv_step(x[:, :1], torch.zeros(2, 3, *x.shape[2:], dtype=torch.int64), w, b),
+     r"\bstate\b"),
+    (lambda x, w, b: short_conv_step(x[:, :1], torch.zeros(2, 3, *x.shape[2:], device="meta"), w, b),
+     r"\bstate\b"),
+    (lambda x, w, b: short_conv(x, w.to("meta"), b), r"\bweight\b"),
+    (lambda x, w, b: short_conv(x, w, b.to("meta")), r"\bbias\b"),
 ])
 def test_bad_arguments_are_refused_naming_them(call, match):
     x, weight, bias = _conv_inputs(2, 5, 4)

@@ -31,21 +31,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._validation import check_floating, check_key_padding_mask, check_positive_int
+from .._validation import check_bool, check_floating, check_key_padding_mask, check_positive_int
 from .packing import check_cu_seqlens
 
 
-def _check_weights(x_shape: Tuple[int, ...], weight: object, bias: object, where: str) -> None:
-    """``weight`` (*channels, kernel) and ``bias`` (*channels) or None, for inputs whose channel dims are
-    ``x_shape``; errors name the argument."""
+def _check_device(name: str, tensor: Tensor, x: Tensor) -> None:
+    if tensor.device != x.device:
+        raise ValueError(f"{name} is on {tensor.device} but the inputs are on {x.device}: put them on one device")
+
+
+def _check_weights(x: Tensor, weight: object, bias: object, where: str) -> None:
+    """``weight`` (*channels, kernel) and ``bias`` (*channels) or None, on x's device, for inputs x whose
+    channel dims are ``x.shape[2:]``; errors name the argument."""
+    x_shape = tuple(x.shape[2:])
     check_floating("weight", weight)
     assert isinstance(weight, Tensor)
+    _check_device("weight", weight, x)
     if weight.dim() != len(x_shape) + 1 or tuple(weight.shape[:-1]) != x_shape or weight.shape[-1] < 1:
         raise ValueError(f"weight must be (*channels, kernel) = ({', '.join(map(str, x_shape))}, kernel >= 1) for "
                          f"{where}, got {tuple(weight.shape)}")
     if bias is not None:
         check_floating("bias", bias)
         assert isinstance(bias, Tensor)
+        _check_device("bias", bias, x)
         if tuple(bias.shape) != x_shape:
             raise ValueError(f"bias must be (*channels) = {x_shape} like {where}, got {tuple(bias.shape)}")
 
@@ -124,7 +132,8 @@ def short_conv(
         (batch, seq, *channels), x's dtype (the weights are cast to it).
     """
     x = _check_sequence(x)
-    _check_weights(tuple(x.shape[2:]), weight, bias, "x's channels")
+    _check_weights(x, weight, bias, "x's channels")
+    check_bool("silu", silu)
     check_key_padding_mask(key_padding_mask, x.shape[0], x.shape[1], x.device)
     positions = None
     if cu_seqlens is not None:
@@ -178,11 +187,15 @@ def short_conv_step(
     x_t = _check_sequence(x_t)
     if x_t.shape[1] != 1:
         raise ValueError(f"x_t must be one position (batch, 1, *channels), got {tuple(x_t.shape)}")
-    _check_weights(tuple(x_t.shape[2:]), weight, bias, "x_t's channels")
+    _check_weights(x_t, weight, bias, "x_t's channels")
+    check_bool("silu", silu)
     expected = (x_t.shape[0], weight.shape[-1] - 1, *x_t.shape[2:])
     if state is not None and (not isinstance(state, Tensor) or tuple(state.shape) != expected):
         got = tuple(state.shape) if isinstance(state, Tensor) else type(state).__name__
         raise ValueError(f"state must be None or (batch, kernel - 1, *channels) = {expected}, got {got}")
+    if state is not None:
+        check_floating("state", state)
+        _check_device("state", state, x_t)
     return short_conv_step_unchecked(x_t, state, weight, bias, silu)
 
 
@@ -197,6 +210,7 @@ def short_conv_reference(
 ) -> Tensor:
     """:func:`short_conv` in float64 as the formula reads: a loop over positions and taps, a tap before the
     sequence's (or its document's) start or at a padded position skipped."""
+    check_bool("silu", silu)
     x, weight = x.double(), weight.double()
     starts = [0] * x.shape[1]
     if cu_seqlens is not None:
