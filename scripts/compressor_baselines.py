@@ -1,7 +1,7 @@
 """Bits per byte of general-purpose compressors on the `bytes` task's splits: the baselines a byte-level
 language model must beat.
 
-    PYTHONPATH=src python scripts/compressor_baselines.py --output docs/results/bytes-baselines.json
+    PYTHONPATH=src python scripts/compressor_baselines.py --output docs/results/bytes/compressor-baselines.json
     PYTHONPATH=src python scripts/compressor_baselines.py --task-options train_bytes=9000000,seq_len=512
 
 Each split is its files concatenated in order, the bytes the task cuts its windows from. Every compressor
@@ -31,7 +31,10 @@ def main() -> None:
     parser.add_argument("--output", help="write the figures and this command line to this JSON file")
     args = parser.parse_args()
 
-    task = load("bytes", **args.task_options)
+    try:
+        task = load("bytes", **args.task_options)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--task-options: {error}")
     train = split_bytes(task, "train")
     rows = {}
     for split in args.splits:
@@ -45,6 +48,7 @@ def main() -> None:
         record = {"command": " ".join(["python"] + sys.argv), "task": task.describe(), "splits": rows}
         with open(args.output, "w") as handle:
             json.dump(record, handle, indent=2)
+            handle.write("\n")
         print(f"wrote {args.output}")
 
 
