@@ -20,7 +20,7 @@ from ..functional.differential import (
     packed_differential_attention_unchecked,
     reparametrised_lambda,
 )
-from ..functional.kv_cache import cache_append, cache_capacity, new_cache
+from ..functional.kv_cache import cache_append, kv_cache_layout, prefilled_cache
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, register
 
 
@@ -103,12 +103,7 @@ class DifferentialAttention(Mechanism):
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
-        kv_heads = self.heads if kv_heads is None else kv_heads
-        return {
-            "k": ((kv_heads, None, self.head_dim), dtype),
-            "v": ((kv_heads, None, self.head_dim), dtype),
-            "filled": ((), torch.long),
-        }
+        return kv_cache_layout(self.heads if kv_heads is None else kv_heads, self.head_dim, dtype)
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
@@ -120,7 +115,7 @@ class DifferentialAttention(Mechanism):
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         out = self.attend(q, k, v, True, None, False)
-        return out, new_cache({"k": k, "v": v}, cache_capacity(k.shape[2] + 1))
+        return out, prefilled_cache({"k": k, "v": v})
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, layer_index={self.layer_index}, lambda_init={self.lambda_init:.4f}, " \
