@@ -21,6 +21,9 @@ at its start), its last byte predicting nothing, so no file's first byte is pred
 
 from __future__ import annotations
 
+import bz2
+import gzip
+import lzma
 import os
 import sys
 import sysconfig
@@ -173,10 +176,6 @@ COMPRESSORS = ("gzip -9", "bz2 -9", "xz -9")
 
 def _compressed_size(name: str, data: bytes) -> int:
     """Bytes of ``data`` compressed by the compressor ``name`` of :data:`COMPRESSORS`, container included."""
-    import bz2
-    import gzip
-    import lzma
-
     if name == "gzip -9":
         return len(gzip.compress(data, compresslevel=9, mtime=0))
     if name == "bz2 -9":
