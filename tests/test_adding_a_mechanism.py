@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnzoo.mechanisms import base
+from attnzoo.mechanisms import registry
 from attnzoo.training import TrainConfig, load_trained, train
 
 from conformance import checks
@@ -30,7 +30,7 @@ def toy_class():
 
         yield toy_new_mechanism.QuantizedQueries
     finally:
-        base._REGISTRY.pop("toy-quantized", None)
+        registry._REGISTRY.pop("toy-quantized", None)
         sys.modules.pop("toy_new_mechanism", None)
         sys.path.remove(str(TOY.parent))
 
@@ -86,7 +86,7 @@ def tempered_class():
 
         yield toy_trained_mechanism.TemperedAttention
     finally:
-        base._REGISTRY.pop("toy-tempered", None)
+        registry._REGISTRY.pop("toy-tempered", None)
         sys.modules.pop("toy_trained_mechanism", None)
         sys.path.remove(str(TRAINED_TOY.parent))
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnzoo
-from attnzoo.mechanisms.base import _REGISTRY
+from attnzoo.mechanisms.registry import _REGISTRY
 from attnzoo.mechanisms.capabilities import NATIVE_KV
 
 # 6 query heads on 3 key/value heads: heads 0 and 1 share key/value head 0. No other size here is 6.

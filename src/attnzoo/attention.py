@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from ._validation import check_bool, check_floating, check_positive_int, check_probability
-from .mechanisms.base import UnsupportedOptionError, available, build_mechanism, mechanism_class, shapes_only
+from .mechanisms.base import UnsupportedOptionError, shapes_only
+from .mechanisms.registry import available, build_mechanism, mechanism_class
 from .state import DecodingState
 from .positional import RotaryEmbedding
 

@@ -252,12 +252,26 @@ def expect_unsupported(mechanism: Mechanism, option: str) -> None:
                 r"cross",
                 f"{where}: cross=True with q_len={n}, k_len={other[1].shape[2]}",
             )
+    elif option == "any_value_width":
+        wide = (q, k, widened_values(v, mechanism.head_dim + 3, seed=9))
+        expect_error(lambda: call(m, wide, False, None), UnsupportedOptionError, r"any_value_width",
+                     f"{where}: v with head_dim + 3 channels")
+        if mechanism.capabilities.recurrent_step:
+            one = tuple(t[:, :, :1] for t in wide)
+            expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"any_value_width",
+                         f"{where}: step() with v of head_dim + 3 channels")
     elif option == "recurrent_step":
         one = (q[:, :, :1], k[:, :, :1], v[:, :, :1])
         expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"step", f"{where}: step()")
         expect_error(lambda: m.prefill(q, k, v), UnsupportedOptionError, r"step", f"{where}: prefill()")
     else:
         raise ValueError(f"unknown capability {option!r}")
+
+
+def widened_values(v: Tensor, width: int, seed: int) -> Tensor:
+    """Standard normal values shaped like ``v`` but with ``width`` channels."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*v.shape[:3], width, generator=generator, dtype=torch.float64).to(v.dtype)
 
 
 def state_tensors(state: object) -> List[Tensor]:
@@ -490,7 +504,7 @@ def check_unsupported_options(mechanism: Mechanism) -> None:
     ``unsupported_reasons`` agrees with the declaration: a call has a reason against it exactly when it uses
     an undeclared capability, every reason is given at once, and calling raises with all of them."""
     caps = mechanism.capabilities
-    for option in ("causal", "key_padding", "cross", "recurrent_step"):
+    for option in ("causal", "key_padding", "cross", "recurrent_step", "any_value_width"):
         if not getattr(caps, option):
             expect_unsupported(mechanism, option)
     m = as_dtype(mechanism, torch.float32)
@@ -1008,6 +1022,44 @@ def check_matches_reference(mechanism: Mechanism) -> None:
                 )
 
 
+def check_value_width(mechanism: Mechanism) -> None:
+    """v with another head dim than q and k (capability ``any_value_width``; a mechanism without it is held to
+    refusing such v by :func:`check_unsupported_options`): the output has v's width in every declared variant,
+    equal to the mechanism's float64 reference, and ``step`` decodes it as the causal forward does."""
+    if not mechanism.capabilities.any_value_width:
+        return
+    width = mechanism.head_dim + 3
+    m = as_dtype(mechanism, torch.float64)
+    what = f"{type(mechanism).__name__} with v of head_dim + 3 = {width} channels"
+    for variant in variants(mechanism):
+        (q, k, v), mask = variant_inputs(mechanism, variant, torch.float64, seed=31)
+        wide = (q, k, widened_values(v, width, seed=32))
+        out = _declared_to_work(lambda: call(m, wide, variant.causal, mask, variant.cross),
+                                f"{what}, {variant.describe()}")
+        if not isinstance(out, Tensor) or out.shape[:3] != q.shape[:3] or out.shape[3] != width:
+            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise AssertionError(f"{what}, {variant.describe()}: output shape {shape}, expected "
+                                 f"{(*q.shape[:3], width)}")
+        with torch.no_grad():
+            expected = m.reference(*wide, variant.causal, mask, cross=variant.cross)
+        assert_close(out, expected, f"{what}, {variant.describe()}: differs from its float64 reference()", **TIGHT)
+    if mechanism.capabilities.recurrent_step:
+        n = fit(mechanism, 9)
+        q, k, v = random_qkv(mechanism, 2, n, n, torch.float64, seed=33)
+        wide = (q, k, widened_values(v, width, seed=34))
+        outputs, _ = _declared_to_work(lambda: _steps(m, wide, 0, None), f"{what}, step by step")
+        _compare_steps(outputs, call(m, wide, True, None), 0, what)
+
+
+def _declared_to_work(action: Callable[[], Any], what: str) -> Any:
+    """``action()``, any error it raises reported as the declared capability's failure."""
+    try:
+        return action()
+    except Exception as error:
+        raise AssertionError(f"{what}: declares any_value_width=True, but raised {type(error).__name__}: "
+                             f"{error}") from error
+
+
 # Beyond this a rejected length would cost too much memory to build; such limits are effectively None.
 _LARGEST_CHECKED_LIMIT = 1 << 16
 
@@ -1265,6 +1317,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_batch_independence,
     check_traced_matches_eager,
     check_matches_reference,
+    check_value_width,
     check_low_precision,
     check_gradients_finite,
     check_non_contiguous_inputs,

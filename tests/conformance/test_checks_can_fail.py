@@ -251,8 +251,31 @@ class HeadsFirstState(GoodToy):
 class TrustsAnyState(GoodToy):
     """Continues from whatever state it is given."""
 
-    def check_state(self, state, q_t):
+    def check_state(self, state, q_t, kv_heads=None, value_width=None):
         pass
+
+
+class DropsValueChannels(GoodToy):
+    """Declares any_value_width=True but attends with only the first head_dim channels of v."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v[..., : self.head_dim], causal, key_padding_mask, cross)
+
+
+class StateForHeadDimValues(GoodToy):
+    """Decodes v of another width, but lays its state out for head_dim values: the second step is refused."""
+
+    def state_layout(self, dtype, kv_heads=None, value_width=None):
+        return super().state_layout(dtype, kv_heads)
+
+
+class TakesAnyValueWidthUndeclared(GoodToy):
+    """Declares any_value_width=False but runs v of any width."""
+
+    capabilities = replace(CAPS, any_value_width=False)
+
+    def value_width_reason(self, width):
+        return None
 
 
 class IgnoresMaxLength(BoundedToy):
@@ -390,6 +413,11 @@ BROKEN = [
     (checks.check_step_state_is_explicit, StateOnModule, {}, r"decoded alternately"),
     (checks.check_step_state_batch_first, HeadsFirstState, {}, r"batch \(3\) as its first dim"),
     (checks.check_step_refuses_foreign_state, TrustsAnyState, {}, r"batch-1 state for a batch-3 step: expected"),
+    (checks.check_value_width, DropsValueChannels, {}, r"head_dim \+ 3 = 11 channels.*output shape"),
+    (checks.check_value_width, StateForHeadDimValues, {}, r"step by step: declares any_value_width=True, but "
+                                                          r"raised ValueError: .*state tensor 'v'"),
+    (checks.check_unsupported_options, TakesAnyValueWidthUndeclared, {},
+     r"v with head_dim \+ 3 channels: expected UnsupportedOptionError"),
     (checks.check_unsupported_options, GuessesCrossFromLengths, {}, r"cross=True with q_len=6, k_len=6: expected"),
     (checks.check_bad_input, TruthyCausal, {}, r"causal='no': expected TypeError"),
     (checks.check_max_length, IgnoresMaxLength, {}, r"max_length=16: expected ValueError"),

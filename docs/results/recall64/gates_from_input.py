@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnzoo.attention import MultiHeadAttention
-from attnzoo.mechanisms.base import register
+from attnzoo.mechanisms.registry import register
 from attnzoo.mechanisms.delta import DeltaNetAttention, GatedDeltaNetAttention
 
 _forward = MultiHeadAttention.forward

@@ -41,10 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 from torch import nn
 
-from ..mechanisms.base import (
-    APPROXIMATE, EXACT, Mechanism, UnsupportedOptionError, available, build_mechanism, mechanism_class,
-    mechanism_options,
-)
+from ..mechanisms.base import APPROXIMATE, EXACT, Mechanism, UnsupportedOptionError
+from ..mechanisms.registry import available, build_mechanism, mechanism_class, mechanism_options
 from ..mechanisms.sparse import BlockSparseAttention
 from .hf_attention import (
     IMPLEMENTATION, MECHANISM_ATTRIBUTE, RECORD_ATTRIBUTE, attention_forward, padding_mask, register,

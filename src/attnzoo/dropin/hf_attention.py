@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional.grouped import per_query_group, repeat_kv
-from ..mechanisms.base import NATIVE_KV, Mechanism, UnsupportedOptionError, build_mechanism
+from ..mechanisms.base import NATIVE_KV, Mechanism, UnsupportedOptionError
+from ..mechanisms.registry import build_mechanism
 from ..mechanisms.kernelized import KernelizedMechanism
 
 IMPLEMENTATION = "attnzoo"

@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from .._validation import check_choice
 from ..attention import MultiHeadAttention
-from ..mechanisms.base import UnsupportedOptionError, available, mechanism_class, mechanism_options, shapes_only
+from ..mechanisms.base import UnsupportedOptionError, shapes_only
+from ..mechanisms.registry import available, mechanism_class, mechanism_options
 from .masks import TranslatedMasks, translate_masks
 from .swapped import CROSS, EITHER, SELF, WEIGHTS_CHOICES, SwappedAttention
 

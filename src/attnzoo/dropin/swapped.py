@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from .._validation import check_bool, check_choice
 from ..attention import MultiHeadAttention
 from ..functional.masks import zero_padded
-from ..mechanisms.base import Mechanism, UnsupportedOptionError, available, capabilities
+from ..mechanisms.base import Mechanism, UnsupportedOptionError
+from ..mechanisms.registry import available, capabilities
 from .masks import TranslatedMasks, translate_masks
 
 SELF = "self-attention"

@@ -129,16 +129,20 @@ def based_attention_reference(
     return linear + local
 
 
-def based_state_layout(heads: int, head_dim: int, feature_dim: int, window: int, dtype: torch.dtype) -> dict:
+def based_state_layout(
+    heads: int, head_dim: int, feature_dim: int, window: int, dtype: torch.dtype, value_width: Optional[int] = None
+) -> dict:
     """The decoding state's tensors (name -> (shape after the batch dim, dtype)): the linear part's
-    ``kv`` (heads, 1 + m + m^2, head_dim + 1) and ``log_scale`` in the working dtype, and the window's ring
-    ``k``, ``v`` (heads, window, head_dim) and ``positions`` (window,)."""
+    ``kv`` (heads, 1 + m + m^2, value_width + 1) and ``log_scale`` in the working dtype, and the window's ring
+    ``k`` (heads, window, head_dim), ``v`` (heads, window, value_width) and ``positions`` (window,);
+    ``value_width`` is ``head_dim`` when None."""
     state_dtype = working_dtype(dtype)
+    value_width = head_dim if value_width is None else value_width
     return {
-        "kv": ((heads, taylor_feature_dim(feature_dim), head_dim + 1), state_dtype),
+        "kv": ((heads, taylor_feature_dim(feature_dim), value_width + 1), state_dtype),
         "log_scale": ((heads, 1, 1), state_dtype),
         "k": ((heads, window, head_dim), dtype),
-        "v": ((heads, window, head_dim), dtype),
+        "v": ((heads, window, value_width), dtype),
         "positions": ((window,), torch.long),
     }
 

@@ -19,12 +19,13 @@ CACHE_BLOCK = 256
 O(log T) times instead of once per token."""
 
 
-def kv_cache_layout(kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict:
+def kv_cache_layout(kv_heads: int, head_dim: int, dtype: torch.dtype, value_width: Optional[int] = None) -> dict:
     """The ``k``, ``v`` and ``filled`` tensors of a cache: name -> (shape after the batch dim, None for the
-    capacity; dtype), as a mechanism's ``state_layout`` declares them."""
+    capacity; dtype), as a mechanism's ``state_layout`` declares them; ``v`` has ``value_width`` channels
+    (``head_dim`` when None)."""
     return {
         "k": ((kv_heads, None, head_dim), dtype),
-        "v": ((kv_heads, None, head_dim), dtype),
+        "v": ((kv_heads, None, head_dim if value_width is None else value_width), dtype),
         "filled": ((), torch.long),
     }
 

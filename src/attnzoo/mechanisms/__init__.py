@@ -13,14 +13,9 @@ from .base import (
     Mechanism,
     State,
     UnsupportedOptionError,
-    available,
-    build_mechanism,
-    capabilities,
-    mechanism_class,
-    mechanism_options,
-    register,
     shapes_only,
 )
+from .registry import available, build_mechanism, capabilities, mechanism_class, mechanism_options, register
 from .softmax import SoftmaxAttention
 from .kernelized import LinearAttention, PerformerAttention, RandomFeatureAttention
 from .gated import GatedLinearAttention, RetentionAttention

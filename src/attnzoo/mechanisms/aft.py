@@ -20,7 +20,8 @@ from ..functional.aft import (
     aft_simple_unchecked,
     local_position_bias,
 )
-from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 VARIANTS = ("simple", "full", "local")
 
@@ -74,6 +75,8 @@ class AttentionFreeTransformer(Mechanism):
         # Learned per-head position biases along the sequence act on each head's keys: no sharing.
         grouped_kv=NO_GROUPED_KV,
         packing=PACKED_SPLIT,
+        # Each value feature is gated by the query feature of the same index: no other value width fits.
+        any_value_width=False,
     )
     length_option = "max_seq_len"
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal paths.
@@ -115,30 +118,6 @@ class AttentionFreeTransformer(Mechanism):
     @property
     def max_length(self) -> Optional[int]:
         return None if self.variant == "simple" else self.max_seq_len
-
-    def check_inputs(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool,
-        key_padding_mask: Optional[Tensor],
-        cross: bool = False,
-    ) -> None:
-        super().check_inputs(q, k, v, causal, key_padding_mask, cross)
-        self._check_value_width(v)
-
-    def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
-        super().check_step_inputs(q_t, k_t, v_t)
-        self._check_value_width(v_t)
-
-    def _check_value_width(self, v: Tensor) -> None:
-        # Each value feature is gated by the query feature of the same index: no other value width fits.
-        if v.shape[3] != self.head_dim:
-            raise ValueError(
-                f"{self.name}: v has head_dim={v.shape[3]}; AFT gates each value feature with its query feature, "
-                f"so v needs the mechanism's head_dim={self.head_dim}"
-            )
 
     def dense_position_bias(self, length: int) -> Tensor:
         """full, local: the (heads, length, length) bias matrix ``w`` of the first ``length`` positions."""

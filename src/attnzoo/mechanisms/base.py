@@ -8,8 +8,7 @@ It declares what it can do once, in a :class:`Capabilities`; the registry, the c
 from __future__ import annotations
 
 import functools
-import inspect
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -327,6 +326,9 @@ class Mechanism(nn.Module):
                 + ("(cross=False); pass cross=True for keys and values from another sequence" if caps.cross
                    else "and it does not support cross-attention: its keys must come from the query sequence")
             )
+        value_width = self.value_width_reason(v.shape[3])
+        if value_width:
+            reasons.append(value_width)
         reasons += self.length_limit_reasons(q_len, k_len, cross)
         multiple = caps.length_multiple
         if multiple is not None:
@@ -334,6 +336,15 @@ class Mechanism(nn.Module):
                 if length % multiple:
                     reasons.append(f"{who}: {label} length {length} is not a multiple of length_multiple={multiple}")
         return reasons
+
+    def value_width_reason(self, width: int) -> Optional[str]:
+        """Why this instance refuses values with ``width`` channels (capability ``any_value_width``), or None."""
+        caps = self.capabilities
+        if caps.any_value_width or width == self.head_dim:
+            return None
+        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        return (f"{who} needs v with head_dim={self.head_dim} channels, like q and k, got {width} (capability "
+                f"any_value_width=False)")
 
     def length_limit_reasons(self, q_len: int, k_len: int, cross: bool) -> List[str]:
         """Why these lengths exceed :attr:`max_length` (empty if they don't). Queries and keys alike by default; a
@@ -370,7 +381,7 @@ class Mechanism(nn.Module):
         self.check_step_inputs(q_t, k_t, v_t)
         k_t, v_t = self.repeated_kv(q_t, k_t, v_t)
         grouped = {} if k_t.shape[1] == self.heads else {"kv_heads": k_t.shape[1]}  # overrides may not take it
-        self.check_state(state, q_t, **grouped)
+        self.check_state(state, q_t, **grouped, value_width=v_t.shape[3])
         tensors = None if state is None else state.tensors
         length = 0 if state is None else state.length
         out, tensors = self.attend_step(q_t, k_t, v_t, tensors, length)
@@ -421,12 +432,17 @@ class Mechanism(nn.Module):
         assert tensors is not None  # a prompt has at least one position (check_inputs)
         return torch.cat(outputs, dim=2), tensors
 
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         """Every state tensor's shape after the batch dim (None where it varies) and dtype, for inputs of
-        ``dtype``: what :meth:`check_state` holds a state to. A mechanism declaring ``grouped_kv="native"``
-        takes ``state_layout(dtype, kv_heads=None)`` instead, asked with ``kv_heads`` for keys/values of fewer
-        heads than ``heads``."""
+        ``dtype`` and values of ``value_width`` channels (``head_dim`` when None; asked only of a mechanism
+        declaring ``any_value_width``): what :meth:`check_state` holds a state to. A mechanism declaring
+        ``grouped_kv="native"`` takes ``state_layout(dtype, kv_heads=None, value_width=None)`` instead, asked
+        with ``kv_heads`` for keys/values of fewer heads than ``heads``."""
         raise NotImplementedError(f"{type(self).__qualname__} declares recurrent_step=True but has no state_layout()")
+
+    def value_width(self, value_width: Optional[int]) -> int:
+        """``value_width`` as :meth:`state_layout` is asked it: the values' channels, ``head_dim`` when None."""
+        return self.head_dim if value_width is None else value_width
 
     def require_recurrent_step(self) -> None:
         """Raise UnsupportedOptionError unless this instance offers :meth:`step` and :meth:`prefill`."""
@@ -449,13 +465,16 @@ class Mechanism(nn.Module):
         if q_t.shape[2] != 1 or k_t.shape[2] != 1:
             raise ValueError(f"{self.name}.step takes one position: q_t, k_t, v_t of shape (batch, heads, 1, dim), "
                              f"got seq lengths {q_t.shape[2]} and {k_t.shape[2]}")
-        refused = self.grouping_reason(k_t.shape[1])
+        refused = self.grouping_reason(k_t.shape[1]) or self.value_width_reason(v_t.shape[3])
         if refused:
             raise UnsupportedOptionError(refused)
 
-    def check_state(self, state: object, q_t: Tensor, kv_heads: Optional[int] = None) -> None:
+    def check_state(
+        self, state: object, q_t: Tensor, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> None:
         """A state this mechanism can continue from for the step input ``q_t`` (and keys/values of ``kv_heads``
-        heads, ``heads`` when None): made by a mechanism of this name, for this batch size, with every tensor
+        heads, ``heads`` when None, values of ``value_width`` channels, ``head_dim`` when None): made by a
+        mechanism of this name, for this batch size, with every tensor
         laid out as :meth:`state_layout` declares (so heads, widths and feature counts match), on the input's
         device. Anything else raises naming ``state``."""
         if state is None:
@@ -472,7 +491,10 @@ class Mechanism(nn.Module):
             raise ValueError(f"{where}: state.length must be a positive int, got {state.length!r}")
         kv_heads = self.heads if kv_heads is None else kv_heads
         grouped = kv_heads != self.heads and self.capabilities.grouped_kv == NATIVE_KV
-        layout = self.state_layout(q_t.dtype, kv_heads=kv_heads) if grouped else self.state_layout(q_t.dtype)
+        # Overrides take kv_heads only when grouped natively, value_width only when declaring any_value_width.
+        other_width = value_width is not None and value_width != self.head_dim
+        asked = {**({"kv_heads": kv_heads} if grouped else {}), **({"value_width": value_width} if other_width else {})}
+        layout = self.state_layout(q_t.dtype, **asked)
         if not isinstance(state.tensors, dict) or set(state.tensors) != set(layout):
             got = sorted(state.tensors) if isinstance(state.tensors, dict) else type(state.tensors).__name__
             raise ValueError(f"{where}: state holds tensors {got}, expected {sorted(layout)}")
@@ -490,8 +512,9 @@ class Mechanism(nn.Module):
                 expected = "(" + ", ".join("*" if size is None else str(size) for size in (batch, *shape)) + ")"
                 raise ValueError(
                     f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} for "
-                    f"heads={self.heads}, kv_heads={kv_heads}, head_dim={self.head_dim}: it was made by a "
-                    f"mechanism of another shape or for keys/values of another number of heads"
+                    f"heads={self.heads}, kv_heads={kv_heads}, head_dim={self.head_dim}, value width "
+                    f"{self.value_width(value_width)}: it was made by a mechanism of another shape or for keys/values "
+                    f"of another number of heads or width"
                 )
             if tensor.dtype != dtype:
                 raise TypeError(
@@ -531,65 +554,3 @@ class Mechanism(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, head_dim={self.head_dim}"
-
-
-# -- registry ------------------------------------------------------------------------------------------------
-_REGISTRY: Dict[str, Type[Mechanism]] = {}
-
-
-def register(cls: Type[Mechanism]) -> Type[Mechanism]:
-    """Class decorator adding a mechanism to the registry under ``cls.name``."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} must set a non-empty class attribute 'name'")
-    if not isinstance(getattr(cls, "capabilities", None), Capabilities):
-        raise ValueError(f"{cls.__qualname__} must declare 'capabilities' as a Capabilities instance")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"mechanism name {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available() -> List[str]:
-    """Sorted names of the registered mechanisms."""
-    return sorted(_REGISTRY)
-
-
-# Names no mechanism is registered under any more -> (the new name, what the mechanism is): refused with an
-# error that names the new one, so an old spelling never reads as merely unknown.
-_RENAMED: Dict[str, Tuple[str, str]] = {"flash": ("flash_gau", "FLASH mixed chunk attention, Hua et al. 2022")}
-
-
-def mechanism_class(name: str) -> Type[Mechanism]:
-    if isinstance(name, str) and name in _RENAMED and name not in _REGISTRY:
-        new_name, what = _RENAMED[name]
-        raise ValueError(f"mechanism {name!r} was renamed {new_name!r} ({what}); valid choices: "
-                         f"{', '.join(available())}")
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown mechanism {name!r}; valid choices: {', '.join(available())}")
-    return _REGISTRY[name]
-
-
-def capabilities(name: str) -> Capabilities:
-    """The declared :class:`Capabilities` of a registered mechanism."""
-    return mechanism_class(name).capabilities
-
-
-def mechanism_options(name: str) -> Dict[str, Any]:
-    """The keyword options a mechanism takes besides ``heads`` and ``head_dim``, with their defaults."""
-    signature = inspect.signature(mechanism_class(name).__init__)
-    return {
-        p.name: (None if p.default is inspect.Parameter.empty else p.default)
-        for p in signature.parameters.values()
-        if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-
-
-def build_mechanism(name: str, heads: int, head_dim: int, **options: Any) -> Mechanism:
-    """Instantiate a registered mechanism; an option it does not take raises an error listing the valid ones."""
-    cls = mechanism_class(name)
-    valid = mechanism_options(name)
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        listed = ", ".join(valid) if valid else "none"
-        raise TypeError(f"mechanism {name!r} got unknown option(s) {', '.join(unknown)}; valid options: {listed}")
-    return cls(heads, head_dim, **options)

@@ -20,7 +20,8 @@ from ..functional.based import (
 )
 from ..functional.blocksparse import BlockPlan, blocksparse_plan
 from ..functional.linear import DEFAULT_CHUNK_SIZE
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 
 @register
@@ -103,8 +104,8 @@ class BasedAttention(Mechanism):
         return based_attention_reference(q, k, v, self.q_proj, self.k_proj, self.window, causal, key_padding_mask)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
-        return based_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype)
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
+        return based_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype, value_width)
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         plan = self.plan(q.shape[2], True, q.device)

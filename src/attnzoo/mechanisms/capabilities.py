@@ -16,7 +16,7 @@ class UnsupportedOptionError(ValueError):
     """A mechanism was asked for something its capabilities do not include (the message names the option)."""
 
 
-NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step")
+NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step", "any_value_width")
 """The capabilities an instance's options may switch off (:meth:`Capabilities.narrowed`)."""
 
 EXACT = "exact"
@@ -75,6 +75,9 @@ class Capabilities:
             same outputs, full memory; the default) or ``"none"`` (refused, naming kv_heads).
         packing: one of :data:`PACKINGS`: whether :meth:`Mechanism.forward` takes ``cu_seqlens`` (a packed
             batch of documents), natively, by splitting the row into documents, or not at all.
+        any_value_width: v may have another head dim than q and k (the output then has v's); False for a
+            mechanism that ties each value channel to a query or key channel or learns weights over v's
+            channels (it needs v with ``head_dim`` channels and refuses others, naming this capability).
     """
 
     causal: bool
@@ -89,6 +92,7 @@ class Capabilities:
     limited_by: Optional[str] = None
     grouped_kv: str = REPEAT_KV
     packing: str = NOT_PACKED
+    any_value_width: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -18,7 +18,8 @@ from ..functional.clustered import (
     clustered_attention_reference,
     clustered_attention_unchecked,
 )
-from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, register, seeded_generator
+from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, seeded_generator
+from .registry import register
 
 
 @register

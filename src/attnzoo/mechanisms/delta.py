@@ -50,7 +50,8 @@ from ..functional.short_convolution import (
     short_conv_step_unchecked,
     short_conv_unchecked,
 )
-from .base import OWN, PACKED_SPLIT, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, REPEAT_KV, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 _CONVOLVED = ("q", "k", "v")
 
@@ -76,6 +77,8 @@ class _DeltaRuleMechanism(Mechanism):
             for name in _CONVOLVED:
                 weight = torch.empty(heads, head_dim, self.conv_size).uniform_(-bound, bound)
                 self.register_parameter(f"{name}_conv", nn.Parameter(weight))
+            # The v convolution has one weight per channel of head_dim (the rule itself takes any value width).
+            self.capabilities = self.capabilities.narrowed(f"conv_size={self.conv_size}", any_value_width=False)
 
     def log_decay(self, k: Tensor) -> Optional[Tensor]:
         """(B, H, N) log decay from the (masked, raw) keys, or None for the plain delta rule."""
@@ -111,23 +114,6 @@ class _DeltaRuleMechanism(Mechanism):
     def _reference_conv(name: str, x: Tensor, weight: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         return short_conv_reference(x, weight, silu=True, key_padding_mask=key_padding_mask)
 
-    def check_inputs(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool = False
-    ) -> None:
-        super().check_inputs(q, k, v, causal, key_padding_mask, cross)
-        self._check_value_width(v)
-
-    def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
-        super().check_step_inputs(q_t, k_t, v_t)
-        self._check_value_width(v_t)
-
-    def _check_value_width(self, v: Tensor) -> None:
-        """The v convolution has one weight per channel of head_dim: v of another width is refused, naming
-        conv_size (the delta rule itself takes any value width)."""
-        if self.conv_size and v.shape[-1] != self.head_dim:
-            raise ValueError(f"{self.name} with conv_size={self.conv_size} convolves v per channel: v must have "
-                             f"head_dim={self.head_dim} channels, got {v.shape[-1]}")
-
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
@@ -155,9 +141,9 @@ class _DeltaRuleMechanism(Mechanism):
         return delta_rule_reference(unit_q, unit_k, v_, beta, log_decay, causal=causal,
                                     key_padding_mask=key_padding_mask)
 
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         working = working_dtype(dtype)
-        layout = {"state": ((self.heads, self.head_dim, self.head_dim), working)}
+        layout = {"state": ((self.heads, self.head_dim, self.value_width(value_width)), working)}
         if self.conv_size > 1:
             window = (self.conv_size - 1, self.heads, self.head_dim)
             layout.update({f"{name}_conv": (window, working) for name in _CONVOLVED})

@@ -21,7 +21,8 @@ from ..functional.differential import (
     reparametrised_lambda,
 )
 from ..functional.kv_cache import cache_append, kv_cache_layout, prefilled_cache
-from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, register
+from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 
 @register
@@ -102,8 +103,10 @@ class DifferentialAttention(Mechanism):
                                                 scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
-        return kv_cache_layout(self.heads if kv_heads is None else kv_heads, self.head_dim, dtype)
+    def state_layout(
+        self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> StateLayout:
+        return kv_cache_layout(self.heads if kv_heads is None else kv_heads, self.head_dim, dtype, value_width)
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int

@@ -18,7 +18,8 @@ from ..functional.efficient import (
     efficient_attention_step_unchecked,
     efficient_attention_unchecked,
 )
-from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 
 @register
@@ -93,11 +94,13 @@ class EfficientAttention(Mechanism):
         return efficient_attention_reference(q, k, v, causal, key_padding_mask)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+    def state_layout(
+        self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> StateLayout:
         work = working_dtype(dtype)
         heads = self.heads if kv_heads is None else kv_heads  # the key/value heads the summaries belong to
         return {
-            "num": ((heads, self.head_dim, self.head_dim), work),
+            "num": ((heads, self.head_dim, self.value_width(value_width)), work),
             "den": ((heads, self.head_dim), work),
             "max": ((heads, self.head_dim), work),
         }

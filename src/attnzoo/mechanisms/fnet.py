@@ -10,7 +10,8 @@ from torch import Tensor
 from .._validation import check_bool
 from ..functional.fnet import fourier_mixing_reference, fourier_mixing_unchecked
 from ..functional.ties import tied_to_unused
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .registry import register
 
 
 @register

@@ -27,7 +27,8 @@ from ..functional.forgetting import (
 )
 from ..functional.kv_cache import cache_append, kv_cache_layout, prefilled_cache
 from ..functional.masks import zero_padded
-from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 DEFAULT_GATE_BIAS = 5.0
 """The forget gate bias's starting value: gates start near 1, a long memory (see ``gate_bias_init``)."""
@@ -113,9 +114,12 @@ class ForgettingAttention(Mechanism):
         return forgetting_attention_reference(q, k, v, log_forget, causal, key_padding_mask, scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+    def state_layout(
+        self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> StateLayout:
         kv_heads = self.heads if kv_heads is None else kv_heads
-        return {**kv_cache_layout(kv_heads, self.head_dim, dtype), "log_gate": ((self.heads, None), torch.float64)}
+        cache = kv_cache_layout(kv_heads, self.head_dim, dtype, value_width)
+        return {**cache, "log_gate": ((self.heads, None), torch.float64)}
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int

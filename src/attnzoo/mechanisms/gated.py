@@ -25,7 +25,8 @@ from .._dtypes import working_dtype
 from .._validation import check_bool, check_number, check_numbers
 from ..functional.gated import constant_log_decay, gla_log_gates, key_gate_logits, retention_log_decays
 from ..functional.linear import DEFAULT_CHUNK_SIZE
-from .base import OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, register
+from .base import OWN, PACKED_NATIVE, REPEAT_KV, Capabilities
+from .registry import register
 from .kernelized import KernelizedMechanism
 
 

@@ -31,7 +31,8 @@ from ..functional.gau import (
     scale_offset,
 )
 from ..functional.masks import zero_padded
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 
 class ScaleOffsetForms(Mechanism):
@@ -125,9 +126,10 @@ class GauAttention(ScaleOffsetForms):
         return gau_attention_reference(forms["q"], forms["k"], v, causal, key_padding_mask, scores=self.scores)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         compute = working_dtype(dtype)
-        return {"k": ((self.heads, None, self.head_dim), compute), "v": ((self.heads, None, None), compute)}
+        return {"k": ((self.heads, None, self.head_dim), compute),
+                "v": ((self.heads, None, self.value_width(value_width)), compute)}
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int

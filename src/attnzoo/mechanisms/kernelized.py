@@ -46,9 +46,9 @@ from .base import (
     Capabilities,
     Mechanism,
     StateLayout,
-    register,
     seeded_generator,
 )
+from .registry import register
 
 
 class KernelizedMechanism(Mechanism):
@@ -159,10 +159,12 @@ class KernelizedMechanism(Mechanism):
             phi_q, phi_k, v, spans, log_decay, self.normalizer, self.chunk_size, self.denominator_eps
         )
 
-    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+    def state_layout(
+        self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> StateLayout:
         kv_heads = self.heads if kv_heads is None else kv_heads
         return {
-            "kv": ((kv_heads, self.feature_dim, self.head_dim + 1), working_dtype(dtype)),
+            "kv": ((kv_heads, self.feature_dim, self.value_width(value_width) + 1), working_dtype(dtype)),
             "log_scale": ((kv_heads, 1, 1), working_dtype(dtype)),
         }
 

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from .._validation import check_choice, check_positive_int
 from ..functional.linformer import linformer_attention_reference, linformer_attention_unchecked
-from .base import APPROXIMATE, NO_GROUPED_KV, Capabilities, Mechanism, UnsupportedOptionError, register
+from .base import APPROXIMATE, NO_GROUPED_KV, Capabilities, Mechanism, UnsupportedOptionError
+from .registry import register
 
 SHARING = ("none", "headwise", "kv")
 """The paper's projection sharing within a layer (section 4): ``"none"``, one ``E`` and one ``F`` per head;

@@ -25,7 +25,8 @@ from ..functional.longformer import (
     static_global_mask,
     window_plan,
 )
-from .base import NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, UnsupportedOptionError, register
+from .base import NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, UnsupportedOptionError
+from .registry import register
 from .sparse_checks import check_block_size
 
 
@@ -114,8 +115,10 @@ class LongformerAttention(Mechanism):
         self.global_projections = check_bool("global_projections", global_projections)
         self.block_size = check_block_size(block_size)
         if self.global_projections:
-            # Per query head maps of the keys and values: grouped keys and values are repeated for them.
-            self.capabilities = self.capabilities.narrowed("global_projections=True", grouped_kv=REPEAT_KV)
+            # Per query head maps of the keys and values: grouped keys and values are repeated for them, and
+            # the value map is (head_dim x head_dim).
+            self.capabilities = self.capabilities.narrowed("global_projections=True", grouped_kv=REPEAT_KV,
+                                                           any_value_width=False)
             identity = torch.eye(head_dim).expand(heads, head_dim, head_dim)
             self.query_global = nn.Parameter(identity.clone())
             self.key_global = nn.Parameter(identity.clone())
@@ -245,9 +248,6 @@ class LongformerAttention(Mechanism):
         if outside:
             reasons.append(f"{self.name}: global_indices {list(outside)} name no position of a sequence of length "
                            f"{length} (an index i needs {-length} <= i < {length})")
-        if self.global_projections and v.shape[3] != self.head_dim:
-            reasons.append(f"{self.name} with global_projections=True: v has head_dim {v.shape[3]}, the value "
-                           f"projection maps head_dim={self.head_dim}")
         return reasons
 
     def extra_repr(self) -> str:

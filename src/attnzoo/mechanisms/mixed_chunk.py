@@ -17,7 +17,8 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .._validation import check_positive_int
 from ..functional.mixed_chunk import mixed_chunk_attention_reference, mixed_chunk_attention_unchecked
-from .base import OWN, PACKED_SPLIT, Capabilities, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, StateLayout
+from .registry import register
 from .gau import ScaleOffsetForms
 
 
@@ -93,14 +94,14 @@ class MixedChunkAttention(ScaleOffsetForms):
         )
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         compute = working_dtype(dtype)
-        h, c, d = self.heads, self.chunk_size, self.head_dim
+        h, c, d, dv = self.heads, self.chunk_size, self.head_dim, self.value_width(value_width)
         return {
-            "kv": ((h, d, None), compute),
-            "chunk_kv": ((h, d, None), compute),
+            "kv": ((h, d, dv), compute),
+            "chunk_kv": ((h, d, dv), compute),
             "k": ((h, c, d), compute),
-            "v": ((h, c, None), compute),
+            "v": ((h, c, dv), compute),
         }
 
     def attend_step(

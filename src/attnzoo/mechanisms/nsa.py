@@ -17,7 +17,8 @@ from ..functional.nsa import (
     nsa_attention_unchecked,
     nsa_branches,
 )
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 
 @register
@@ -61,6 +62,8 @@ class NativeSparseAttention(Mechanism):
                    "memory O(N^2 / d + N w); d = compress_stride, n = top_k, l' = select_block, w = window",
         summary="native sparse attention: gated compressed, top-k selected and window branches (Yuan et al. 2025)",
         packing=PACKED_SPLIT,
+        # The compression MLP learns weights over the head_dim channels of each block of values.
+        any_value_width=False,
     )
     # The suite's lengths (up to 11) hold several compressed and selectable blocks, more than top_k of them.
     test_options = {"compress_block": 4, "compress_stride": 2, "select_block": 2, "top_k": 2, "window": 3}

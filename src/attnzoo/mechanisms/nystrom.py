@@ -16,7 +16,8 @@ from ..functional.nystrom import (
     nystrom_attention_reference,
     nystrom_attention_unchecked,
 )
-from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, register
+from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism
+from .registry import register
 
 
 @register

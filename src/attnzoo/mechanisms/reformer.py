@@ -19,7 +19,8 @@ from ..functional.lsh import (
     lsh_rotations_unchecked,
 )
 from ..functional.ties import tied_to_unused
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .registry import register
 
 
 @register

@@ -17,7 +17,8 @@ from ..functional.sinkhorn import (
     sinkhorn_attention_reference,
     sinkhorn_attention_unchecked,
 )
-from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, register
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .registry import register
 
 
 @register

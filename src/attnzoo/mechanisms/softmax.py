@@ -29,7 +29,8 @@ from ..functional.softmax import (
     softmax_attention_reference,
     softmax_attention_unchecked,
 )
-from .base import EXACT, NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, StateLayout, register
+from .base import EXACT, NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, StateLayout
+from .registry import register
 
 @register
 class SoftmaxAttention(Mechanism):
@@ -138,11 +139,13 @@ class SoftmaxAttention(Mechanism):
         return softmax_attention_reference(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+    def state_layout(
+        self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> StateLayout:
         kv_heads = self.heads if kv_heads is None else kv_heads
         if self.window is not None:
-            return window_cache_layout(kv_heads, self.window, self.sink_tokens, self.head_dim, dtype)
-        return kv_cache_layout(kv_heads, self.head_dim, dtype)
+            return window_cache_layout(kv_heads, self.window, self.sink_tokens, self.head_dim, dtype, value_width)
+        return kv_cache_layout(kv_heads, self.head_dim, dtype, value_width)
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int

@@ -33,7 +33,8 @@ from ..functional.blocksparse import (
     window_cache_prefill,
     window_cache_step,
 )
-from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout, register
+from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout
+from .registry import register
 from .longformer import LongformerAttention  # noqa: F401 - registered with the family, importable from here
 from .sparse_checks import check_block_size
 
@@ -173,13 +174,15 @@ class LocalAttention(BlockSparseAttention):
         return LocalPattern(self.window, self.block_size or min(self.window, 64))
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype, kv_heads: Optional[int] = None) -> StateLayout:
+    def state_layout(
+        self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
+    ) -> StateLayout:
         heads = self.heads if kv_heads is None else kv_heads  # the key/value heads the buffers hold
         if self.sink_tokens:
-            return window_cache_layout(heads, self.window, self.sink_tokens, self.head_dim, dtype)
+            return window_cache_layout(heads, self.window, self.sink_tokens, self.head_dim, dtype, value_width)
         return {
             "k": ((heads, self.window, self.head_dim), dtype),
-            "v": ((heads, self.window, self.head_dim), dtype),
+            "v": ((heads, self.window, self.value_width(value_width)), dtype),
             "positions": ((self.window,), torch.long),
         }
 

@@ -31,7 +31,8 @@ from .._dtypes import working_dtype
 from ..functional.gated import key_gate_logits
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from ..functional.ssd import mamba2_log_rates, mamba2_step_bias, step_sizes
-from .base import OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, register
+from .base import OWN, PACKED_NATIVE, REPEAT_KV, Capabilities
+from .registry import register
 from .kernelized import KernelizedMechanism
 
 

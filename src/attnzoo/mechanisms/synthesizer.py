@@ -25,7 +25,8 @@ from ..functional.synthesizer import (
     synthesizer_attention_unchecked,
 )
 from ..functional.ties import tied_to_unused
-from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, register
+from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .registry import register
 
 RANDOM_MODES = ("random", "factorized_random")
 """The modes whose logits do not depend on the input (and may be ``fixed``)."""

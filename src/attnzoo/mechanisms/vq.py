@@ -53,7 +53,8 @@ from ..functional.vq import (
     vq_attention_step,
     vq_attention_unchecked,
 )
-from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, register, seeded_generator
+from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, StateLayout, seeded_generator
+from .registry import register
 
 
 @register
@@ -247,10 +248,10 @@ class VQAttention(Mechanism):
         return out if through else tied_to_unused(out, k)
 
     # -- decoding ------------------------------------------------------------------------------------------
-    def state_layout(self, dtype: torch.dtype) -> StateLayout:
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         compute = working_dtype(dtype)
         return {"counts": ((self.heads, self.codebook_size), compute),
-                "sums": ((self.heads, self.codebook_size, None), compute)}
+                "sums": ((self.heads, self.codebook_size, self.value_width(value_width)), compute)}
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int

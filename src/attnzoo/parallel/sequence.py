@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from ..attention import MultiHeadAttention
 from ..functional.state_scan import exclusive_state_scan, finish_part, part_terms, rescale_keys
-from ..mechanisms.base import Mechanism, UnsupportedOptionError, available, mechanism_class
+from ..mechanisms.base import Mechanism, UnsupportedOptionError
+from ..mechanisms.registry import available, mechanism_class
 from ..mechanisms.kernelized import KernelizedMechanism
 
 

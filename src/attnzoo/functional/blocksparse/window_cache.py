@@ -28,14 +28,18 @@ def check_sink_tokens(sink_tokens: object, window: int) -> int:
     return sinks
 
 
-def window_cache_layout(heads: int, window: int, sinks: int, dim: int, dtype: torch.dtype) -> dict:
-    """The state's tensors: name -> (shape after the batch dim, dtype), as a mechanism's ``state_layout``."""
+def window_cache_layout(
+    heads: int, window: int, sinks: int, dim: int, dtype: torch.dtype, value_width: Optional[int] = None
+) -> dict:
+    """The state's tensors: name -> (shape after the batch dim, dtype), as a mechanism's ``state_layout``;
+    values of ``value_width`` channels (``dim`` when None)."""
+    value_width = dim if value_width is None else value_width
     return {
         "k": ((heads, window, dim), dtype),
-        "v": ((heads, window, dim), dtype),
+        "v": ((heads, window, value_width), dtype),
         "positions": ((window,), torch.long),
         "sink_k": ((heads, sinks, dim), dtype),
-        "sink_v": ((heads, sinks, dim), dtype),
+        "sink_v": ((heads, sinks, value_width), dtype),
     }
 
 
