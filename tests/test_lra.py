@@ -94,6 +94,7 @@ def test_lra_draws_accuracy_against_speed_and_memory_at_the_long_length(capsys, 
     table = (tmp_path / "lra.md").read_text()
     assert "## Speed and memory at N=128" in table and "| linear |" in table
     assert "trained and tested at the tasks' own lengths (recall 12 tokens)" in table.lower()
+    assert not (tmp_path / "lra-curves.png").exists() and "## Learning curves" not in table  # one validation
 
     # Continued with the same settings, the measurement is read back (measuring again would fail here); with
     # any other long-length setting it is measured anew.
@@ -109,6 +110,36 @@ def test_lra_draws_accuracy_against_speed_and_memory_at_the_long_length(capsys, 
                   lra_speed.long_length_config(128, ["linear"], {}, 4, 4, 1, [])):
         with pytest.raises(AssertionError, match="measured again"):
             lra_speed.measure_long_length(other, tmp_path, argv)
+
+
+def test_a_preset_validating_more_than_once_draws_its_learning_curves_beside_the_published_figure(
+        capsys, tmp_path, tiny_recall, monkeypatch):
+    monkeypatch.setitem(lra.EVALUATIONS, "quick", 2)
+    monkeypatch.setitem(lra.PUBLISHED, "quick", {"recall": (0.5, "a paper, Table 9")})
+    argv = ["lra", "--tasks", "recall", "--mechanisms", "linear,softmax", "--steps", "4", "--threads", "1",
+            "--long-length", "64", "--output", str(tmp_path), "--quiet"]
+    assert main(argv) == 0, capsys.readouterr().err
+    data = json.loads((tmp_path / "lra.json").read_text())
+    for mechanism in ("linear", "softmax"):
+        curve = data["curves"]["recall"][mechanism]
+        assert [step for step, _ in curve] == [2, 4]
+        assert all(0.0 <= accuracy <= 1.0 for _, accuracy in curve)
+        assert curve[-1][1] == data["cells"]["recall"][mechanism]["validation"]["accuracy"]
+    assert data["published"] == {"recall": {"accuracy": 0.5, "source": "a paper, Table 9"}}
+    assert (tmp_path / "lra-curves.png").stat().st_size > 0
+    table = (tmp_path / "lra.md").read_text()
+    linear = data["curves"]["recall"]["linear"]
+    assert "## Learning curves" in table and "| mechanism | step 2 | step 4 |" in table
+    assert f"| linear | {100 * linear[0][1]:.1f} | {100 * linear[1][1]:.1f} |" in table
+    assert "| published (a paper, Table 9) | test accuracy 50.0 | |" in table
+
+
+def test_a_learning_curve_counts_a_step_validated_again_after_a_resume_once(tmp_path):
+    (tmp_path / "metrics.csv").write_text(
+        "step,split,loss,accuracy\n5,train,2.0,0.1\n5,validation,2.1,0.2\n10,validation,2.0,0.25\n"
+        "10,validation,1.9,0.3\n15,validation,1.8,\n")
+    assert lra.learning_curve(tmp_path, "accuracy") == [[5, 0.2], [10, 0.3]]
+    assert lra.learning_curve(tmp_path / "missing", "accuracy") == []
 
 
 def test_the_long_length_table_says_why_a_row_is_missing():

@@ -69,18 +69,23 @@ def _last_line(text: str) -> str:
     return lines[-1][:400] if lines else ""
 
 
-def last_validation(cell: Path) -> Optional[Dict[str, Any]]:
-    """The last validation row of a cell's ``metrics.csv`` (step and the metrics it has), or None."""
+def validations(cell: Path) -> List[Dict[str, Any]]:
+    """Every validation row of a cell's ``metrics.csv`` in step order (step and the metrics it has): its
+    learning curve; empty before the first validation."""
     path = cell / "metrics.csv"
     if not path.exists():
-        return None
+        return []
     with path.open(newline="") as handle:
         rows = [row for row in csv.DictReader(handle) if row.get("split") == "validation"]
-    if not rows:
-        return None
-    last = rows[-1]
-    return {"step": int(last["step"]),
-            **{key: float(value) for key, value in last.items() if key not in ("step", "split") and value}}
+    return [{"step": int(row["step"]),
+             **{key: float(value) for key, value in row.items() if key not in ("step", "split") and value}}
+            for row in rows]
+
+
+def last_validation(cell: Path) -> Optional[Dict[str, Any]]:
+    """The last validation row of a cell's ``metrics.csv`` (step and the metrics it has), or None."""
+    rows = validations(cell)
+    return rows[-1] if rows else None
 
 
 def run_cell(config: TrainConfig, cell: Path, timeout_s: float, threads: Optional[int],

@@ -26,7 +26,7 @@ from ..bench.results import BASELINE
 from ..mechanisms import available as mechanisms_available
 from ..tasks import available as tasks_available, load as load_task
 from ..training import TrainConfig, unsupported_reasons
-from .cells import CELL_JSON, save_row, train_cells
+from .cells import CELL_JSON, save_row, train_cells, validations
 from .lra_speed import (
     DEFAULT_LONG_LENGTH,
     check_long_length,
@@ -38,7 +38,7 @@ from .lra_speed import (
 from .settings import check_cell_settings, check_mechanism_options, check_names, check_preset, keep_settings
 
 LRA_JSON, LRA_MD, LRA_PNG, SETTINGS_JSON = "lra.json", "lra.md", "lra.png", "lra-settings.json"
-LRA_LONG_PNG = "lra-long.png"
+LRA_LONG_PNG, LRA_CURVES_PNG = "lra-long.png", "lra-curves.png"
 
 # One budget per task: the model, optimiser and data every mechanism gets. The quick budget is sized to run
 # every registered mechanism on every task in under 45 minutes on 2 CPU cores (docs/lra.md): the fewest steps
@@ -78,6 +78,11 @@ BUDGETS: Dict[str, Dict[str, Dict[str, Any]]] = {
         "pathfinder": dict(task_options={}, dim=64, depth=2, heads=2, ff_dim=128, positional="rotary",
                            batch_size=32, steps=5000, lr=1e-3),
     },
+}
+# Published test accuracies at a preset's settings, drawn beside its learning curves: task -> (accuracy, source).
+PUBLISHED: Dict[str, Dict[str, Tuple[float, str]]] = {
+    "long": {"listops": (0.371, "Nystromformer, Table 3: softmax, 5,000 steps"),
+             "pathfinder": (0.742, "Nystromformer, Table 3: softmax")},
 }
 # Validation passes per cell, evenly spaced (each also writes a checkpoint), and the batches each one reads
 # (None: the whole split). The table reports the whole test split, so the quick budget validates once, at the
@@ -204,10 +209,26 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
     if progress is not None:
         progress(f"speed and memory at N={config.long_length}: measured")
     data = collect(config, tasks, mechanisms, cells, baselines, metrics, argv)
+    data["curves"] = {task: {m: learning_curve(output / "cells" / task / m, metrics[task]) for m in mechanisms}
+                      for task in tasks}
+    data["published"] = {task: {"accuracy": value, "source": source}
+                         for task, (value, source) in PUBLISHED.get(config.preset, {}).items() if task in tasks}
     data["training_lengths"] = lengths
     data["long_length"] = long_length_summary(measured, mechanisms, dim)
     write_lra(data, output)
     return data
+
+
+def learning_curve(cell: Path, metric: str) -> List[List[float]]:
+    """[step, validation metric] of every validation pass of a cell, in step order (a step validated again
+    after a resume counts once, its latest row)."""
+    by_step = {row["step"]: row[metric] for row in validations(cell) if metric in row}
+    return [[step, by_step[step]] for step in sorted(by_step)]
+
+
+def has_curves(data: Dict[str, Any]) -> bool:
+    """Whether some cell validated more than once (the quick preset validates once, at the end)."""
+    return any(len(curve) > 1 for task in data.get("curves", {}).values() for curve in task.values())
 
 
 def _score(row: Dict[str, Any], metric: str) -> Optional[float]:
@@ -281,7 +302,37 @@ def render_markdown(data: Dict[str, Any]) -> str:
     text += [*lines, ""]
     if notes:
         text += ["Missing cells:", "", *notes, ""]
-    return "\n".join(text + render_long_length(data))
+    return "\n".join(text + render_curves(data) + render_long_length(data))
+
+
+def _metric_text(value: float, metric: str) -> str:
+    return f"{100 * value:.1f}" if metric == "accuracy" else f"{value:.3f}"
+
+
+def render_curves(data: Dict[str, Any]) -> List[str]:
+    """Per task, the validation metric of every mechanism at each validation step (lra-curves.png's lines), and
+    the published figure at the preset's settings where there is one."""
+    if not has_curves(data):
+        return []
+    lines = ["## Learning curves", "",
+             "Validation (its first batches, as the preset reads them) at each validation step; the table above "
+             "is the whole test split at the end. Drawn in `lra-curves.png`.", ""]
+    for task, curves in data["curves"].items():
+        metric = data["metrics"][task]
+        steps = sorted({int(step) for curve in curves.values() for step, _ in curve})
+        lines += [f"### {task} ({'validation accuracy %' if metric == 'accuracy' else 'validation ' + metric})",
+                  "", "| mechanism | " + " | ".join(f"step {step}" for step in steps) + " |",
+                  "|---|" + "---|" * len(steps)]
+        for mechanism, curve in curves.items():
+            at = {int(step): value for step, value in curve}
+            lines.append(f"| {mechanism} | " + " | ".join(_metric_text(at[step], metric) if step in at else "-"
+                                                          for step in steps) + " |")
+        published = data.get("published", {}).get(task)
+        if published:
+            lines.append(f"| published ({published['source']}) | test accuracy "
+                         f"{_metric_text(published['accuracy'], 'accuracy')} |" + " |" * (len(steps) - 1))
+        lines.append("")
+    return lines
 
 
 def _number(value: Optional[float], digits: int) -> str:
@@ -309,7 +360,7 @@ def render_long_length(data: Dict[str, Any]) -> List[str]:
 
 
 def write_lra(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
-    from .lra_figures import plot_long_length, plot_training_length
+    from .lra_figures import plot_curves, plot_long_length, plot_training_length
 
     paths = {"json": output / LRA_JSON, "markdown": output / LRA_MD, "plot": output / LRA_PNG}
     paths["json"].write_text(json.dumps(data, indent=2))
@@ -318,4 +369,7 @@ def write_lra(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
     if data.get("long_length") is not None:
         paths["long_plot"] = output / LRA_LONG_PNG
         plot_long_length(data, paths["long_plot"])
+    if has_curves(data):
+        paths["curves_plot"] = output / LRA_CURVES_PNG
+        plot_curves(data, paths["curves_plot"])
     return paths

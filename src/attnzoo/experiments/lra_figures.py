@@ -6,6 +6,10 @@
                   measured by the kernel benchmark (:mod:`attnzoo.experiments.lra_speed`): the Long Range
                   Arena's picture, where the mechanisms differ.
 
+``lra-curves.png`` the learning curves (validation metric against step, one panel per task, one line per
+                  mechanism) of a preset that validates more than once, with the published figure at its
+                  settings (``lra.PUBLISHED``) and the trivial baseline as dashed lines.
+
 Each says in its axis label and title which lengths it measures. Mechanisms missing an accuracy task, or a
 long-length measurement, are left out and named below the title.
 """
@@ -95,3 +99,33 @@ def plot_long_length(data: Dict[str, Any], path: Path) -> None:
              f"({training_lengths_text(data)} tokens);\nspeed and peak memory (bubble area) of one attention "
              f"layer at N={long['length']} tokens\n{shape}",
              missing)
+
+
+def plot_curves(data: Dict[str, Any], path: Path) -> None:
+    """One panel per task: each mechanism's validation metric against the training step, at equal steps."""
+    tasks = list(data["curves"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, task in zip(axes[0], tasks):
+        metric = data["metrics"][task]
+        scale = 100 if metric == "accuracy" else 1
+        for index, (mechanism, curve) in enumerate(data["curves"][task].items()):
+            if curve:
+                ax.plot([step for step, _ in curve], [scale * value for _, value in curve], marker="o",
+                        markersize=3, label=mechanism, color=colors[index % 10])
+        baseline = data["baselines"][task][metric]
+        ax.axhline(scale * baseline, color="grey", linestyle=":", linewidth=1,
+                   label=f"majority class ({scale * baseline:.1f})" if metric == "accuracy" else "unigram")
+        published = data.get("published", {}).get(task)
+        if published:
+            ax.axhline(100 * published["accuracy"], color="black", linestyle="--", linewidth=1,
+                       label=f"published: {100 * published['accuracy']:.1f} ({published['source']})")
+        ax.set_xlabel("training step")
+        ax.set_ylabel(f"validation {'accuracy (%)' if metric == 'accuracy' else metric}")
+        ax.set_title(f"{task}, {data['training_lengths'].get(task, '?')} tokens", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"attnzoo lra ({data['budget']} preset): learning curves at equal steps", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
