@@ -235,3 +235,16 @@ def test_a_short_document_is_refused_as_it_is_alone_naming_it(prefill):
     out = mechanism(q, k, v, True, cu_seqlens=offsets(0, 3, 6, LENGTH))  # every document long enough runs
     torch.testing.assert_close(out[:, :, 3:6], mechanism(q[:, :, 3:6], k[:, :, 3:6], v[:, :, 3:6], True),
                                rtol=0, atol=1e-12)
+
+
+def test_a_refusal_that_does_not_depend_on_the_length_names_no_document():
+    """v of another width is refused by aft whatever the lengths: the packed error is the unpacked one, with
+    no document named; a length rule's refusal still names its document (the test above)."""
+    mechanism = attnzoo.build_mechanism("aft", HEADS, HEAD_DIM).double()
+    q, k, v = qkv(length=LENGTH)
+    wide = torch.randn(1, HEADS, LENGTH, HEAD_DIM + 1, dtype=torch.float64)
+    with pytest.raises(UnsupportedOptionError) as alone:
+        mechanism(q[:, :, :3], k[:, :, :3], wide[:, :, :3], True)
+    with pytest.raises(UnsupportedOptionError) as packed:
+        mechanism(q, k, wide, True, cu_seqlens=offsets(0, 3, 6, LENGTH))
+    assert str(packed.value) == str(alone.value) and "any_value_width" in str(packed.value)
