@@ -130,7 +130,9 @@ def add_lra_command(commands: Any) -> None:
                     "OUTPUT/cells/. Writes lra.json (rows readable by attnzoo compare --accuracy), lra.md (the "
                     "accuracy table, baselines as the last row), lra.png (accuracy against training speed at the "
                     "tasks' lengths) and lra-long.png (accuracy against the speed and memory of each attention at "
-                    "--long-length tokens, measured by the kernel benchmark into OUTPUT/long-length/). Rerunning "
+                    "--long-length tokens, measured by the kernel benchmark into OUTPUT/long-length/); a preset that "
+                    "validates more than once (full, long) also draws lra-curves.png (validation against step, "
+                    "with the published figure where there is one). Rerunning "
                     "the same command continues an interrupted run: finished cells are kept, interrupted ones "
                     "resume from their checkpoint.")
     from ..experiments.lra import BUDGETS
