@@ -134,6 +134,22 @@ def test_a_preset_validating_more_than_once_draws_its_learning_curves_beside_the
     assert "| published (a paper, Table 9) | test accuracy 50.0 | |" in table
 
 
+def test_the_curves_table_says_which_cells_did_not_finish_and_which_task_has_no_validation_yet():
+    data = {"metrics": {"listops": "accuracy", "bytes": "bits_per_byte"},
+            "settings": {"listops": {"eval_batches": 8}, "bytes": {"eval_batches": None}},
+            "cells": {"listops": {"softmax": {"status": "ok"}, "linear": {"status": "too slow"}},
+                      "bytes": {"softmax": {"status": "unsupported"}}},
+            "curves": {"listops": {"softmax": [[50, 0.2], [100, 0.25]], "linear": [[50, 0.1]]},
+                       "bytes": {"softmax": []}},
+            "published": {"listops": {"accuracy": 0.371, "source": "a paper"}}}
+    lines = lra.render_curves(data)
+    assert "### listops (validation accuracy %, the first 8 validation batches)" in lines
+    assert "| softmax | 20.0 | 25.0 |" in lines and "| linear (out of time) | 10.0 | - |" in lines
+    assert "| published (a paper) | test accuracy 37.1 | |" in lines
+    at = lines.index("### bytes (validation bpb, lower is better, the whole validation split)")
+    assert lines[at + 2] == "No cell has validated yet."
+
+
 def test_a_learning_curve_counts_a_step_validated_again_after_a_resume_once(tmp_path):
     (tmp_path / "metrics.csv").write_text(
         "step,split,loss,accuracy\n5,train,2.0,0.1\n5,validation,2.1,0.2\n10,validation,2.0,0.25\n"

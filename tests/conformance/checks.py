@@ -32,7 +32,15 @@ from torch.autograd.gradcheck import GradcheckError
 import attnzoo
 from attnzoo import _validation
 from attnzoo.functional import softmax_attention_reference
-from attnzoo.mechanisms import APPROXIMATE, Capabilities, Mechanism, UnsupportedOptionError, mechanism_class, shapes_only
+from attnzoo.mechanisms import (
+    APPROXIMATE,
+    NATIVE_KV,
+    Capabilities,
+    Mechanism,
+    UnsupportedOptionError,
+    mechanism_class,
+    shapes_only,
+)
 from attnzoo.state import DecodingState, map_tensors, select_batch
 
 HEADS = 2
@@ -253,13 +261,14 @@ def expect_unsupported(mechanism: Mechanism, option: str) -> None:
                 f"{where}: cross=True with q_len={n}, k_len={other[1].shape[2]}",
             )
     elif option == "any_value_width":
-        wide = (q, k, widened_values(v, mechanism.head_dim + 3, seed=9))
-        expect_error(lambda: call(m, wide, False, None), UnsupportedOptionError, r"any_value_width",
-                     f"{where}: v with head_dim + 3 channels")
-        if mechanism.capabilities.recurrent_step:
-            one = tuple(t[:, :, :1] for t in wide)
-            expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"any_value_width",
-                         f"{where}: step() with v of head_dim + 3 channels")
+        for width in sorted({mechanism.head_dim + 3, max(1, mechanism.head_dim - 1)} - {mechanism.head_dim}):
+            other = (q, k, widened_values(v, width, seed=9))
+            expect_error(lambda: call(m, other, False, None), UnsupportedOptionError, r"any_value_width",
+                         f"{where}: v with {width} channels")
+            if mechanism.capabilities.recurrent_step:
+                one = tuple(t[:, :, :1] for t in other)
+                expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"any_value_width",
+                             f"{where}: step() with v of {width} channels")
     elif option == "recurrent_step":
         one = (q[:, :, :1], k[:, :, :1], v[:, :, :1])
         expect_error(lambda: m.step(*one, None), UnsupportedOptionError, r"step", f"{where}: step()")
@@ -1025,7 +1034,8 @@ def check_matches_reference(mechanism: Mechanism) -> None:
 def check_value_width(mechanism: Mechanism) -> None:
     """v with another head dim than q and k (capability ``any_value_width``; a mechanism without it is held to
     refusing such v by :func:`check_unsupported_options`): the output has v's width in every declared variant,
-    equal to the mechanism's float64 reference, and ``step`` decodes it as the causal forward does."""
+    equal to the mechanism's float64 reference, and ``step`` decodes it as the causal forward does, from the
+    start, after ``prefill``, and with grouped key/value heads where they are shared natively."""
     if not mechanism.capabilities.any_value_width:
         return
     width = mechanism.head_dim + 3
@@ -1043,12 +1053,24 @@ def check_value_width(mechanism: Mechanism) -> None:
         with torch.no_grad():
             expected = m.reference(*wide, variant.causal, mask, cross=variant.cross)
         assert_close(out, expected, f"{what}, {variant.describe()}: differs from its float64 reference()", **TIGHT)
-    if mechanism.capabilities.recurrent_step:
-        n = fit(mechanism, 9)
-        q, k, v = random_qkv(mechanism, 2, n, n, torch.float64, seed=33)
-        wide = (q, k, widened_values(v, width, seed=34))
-        outputs, _ = _declared_to_work(lambda: _steps(m, wide, 0, None), f"{what}, step by step")
-        _compare_steps(outputs, call(m, wide, True, None), 0, what)
+    if not mechanism.capabilities.recurrent_step:
+        return
+    n = fit(mechanism, 9)
+    q, k, v = random_qkv(mechanism, 2, n, n, torch.float64, seed=33)
+    wide = (q, k, widened_values(v, width, seed=34))
+    full = call(m, wide, True, None)
+    outputs, _ = _declared_to_work(lambda: _steps(m, wide, 0, None), f"{what}, step by step")
+    _compare_steps(outputs, full, 0, what)
+    prefix = max(1, n // 2)
+    out, state = _declared_to_work(lambda: m.prefill(*(t[:, :, :prefix] for t in wide)), f"{what}, prefill")
+    assert_close(out, full[:, :, :prefix], f"{what}: prefill vs the causal forward", **TIGHT)
+    outputs, _ = _declared_to_work(lambda: _steps(m, wide, prefix, state), f"{what}, prefill then step")
+    _compare_steps(outputs, full, prefix, f"{what}, prefill then step")
+    if mechanism.heads > 1 and mechanism.capabilities.grouped_kv == NATIVE_KV:
+        grouped = (q, k[:, :1], wide[2][:, :1])
+        label = f"{what}, one key/value head"
+        outputs, _ = _declared_to_work(lambda: _steps(m, grouped, 0, None), f"{label}, step by step")
+        _compare_steps(outputs, call(m, grouped, True, None), 0, label)
 
 
 def _declared_to_work(action: Callable[[], Any], what: str) -> Any:

@@ -269,6 +269,20 @@ class StateForHeadDimValues(GoodToy):
         return super().state_layout(dtype, kv_heads)
 
 
+class GroupedStateForHeadDimValues(GoodToy):
+    """Lays its state out for wider values, except with grouped key/value heads."""
+
+    def state_layout(self, dtype, kv_heads=None, value_width=None):
+        return super().state_layout(dtype, kv_heads, None if kv_heads is not None else value_width)
+
+
+class PrefillsForHeadDimValues(GoodToy):
+    """Steps with wider values from an empty state, but its prefill keeps only head_dim value channels."""
+
+    def attend_prefill(self, q, k, v):
+        return super().attend_prefill(q, k, v[..., : self.head_dim])
+
+
 class TakesAnyValueWidthUndeclared(GoodToy):
     """Declares any_value_width=False but runs v of any width."""
 
@@ -416,8 +430,9 @@ BROKEN = [
     (checks.check_value_width, DropsValueChannels, {}, r"head_dim \+ 3 = 11 channels.*output shape"),
     (checks.check_value_width, StateForHeadDimValues, {}, r"step by step: declares any_value_width=True, but "
                                                           r"raised ValueError: .*state tensor 'v'"),
+    (checks.check_value_width, PrefillsForHeadDimValues, {}, r"prefill vs the causal forward: shape"),
     (checks.check_unsupported_options, TakesAnyValueWidthUndeclared, {},
-     r"v with head_dim \+ 3 channels: expected UnsupportedOptionError"),
+     r"v with 7 channels: expected UnsupportedOptionError"),
     (checks.check_unsupported_options, GuessesCrossFromLengths, {}, r"cross=True with q_len=6, k_len=6: expected"),
     (checks.check_bad_input, TruthyCausal, {}, r"causal='no': expected TypeError"),
     (checks.check_max_length, IgnoresMaxLength, {}, r"max_length=16: expected ValueError"),
@@ -441,6 +456,12 @@ BROKEN = [
 def test_check_rejects_broken_toy(check, cls, options, message):
     with pytest.raises(AssertionError, match=message):
         check(toy(cls, heads=1, **options))  # one head: a failing gradcheck builds the full Jacobian to report
+
+
+def test_value_width_check_rejects_a_grouped_state_laid_out_for_head_dim_values():
+    with pytest.raises(AssertionError, match=r"one key/value head, step by step: declares any_value_width=True"):
+        checks.check_value_width(toy(GroupedStateForHeadDimValues, heads=2))
+    checks.check_value_width(toy(GoodToy, heads=2))
 
 
 def test_every_instance_check_has_a_broken_toy():

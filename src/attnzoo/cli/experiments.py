@@ -48,7 +48,7 @@ def _line_progress(command: str, quiet: bool) -> Any:
 
 
 def lra_command(args: argparse.Namespace) -> int:
-    from ..experiments.lra import LraConfig, render_markdown, run_lra
+    from ..experiments.lra import LraConfig, has_curves, render_markdown, run_lra
 
     overrides: Dict[str, Any] = {}
     if args.steps is not None:
@@ -76,7 +76,8 @@ def lra_command(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     elif not args.quiet:
         print(render_markdown(data))
-        print(f"wrote lra.json, lra.md, lra.png, lra-long.png and long-length/ to {output}/")
+        curves = ", lra-curves.png" if has_curves(data) else ""
+        print(f"wrote lra.json, lra.md, lra.png, lra-long.png{curves} and long-length/ to {output}/")
     return EXIT_OK
 
 

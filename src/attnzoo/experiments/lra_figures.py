@@ -7,8 +7,8 @@
                   Arena's picture, where the mechanisms differ.
 
 ``lra-curves.png`` the learning curves (validation metric against step, one panel per task, one line per
-                  mechanism) of a preset that validates more than once, with the published figure at its
-                  settings (``lra.PUBLISHED``) and the trivial baseline as dashed lines.
+                  mechanism) of a preset that validates more than once, with the published figure for its
+                  model (``lra.PUBLISHED``, dashed) and the trivial baseline (dotted).
 
 Each says in its axis label and title which lengths it measures. Mechanisms missing an accuracy task, or a
 long-length measurement, are left out and named below the title.
@@ -105,14 +105,14 @@ def plot_curves(data: Dict[str, Any], path: Path) -> None:
     """One panel per task: each mechanism's validation metric against the training step, at equal steps."""
     tasks = list(data["curves"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
+    colors = plt.get_cmap("tab20").colors
     for ax, task in zip(axes[0], tasks):
         metric = data["metrics"][task]
         scale = 100 if metric == "accuracy" else 1
         for index, (mechanism, curve) in enumerate(data["curves"][task].items()):
             if curve:
                 ax.plot([step for step, _ in curve], [scale * value for _, value in curve], marker="o",
-                        markersize=3, label=mechanism, color=colors[index % 10])
+                        markersize=3, label=mechanism, color=colors[index % 20])
         baseline = data["baselines"][task][metric]
         ax.axhline(scale * baseline, color="grey", linestyle=":", linewidth=1,
                    label=f"majority class ({scale * baseline:.1f})" if metric == "accuracy" else "unigram")

@@ -200,7 +200,7 @@ class Mechanism(nn.Module):
         """Refuse ``cu_seqlens`` where this instance cannot honour it, check it, and return each document's
         (start, end). Errors name ``cu_seqlens``; raised before any computation."""
         caps = self.capabilities
-        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        who = self.refused_by("packing")
         if not caps.packed:
             raise UnsupportedOptionError(
                 f"{who} does not take cu_seqlens (packed batches): its output for a document would not be what it "
@@ -229,6 +229,9 @@ class Mechanism(nn.Module):
         spans = self.check_packing(q, key_padding_mask, cross, cu_seqlens)  # refuses cross=True and tracing
         if k.shape[2] != q.shape[2]:  # refused there, naming the lengths
             self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        refused = self.value_width_reason(v.shape[3])  # whatever the lengths: the row's refusal, no document's
+        if refused:
+            raise UnsupportedOptionError(refused)
         check_document_lengths(self.check_inputs, q, k, v, causal, spans)  # cross is False: refused above
         return spans
 
@@ -285,8 +288,7 @@ class Mechanism(nn.Module):
         caps = self.capabilities
         if kv_heads == self.heads or caps.grouped_kv != NO_GROUPED_KV:
             return None
-        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
-        return (f"{who} does not support grouped-query attention (k and v with kv_heads={kv_heads} heads for "
+        return (f"{self.refused_by('grouped_kv')} does not support grouped-query attention (k and v with kv_heads={kv_heads} heads for "
                 f"heads={self.heads} query heads; capability grouped_kv='none'): pass kv_heads == heads")
 
     def unsupported_reasons(
@@ -307,13 +309,13 @@ class Mechanism(nn.Module):
         ``MultiHeadAttention``, ``attnzoo compare`` and the conformance suite all ask here.
         """
         caps = self.capabilities
-        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
+        who = self.refused_by("cross")
         q_len, k_len = q.shape[2], k.shape[2]
         reasons = []
         if causal and not caps.causal:
-            reasons.append(f"{who} does not support causal=True (non-causal only)")
+            reasons.append(f"{self.refused_by('causal')} does not support causal=True (non-causal only)")
         if key_padding_mask is not None and not caps.key_padding:
-            reasons.append(f"{who} does not support key_padding_mask")
+            reasons.append(f"{self.refused_by('key_padding')} does not support key_padding_mask")
         grouping = self.grouping_reason(k.shape[1])
         if grouping:
             reasons.append(grouping)
@@ -337,13 +339,19 @@ class Mechanism(nn.Module):
                     reasons.append(f"{who}: {label} length {length} is not a multiple of length_multiple={multiple}")
         return reasons
 
+    def refused_by(self, capability: str) -> str:
+        """The name to give in a refusal for lack of ``capability`` (a :class:`Capabilities` field): the
+        mechanism's, with the option that switched it off (``limited_by``) when the class declares it and this
+        instance does not, so an option is never blamed for what the mechanism never had."""
+        caps, declared = self.capabilities, type(self).capabilities
+        switched = caps.limited_by is not None and getattr(caps, capability) != getattr(declared, capability)
+        return self.name + (f" with {caps.limited_by}" if switched else "")
+
     def value_width_reason(self, width: int) -> Optional[str]:
         """Why this instance refuses values with ``width`` channels (capability ``any_value_width``), or None."""
-        caps = self.capabilities
-        if caps.any_value_width or width == self.head_dim:
+        if self.capabilities.any_value_width or width == self.head_dim:
             return None
-        who = self.name + (f" with {caps.limited_by}" if caps.limited_by else "")
-        return (f"{who} needs v with head_dim={self.head_dim} channels, like q and k, got {width} (capability "
+        return (f"{self.refused_by('any_value_width')} needs v with head_dim={self.head_dim} channels, like q and k, got {width} (capability "
                 f"any_value_width=False)")
 
     def length_limit_reasons(self, q_len: int, k_len: int, cross: bool) -> List[str]:
@@ -368,8 +376,8 @@ class Mechanism(nn.Module):
         """One causal decoding step.
 
         Args:
-            q_t: (batch, heads, 1, head_dim) for the new position; k_t, v_t: (batch, kv_heads, 1, head_dim), as
-                in :meth:`forward`.
+            q_t: (batch, heads, 1, head_dim) for the new position; k_t: (batch, kv_heads, 1, head_dim), v_t:
+                (batch, kv_heads, 1, head_dim_v), as in :meth:`forward` (every step with the same head_dim_v).
             state: what the previous step (or :meth:`prefill`) of this mechanism returned, or None at the
                 start. A state of another mechanism, batch size or shape (heads instead of kv_heads included)
                 raises an error naming ``state``.
@@ -448,11 +456,9 @@ class Mechanism(nn.Module):
         """Raise UnsupportedOptionError unless this instance offers :meth:`step` and :meth:`prefill`."""
         caps = self.capabilities
         if not caps.recurrent_step:
-            limited = f" with {caps.limited_by}" if caps.limited_by else ""
-            hint = f"; build it without {caps.limited_by} to decode" if caps.limited_by else ""
-            raise UnsupportedOptionError(
-                f"{self.name}{limited} has no recurrent step (capability recurrent_step=False){hint}"
-            )
+            who = self.refused_by("recurrent_step")
+            hint = f"; build it without {caps.limited_by} to decode" if who != self.name else ""
+            raise UnsupportedOptionError(f"{who} has no recurrent step (capability recurrent_step=False){hint}")
 
     def check_step_inputs(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> None:
         self.require_recurrent_step()

@@ -42,8 +42,8 @@ class BasedAttention(Mechanism):
 
     Self-attention only (the window pairs positions of one sequence). Grouped keys and values are repeated
     (each query head projects its keys with its own map). Packed batches: each document alone. Decoding state
-    (constant size): the linear part's ``kv`` (heads, 1 + m + m^2, head_dim + 1) and ``log_scale``, and the
-    window's ring ``k``, ``v`` (heads, window, head_dim) with ``positions`` (window,).
+    (constant size): the linear part's ``kv`` (heads, 1 + m + m^2, head_dim_v + 1) and ``log_scale``, and the
+    window's ring ``k`` (heads, window, head_dim), ``v`` (heads, window, head_dim_v) with ``positions`` (window,).
     """
 
     name = "based"

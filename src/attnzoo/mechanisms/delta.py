@@ -61,7 +61,7 @@ _COMPLEXITY = "time O(N c d + N d^2), memory O(N c + N d^2 / c); c = chunk_size;
 class _DeltaRuleMechanism(Mechanism):
     """Shared wiring: the optional short convolutions, L2-normalised q and k, beta (and a decay) from the keys,
     the chunked, step and prefill forms of :mod:`attnzoo.functional.delta`. Decoding state:
-    ``{"state": (batch, heads, head_dim, head_dim)}``, and with ``conv_size >= 2`` ``{"q_conv", "k_conv",
+    ``{"state": (batch, heads, head_dim, head_dim_v)}``, and with ``conv_size >= 2`` ``{"q_conv", "k_conv",
     "v_conv"}`` of (batch, conv_size - 1, heads, head_dim), the last inputs of each convolution; all in the
     working dtype (float32 for half-precision inputs)."""
 

@@ -41,7 +41,7 @@ class DifferentialAttention(Mechanism):
         scale: logit scale of both maps, a finite number > 0; ``(head_dim / 2) ** -0.5`` by default.
 
     Decoding state: a KV cache ``{"k": (batch, kv_heads, capacity, head_dim), "v": (batch, kv_heads, capacity,
-    head_dim), "filled": (batch,)}`` (both maps read the one cache, each its half of the keys), grown in blocks
+    head_dim_v), "filled": (batch,)}`` (both maps read the one cache, each its half of the keys), grown in blocks
     as ``softmax``'s is. Grouped-query keys and values are used without repeats (both maps on softmax's grouped
     path) and packed batches run on softmax's block-diagonal path.
     """

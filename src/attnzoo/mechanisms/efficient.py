@@ -39,7 +39,7 @@ class EfficientAttention(Mechanism):
         chunk_size: chunk length of the causal path (speed only; see the module above for the extreme keys,
             a running maximum rising by ~80 within one chunk in float32, where it matters).
 
-    Decoding state: ``{"num": (batch, heads, head_dim, head_dim), "den": (batch, heads, head_dim), "max":
+    Decoding state: ``{"num": (batch, heads, head_dim, head_dim_v), "den": (batch, heads, head_dim), "max":
     (batch, heads, head_dim)}`` (float32 for half-precision inputs): each feature's running numerator and
     normaliser, shifted by its running maximum. O(d^2) per token whatever the context length.
 

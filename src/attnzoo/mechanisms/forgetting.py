@@ -51,7 +51,7 @@ class ForgettingAttention(Mechanism):
             (on associative recall such a model stayed at chance; see docs/softmax_family.md).
 
     Decoding state: a KV cache ``{"k": (batch, kv_heads, capacity, head_dim), "v": (batch, kv_heads, capacity,
-    head_dim), "log_gate": (batch, heads, capacity) float64, "filled": (batch,)}``, of which the first
+    head_dim_v), "log_gate": (batch, heads, capacity) float64, "filled": (batch,)}``, of which the first
     ``state.length`` positions are in use; ``log_gate`` holds the cumulative log gate ``c_t`` of every position
     (a new one adds its gate to the last), kept in float64 so that a long decode loses nothing to its size. It
     is ``softmax``'s cache (:mod:`attnzoo.functional.kv_cache`), growing in blocks, with the gates kept beside.

@@ -19,27 +19,13 @@ def check_document_lengths(
     document length of ``spans``, longest first: a maximum (``max_length``), a minimum, a multiple or any other
     rule on a length is checked for every document, short ones included. Only shapes are read, one call per
     distinct length. An error is raised again, of its type, with its message followed by the first document of
-    that length, as ``(in document [start, end) of cu_seqlens)``, unless a one-position document fails alike:
-    then the error does not depend on the length (a value width, a dtype) and is raised as it is."""
+    that length, as ``(in document [start, end) of cu_seqlens)``."""
     first_of_length: Dict[int, Tuple[int, int]] = {}
     for start, end in spans:
         first_of_length.setdefault(end - start, (start, end))
     for length in sorted(first_of_length, reverse=True):
-        error = _refusal(check_inputs, q, k, v, causal, length)
-        if error is None:
-            continue
-        shortest = _refusal(check_inputs, q, k, v, causal, 1) if length > 1 else None
-        if shortest is not None and type(shortest) is type(error) and str(shortest) == str(error):
-            raise error
-        start, end = first_of_length[length]
-        raise type(error)(f"{error} (in document [{start}, {end}) of cu_seqlens)") from None
-
-
-def _refusal(check_inputs: CheckInputs, q: Tensor, k: Tensor, v: Tensor, causal: bool,
-             length: int) -> Optional[Exception]:
-    """The error ``check_inputs`` raises for the first ``length`` positions, or None."""
-    try:
-        check_inputs(q[:, :, :length], k[:, :, :length], v[:, :, :length], causal, None, False)
-    except (TypeError, ValueError) as error:
-        return error
-    return None
+        try:
+            check_inputs(q[:, :, :length], k[:, :, :length], v[:, :, :length], causal, None, False)
+        except (TypeError, ValueError) as error:
+            start, end = first_of_length[length]
+            raise type(error)(f"{error} (in document [{start}, {end}) of cu_seqlens)") from None
