@@ -105,26 +105,28 @@ def plot_curves(data: Dict[str, Any], path: Path) -> None:
     """One panel per task: each mechanism's validation metric against the training step, at equal steps."""
     tasks = list(data["curves"])
     fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
-    colors = plt.get_cmap("tab20").colors
+    most = max(len(curves) for curves in data["curves"].values())
+    colors = plt.get_cmap("tab10" if most <= 10 else "tab20").colors  # tab20's pairs only when needed
     for ax, task in zip(axes[0], tasks):
         metric = data["metrics"][task]
         scale = 100 if metric == "accuracy" else 1
         for index, (mechanism, curve) in enumerate(data["curves"][task].items()):
             if curve:
                 ax.plot([step for step, _ in curve], [scale * value for _, value in curve], marker="o",
-                        markersize=3, label=mechanism, color=colors[index % 20])
+                        markersize=3, label=mechanism, color=colors[index % len(colors)])
         baseline = data["baselines"][task][metric]
         ax.axhline(scale * baseline, color="grey", linestyle=":", linewidth=1,
                    label=f"majority class ({scale * baseline:.1f})" if metric == "accuracy" else "unigram")
         published = data.get("published", {}).get(task)
         if published:
             ax.axhline(100 * published["accuracy"], color="black", linestyle="--", linewidth=1,
-                       label=f"published: {100 * published['accuracy']:.1f} ({published['source']})")
+                       label=f"published: {100 * published['accuracy']:.1f} ({published['source'].split(':')[0]}; "
+                             f"its budget in lra.md)")
         ax.set_xlabel("training step")
         ax.set_ylabel(f"validation {'accuracy (%)' if metric == 'accuracy' else metric}")
         ax.set_title(f"{task}, {data['training_lengths'].get(task, '?')} tokens", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)  # below: lines stay clear
     fig.suptitle(f"attnzoo lra ({data['budget']} preset): learning curves at equal steps", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
