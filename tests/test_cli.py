@@ -30,9 +30,10 @@ def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
         caps = capabilities(name)
         assert cells[1:5] == ["yes" if flag else "-" for flag in (caps.causal, caps.cross, caps.key_padding,
                                                                     caps.recurrent_step)]
-        assert cells[5:7] == [caps.grouped_kv, caps.packing]
+        assert cells[5:8] == [caps.grouped_kv, caps.packing, "any" if caps.any_value_width else "head_dim"]
         assert caps.kind in cells
-    assert "grouped kv" in lines[0] and "packing" in lines[0]
+    assert "grouped kv" in lines[0] and "packing" in lines[0] and "v width" in lines[0]
+    assert rows["aft"][7] == "head_dim" and rows["softmax"][7] == "any"
 
 
 def test_list_options_names_every_option_with_its_default(capsys):

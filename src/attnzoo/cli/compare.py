@@ -46,15 +46,17 @@ def list_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         return usage_error("list", str(error))
     # grouped kv: how k, v with fewer heads than q are taken (native, repeat, none); packing: cu_seqlens
-    # (native, split, none). Both one word, so that the rows split on whitespace.
-    header = ["mechanism", "causal", "cross", "padding", "step", "grouped kv", "packing", "max len", "kind",
-              "complexity"]
+    # (native, split, none); v width: any, or only head_dim (capability any_value_width). Each one word, so
+    # that the rows split on whitespace.
+    header = ["mechanism", "causal", "cross", "padding", "step", "grouped kv", "packing", "v width", "max len",
+              "kind", "complexity"]
     rows = []
     for name in available():
         caps = capabilities(name)
         rows.append([
             name, _yes(caps.causal), _yes(caps.cross), _yes(caps.key_padding), _yes(caps.recurrent_step),
-            caps.grouped_kv, caps.packing, "-" if caps.max_length is None else str(caps.max_length),
+            caps.grouped_kv, caps.packing, "any" if caps.any_value_width else "head_dim",
+            "-" if caps.max_length is None else str(caps.max_length),
             caps.kind, caps.complexity,
         ])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
