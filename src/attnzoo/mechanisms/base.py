@@ -288,8 +288,9 @@ class Mechanism(nn.Module):
         caps = self.capabilities
         if kv_heads == self.heads or caps.grouped_kv != NO_GROUPED_KV:
             return None
-        return (f"{self.refused_by('grouped_kv')} does not support grouped-query attention (k and v with kv_heads={kv_heads} heads for "
-                f"heads={self.heads} query heads; capability grouped_kv='none'): pass kv_heads == heads")
+        return (f"{self.refused_by('grouped_kv')} does not support grouped-query attention (k and v with "
+                f"kv_heads={kv_heads} heads for heads={self.heads} query heads; capability grouped_kv='none'): pass "
+                f"kv_heads == heads")
 
     def unsupported_reasons(
         self,
@@ -351,8 +352,8 @@ class Mechanism(nn.Module):
         """Why this instance refuses values with ``width`` channels (capability ``any_value_width``), or None."""
         if self.capabilities.any_value_width or width == self.head_dim:
             return None
-        return (f"{self.refused_by('any_value_width')} needs v with head_dim={self.head_dim} channels, like q and k, got {width} (capability "
-                f"any_value_width=False)")
+        return (f"{self.refused_by('any_value_width')} needs v with head_dim={self.head_dim} channels, like q and k, "
+                f"got {width} (capability any_value_width=False)")
 
     def length_limit_reasons(self, q_len: int, k_len: int, cross: bool) -> List[str]:
         """Why these lengths exceed :attr:`max_length` (empty if they don't). Queries and keys alike by default; a
