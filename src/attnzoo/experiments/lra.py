@@ -265,14 +265,19 @@ def collect(config: LraConfig, tasks: List[str], mechanisms: List[str], cells: D
             "settings": {t: config.train_config(t, BASELINE).as_dict() for t in tasks}}
 
 
+def _metric_text(value: float, metric: str, unit: bool = False) -> str:
+    """An accuracy as a percentage, bits per byte to 3 places (followed by " bpb" with ``unit``)."""
+    return f"{100 * value:.1f}" if metric == "accuracy" else f"{value:.3f}" + (" bpb" if unit else "")
+
+
 def _cell_text(row: Dict[str, Any], metric: str) -> str:
     if row.get("status") == "ok":
         value = row["test"][metric]
-        return f"{100 * value:.1f}" if metric == "accuracy" else f"{value:.3f} bpb"
+        return _metric_text(value, metric, unit=True)
     reached = row.get("last_validation") or {}
     if row.get("status") == "too slow" and reached.get(metric) is not None:
         value = reached[metric]
-        shown = f"{100 * value:.1f}" if metric == "accuracy" else f"{value:.3f} bpb"
+        shown = _metric_text(value, metric, unit=True)
         return f"out of time ({shown} validation at step {reached['step']})"
     return {"unsupported": "n/a", "failed": "failed", "too slow": "out of time"}.get(row.get("status"), "?")
 
@@ -293,7 +298,7 @@ def render_markdown(data: Dict[str, Any]) -> str:
     baseline_cells = []
     for t in tasks:
         value = data["baselines"][t][metrics[t]]
-        baseline_cells.append(f"{100 * value:.1f}" if metrics[t] == "accuracy" else f"{value:.3f} bpb")
+        baseline_cells.append(_metric_text(value, metrics[t], unit=True))
     base_average = [data["baselines"][t]["accuracy"] for t in accuracy_tasks]
     lines.append("| baseline (majority class / unigram) | " + " | ".join(baseline_cells)
                  + f" | {100 * sum(base_average) / max(len(base_average), 1):.1f} |")
@@ -306,10 +311,6 @@ def render_markdown(data: Dict[str, Any]) -> str:
     if notes:
         text += ["Missing cells:", "", *notes, ""]
     return "\n".join(text + render_curves(data) + render_long_length(data))
-
-
-def _metric_text(value: float, metric: str) -> str:
-    return f"{100 * value:.1f}" if metric == "accuracy" else f"{value:.3f}"
 
 
 def render_curves(data: Dict[str, Any]) -> List[str]:
