@@ -424,6 +424,27 @@ def test_missing_peer_is_a_reason_not_an_error(monkeypatch):
         build_peer("nope", 2, 8, 16, False)
 
 
+def test_cuda_only_peers_are_listed_on_the_cpu_and_peers_follow_the_mechanisms_asked_for(monkeypatch):
+    import attnzoo.bench.compare as compare
+    import attnzoo.bench.peers as peers
+
+    monkeypatch.setattr(peers, "peer_installed", lambda name: True)
+    monkeypatch.setattr(compare, "installed_peers", lambda: (list(PEERS), []))
+    triton = {name for name, peer in PEERS.items() if peer.cuda_only}
+    assert triton == {"fla-triton-delta_rule", "fla-triton-gated_delta_rule", "fla-triton-simple_gla",
+                      "fla-triton-linear_attn"}
+    refusal = build_peer("fla-triton-delta_rule", 2, 16, 128, True, device="cpu")
+    assert refusal.startswith("unsupported") and "--device cuda" in refusal
+    entries, missing = compare.planned_entries(CompareConfig(peers=True))
+    measured = {entry["name"] for entry in entries if entry["kind"] == "peer"}
+    assert not measured & triton and {item["name"] for item in missing} == triton
+    assert all("CUDA" in item["reason"] for item in missing)
+    # On a GPU they are measured; --mechanisms keeps the peers of those mechanisms (softmax is always there).
+    entries, missing = compare.planned_entries(CompareConfig(peers=True, device="cuda", mechanisms=("delta",)))
+    measured = {entry["name"] for entry in entries if entry["kind"] == "peer"}
+    assert measured == {"fla-delta_rule", "fla-triton-delta_rule", "x-transformers"} and missing == []
+
+
 def test_busy_warning_reads_the_present_load_before_the_load_average():
     # A load average left over from work that just ended does not warn when nothing runs now.
     assert busy_warning({"cores": 2, "load_average": [1.9, 1.0, 0.5], "cores_busy_elsewhere": 0.1}) is None

@@ -253,6 +253,12 @@ def planned_entries(config: CompareConfig) -> Tuple[List[Entry], List[Dict[str, 
     missing: List[Dict[str, str]] = []
     if config.peers:
         present, missing = installed_peers()
+        if not config.device.startswith("cuda"):  # fla's Triton kernels: listed, not a row of refusals
+            missing += [{"name": name, "reason": "runs on a CUDA device only (--device cuda)"}
+                        for name in present if PEERS[name].cuda_only]
+            present = [name for name in present if not PEERS[name].cuda_only]
+        if config.mechanisms:  # the peers of the mechanisms asked for (softmax's included)
+            present = [name for name in present if PEERS[name].counterpart() in names]
         # A peer runs at the settings of its attnzoo counterpart, so the two rows compare like with like.
         entries += [peer_entry(name, config.options.get(PEERS[name].counterpart() or "")) for name in present]
     return entries, missing
@@ -334,7 +340,11 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
     rows: List[Dict[str, Any]] = []
     uniform_error: Dict[int, Optional[float]] = {}
     stopped: Dict[str, str] = {}  # entry key -> why longer lengths are skipped
-    preload = list(config.imports) + [PEERS[e["name"]].module for e in entries if e["kind"] == "peer"]
+    preload = list(config.imports)
+    if not config.device.startswith("cuda"):
+        # A peer's import may initialise CUDA (fla asks for the device's capability), and a child forked from
+        # a process that did cannot use CUDA: on a GPU each child imports its peers itself.
+        preload += [PEERS[e["name"]].module for e in entries if e["kind"] == "peer"]
     with Launcher(config.launch, preload=preload) as launcher:
         for length in lengths:
             base = _job_base(config, length)

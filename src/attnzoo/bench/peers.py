@@ -52,6 +52,7 @@ class Peer:
     counterparts: Tuple[str, ...]  # attnzoo mechanisms it implements, the first registered one is used
     build: Adapter
     distribution: Optional[str] = None  # what pip installs, where it differs from ``name``
+    cuda_only: bool = False  # its kernels run on a CUDA device only (fla's Triton kernels)
 
     @property
     def installs(self) -> str:
@@ -444,6 +445,43 @@ def _fla_nsa(heads: int, head_dim: int, length: int, causal: bool, options: Opti
     return PeerAttention(_BranchGates(heads, head_dim), call)
 
 
+def _fla_triton(family: str) -> Adapter:
+    """fla's fused Triton kernel of ``family`` (``chunk_delta_rule``, ``chunk_gated_delta_rule``,
+    ``chunk_simple_gla``, ``chunk_linear_attn``) behind the same gates as its pure-PyTorch reference row: what a
+    user with a GPU would pick instead. Causal only, CUDA only (:func:`build_peer` refuses other devices)."""
+
+    def build(heads: int, head_dim: int, length: int, causal: bool, options: Options) -> Union[PeerAttention, str]:
+        if not causal:
+            return f"unsupported: fla's chunk_{family} is causal only"
+        from fla import ops
+
+        kernel = getattr(ops, f"chunk_{family}")
+        if family in ("delta_rule", "gated_delta_rule"):
+            def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                unit_q, unit_k, beta, log_decay = module(q, k)
+                gates = () if log_decay is None else (log_decay.transpose(1, 2).float(),)
+                out = kernel(*_heads_last(unit_q, unit_k, v), *gates, beta.transpose(1, 2).to(q.dtype))[0]
+                return out.transpose(1, 2)
+
+            return PeerAttention(_DeltaRuleGates(heads, head_dim, family == "gated_delta_rule"), call)
+        if family == "simple_gla":
+            def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                dt = F.softplus(_key_gate_logits(k, module.dt_weight, module.dt_bias))
+                log_decay = -module.A_log.float().exp()[:, None] * dt
+                inputs = _heads_last(q, k * dt.unsqueeze(-1).to(k.dtype), v)
+                return kernel(*inputs, g=log_decay.transpose(1, 2), scale=1.0)[0].transpose(1, 2)
+
+            return PeerAttention(_StepSizeGates(heads, head_dim), call)
+
+        def call(module: nn.Module, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            phi_q, phi_k = (F.elu(x) + 1 for x in (q, k))
+            return kernel(*_heads_last(phi_q, phi_k, v), normalize=True)[0].transpose(1, 2)
+
+        return PeerAttention(nn.Identity(), call)
+
+    return build
+
+
 PEERS: Dict[str, Peer] = {
     peer.name: peer
     for peer in [
@@ -454,7 +492,7 @@ PEERS: Dict[str, Peer] = {
         Peer("reformer-pytorch", "reformer_pytorch", _REFORMER, _reformer),
         Peer("pytorch-fast-transformers", "fast_transformers", _LINEAR, _fast_transformers),
         Peer("x-transformers", "x_transformers", ("softmax",), _x_transformers),
-        # flash-linear-attention's pure-PyTorch references (its Triton kernels need a GPU).
+        # flash-linear-attention's pure-PyTorch references.
         Peer("fla-delta_rule", "fla", _DELTA, _fla_delta_rule(gated=False), distribution="fla-core"),
         Peer("fla-gated_delta_rule", "fla", _GATED_DELTA, _fla_delta_rule(gated=True), distribution="fla-core"),
         Peer("fla-linear_attn", "fla", _LINEAR, _fla_linear_attn, distribution="fla-core"),
@@ -462,6 +500,12 @@ PEERS: Dict[str, Peer] = {
         Peer("fla-forgetting_attn", "fla", _FORGETTING, _fla_forgetting_attn, distribution="fla-core"),
         Peer("fla-based", "fla", _BASED, _fla_based, distribution="fla-core"),
         Peer("fla-nsa", "fla", _NSA, _fla_nsa, distribution="fla-core"),
+        # Its fused Triton kernels, on a CUDA device only.
+        Peer("fla-triton-delta_rule", "fla", _DELTA, _fla_triton("delta_rule"), "fla-core", cuda_only=True),
+        Peer("fla-triton-gated_delta_rule", "fla", _GATED_DELTA, _fla_triton("gated_delta_rule"), "fla-core",
+             cuda_only=True),
+        Peer("fla-triton-simple_gla", "fla", _SSD, _fla_triton("simple_gla"), "fla-core", cuda_only=True),
+        Peer("fla-triton-linear_attn", "fla", _LINEAR, _fla_triton("linear_attn"), "fla-core", cuda_only=True),
     ]
 }
 
@@ -483,14 +527,18 @@ def installed_peers() -> Tuple[List[str], List[Dict[str, str]]]:
 
 
 def build_peer(
-    name: str, heads: int, head_dim: int, length: int, causal: bool, options: Optional[Options] = None
+    name: str, heads: int, head_dim: int, length: int, causal: bool, options: Optional[Options] = None,
+    device: str = "cpu",
 ) -> Union[PeerAttention, str]:
     """The peer's attention callable, or a reason it cannot run in this configuration. ``options``: those
-    given to its attnzoo counterpart, whose hyper-parameters (rank, landmarks, ...) the peer takes."""
+    given to its attnzoo counterpart, whose hyper-parameters (rank, landmarks, ...) the peer takes; ``device``:
+    where it will run (a CUDA-only peer is refused elsewhere)."""
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; valid choices: {', '.join(PEERS)}")
     if not peer_installed(name):
         return f"not installed (pip install {PEERS[name].installs})"
+    if PEERS[name].cuda_only and not str(device).startswith("cuda"):
+        return f"unsupported: {name} runs on a CUDA device only (--device cuda)"
     try:
         return PEERS[name].build(heads, head_dim, length, causal, dict(options or {}))
     except ImportError as error:

@@ -225,8 +225,9 @@ def add_compare_command(commands: Any) -> None:
                          help="directory for results and plots, created if missing and checked to be writable "
                               "before anything is measured (default: compare-results/)")
     compare.add_argument("--peers", action="store_true",
-                         help="also measure the installed peer libraries (pip install 'attnzoo[peers]' or "
-                              "scripts/install-peers.sh); missing ones are listed")
+                         help="also measure the installed peer libraries of the mechanisms measured (pip install "
+                              "'attnzoo[peers]' or scripts/install-peers.sh; fla's Triton kernels with --device "
+                              "cuda only); missing ones are listed")
     compare.add_argument("--accuracy", type=Path, metavar="RESULTS.json",
                          help="training-benchmark results: their accuracy is the quality axis of bubble.png")
     add_import_option(compare)
