@@ -264,6 +264,27 @@ def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
 
 
+def test_the_command_line_generates_the_task_once_and_train_refuses_another_task(capsys, tmp_path, monkeypatch):
+    import attnzoo.tasks.listops as listops
+
+    generated = []
+    original = listops.generate_listops
+    monkeypatch.setattr(listops, "generate_listops", lambda *a, **k: generated.append(1) or original(*a, **k))
+    argv = ["train", "listops", "--task-options", json.dumps(LISTOPS), "--dim", "16", "--depth", "1", "--heads",
+            "2", "--batch-size", "8", "--steps", "1", "--output", str(tmp_path / "run"), "--quiet"]
+    code, _, err = _cli(capsys, *argv)
+    assert code == 0, err
+    assert len(generated) == 1  # one call generates every split; the check before training reuses it
+    config = small()
+    other = load("listops", **{**LISTOPS, "seed": 1})
+    with pytest.raises(ValueError, match="task: the config trains 'listops'"):
+        train(config, None, progress=False, task=other)
+    with pytest.raises(ValueError, match="task given is 'recall'"):
+        train(config, None, progress=False, task=load("recall", **RECALL))
+    given = load("listops", **LISTOPS)
+    assert train(config, None, progress=False, task=given).test == train(config, None, progress=False).test
+
+
 def test_train_then_eval_then_resume_from_the_command_line(capsys, tmp_path):
     out_dir = tmp_path / "run"
     argv = ["train", "listops", "--task-options", json.dumps(LISTOPS), "--dim", "16", "--depth", "1", "--heads", "2",

@@ -221,8 +221,9 @@ def _resume_settings(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[D
     return saved, imports
 
 
-def _new_config(args: argparse.Namespace, given: Dict[str, Any]) -> Any:
-    """The TrainConfig of a new run, every setting checked and the model built once (before training)."""
+def _new_config(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[Any, Any]:
+    """The TrainConfig of a new run, every setting checked and the model built once (before training), and
+    its task, loaded for that check (training takes it rather than generating the data again)."""
     from ..tasks import available as tasks_available
     from ..training import TrainConfig
 
@@ -235,12 +236,12 @@ def _new_config(args: argparse.Namespace, given: Dict[str, Any]) -> Any:
         config = TrainConfig(**given)
     except (TypeError, ValueError) as error:
         raise ValueError(name_option(str(error))) from None
-    _check_buildable(config)
-    return config
+    return config, _check_buildable(config)
 
 
-def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str]]:
-    """(config or None when resuming, decoder settings, output directory, imports), every usage error raised."""
+def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str], Any]:
+    """(config or None when resuming, decoder settings, output directory, imports, the loaded task or None when
+    resuming), every usage error raised."""
     from ..training import TrainConfig
     from ..parallel.data import launched_by_torchrun
     from ..training import data_parallel_reasons
@@ -248,11 +249,11 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str]]:
     if args.resume is not None:
         given = _given_settings(args)
         saved, imports = _resume_settings(args, given)
-        config, output = None, args.resume
+        config, output, task = None, args.resume, None
         decoding = _decoder_settings(args, saved["task"])
     else:
         imports = import_modules(args.imports)  # first: they register mechanisms --mechanism may name
-        config = _new_config(args, _given_settings(args))
+        config, task = _new_config(args, _given_settings(args))
         saved = config.as_dict()
         decoding = _decoder_settings(args, config.task)
         output = args.output or f"runs/{config.task}-{config.model_label}"
@@ -266,7 +267,7 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str]]:
         reasons = data_parallel_reasons(config or TrainConfig.from_dict(saved), world)
         if reasons:
             raise ValueError(f"torchrun with {world} processes: " + "; ".join(map(name_option, reasons)))
-    return config, decoding, output, imports
+    return config, decoding, output, imports, task
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -277,7 +278,7 @@ def train_command(args: argparse.Namespace) -> int:
     from ..training.checkpoint import stopped_before_first_checkpoint
 
     try:
-        config, decoding, output, imports = _prepare_run(args)
+        config, decoding, output, imports, task = _prepare_run(args)
     except (ValueError, TypeError, CheckpointError, UnsupportedOptionError) as error:
         return usage_error("train", str(error))
     if args.threads is not None:
@@ -295,7 +296,7 @@ def train_command(args: argparse.Namespace) -> int:
         record_imports(Path(output), imports)
     try:
         result = train(config, output, resume=args.resume is not None, progress=not args.quiet and main,
-                       command=command, parallel=parallel, decoding=decoding)
+                       command=command, parallel=parallel, decoding=decoding, task=task)
     except KeyboardInterrupt:
         if main:
             print(f"attnzoo train: interrupted; the last finished step is saved: resume with "
@@ -334,8 +335,9 @@ def name_option(message: str) -> str:
     return message
 
 
-def _check_buildable(config: Any) -> None:
-    """Build the task and the model once, so that bad task or mechanism options fail before training starts."""
+def _check_buildable(config: Any) -> Any:
+    """Build the task and the model once, so that bad task or mechanism options fail before training starts;
+    returns the task."""
     import torch
 
     from ..tasks import load
@@ -353,6 +355,7 @@ def _check_buildable(config: Any) -> None:
             raise ValueError(f"{options}: {error}") from None
         except ValueError as error:  # a setting that does not fit the task (scheduled sampling off seq2seq)
             raise ValueError(name_option(str(error))) from None
+    return task
 
 
 def eval_command(args: argparse.Namespace) -> int:

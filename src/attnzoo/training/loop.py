@@ -328,6 +328,20 @@ def _finish(run: _Run, command: Optional[Sequence[str]]) -> TrainResult:
     return result
 
 
+def _the_task(config: TrainConfig, loaded: Optional[Task]) -> Task:
+    """The config's task: ``loaded`` if it is that task with those options, else loaded now."""
+    if loaded is None:
+        return task_registry.load(config.task, **config.task_options)
+    settings = loaded.options() if isinstance(loaded, Task) else None
+    # Defaults count too; an option left None is one the task derives (recall's num_queries), whatever it became.
+    wanted = {**task_registry.task_options(config.task), **config.task_options}
+    if settings is None or loaded.name != config.task or any(
+            value is not None and settings.get(key) != value for key, value in wanted.items()):
+        raise ValueError(f"task: the config trains {config.task!r} with options {config.task_options}, but the "
+                         f"task given is {getattr(loaded, 'name', type(loaded).__name__)!r} with {settings}")
+    return loaded
+
+
 def train(
     config: Optional[TrainConfig],
     output: Optional[Union[str, Path]] = None,
@@ -338,6 +352,7 @@ def train(
     on_step: Optional[Callable[[int, Dict[str, float]], None]] = None,
     parallel: Optional[DataParallel] = None,
     decoding: DecoderSettings = GREEDY,
+    task: Optional[Task] = None,
 ) -> TrainResult:
     """Train a model on a task; returns its validation and test metrics beside the task's trivial baseline.
 
@@ -357,6 +372,9 @@ def train(
             evaluates and writes the output directory; every rank returns the same result. Settings or
             mechanisms it cannot honour are refused first (:func:`~attnzoo.training.data_parallel_reasons`).
         decoding: the decoder of a seq2seq task's decoded metrics, in every evaluation (greedy by default).
+        task: the task the config names, already loaded with its options (``attnzoo train`` loads it once to
+            check the settings), so its data is not generated again; another task, or other options, is
+            refused. None: loaded here.
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
     written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there. A run killed
@@ -365,7 +383,7 @@ def train(
     """
     out = None if output is None else Path(output)
     config, checkpoint = _resolved_config(config, out, resume)
-    task = task_registry.load(config.task, **config.task_options)
+    task = _the_task(config, task)
     ranks = ranks_of(parallel)
     ranks.check(config)
     if ranks.device.type != "cpu" and task.kind == "seq2seq":
