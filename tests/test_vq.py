@@ -13,6 +13,8 @@ from attnzoo import LanguageModel
 from attnzoo.functional.softmax import softmax_attention_reference
 from attnzoo.functional.prefix import lagged_prefix_sums, lagged_prefix_sums_reference
 from attnzoo.functional.vq import (
+    cached_vq_attention,
+    dense_vq_attention,
     quantize,
     quantize_reference,
     vq_attention,
@@ -79,10 +81,11 @@ def test_quantize_picks_the_nearest_codeword():
 
 
 # -- gradients --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [7, 12])  # shorter than the sequence: the codeword cache; longer: dense
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block_size", [1, 3, 5])
-def test_straight_through_gradients_match_the_reference(causal, block_size):
-    codebook = randn(2, 7, 4, seed=9)
+def test_straight_through_gradients_match_the_reference(causal, block_size, size):
+    codebook = randn(2, size, 4, seed=9)
     inputs = [randn(2, 2, 11, 4, seed=s) for s in (10, 11, 12)]
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[1, [2, 9, 10]] = True
@@ -100,12 +103,13 @@ def test_straight_through_gradients_match_the_reference(causal, block_size):
     assert grads[0][1].abs().sum() > 0  # the keys learn through the attention
 
 
+@pytest.mark.parametrize("size", [5, 11])  # the codeword cache, or dense (a codebook as long as the sequence)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("block_size", [1, 3, 5, 16])
-def test_gradients_without_the_estimator_match_the_reference(causal, block_size):
+def test_gradients_without_the_estimator_match_the_reference(causal, block_size, size):
     # Without the estimator the fast path moves keys between the exact window and the cache (the output and
     # the gradients of q and v are the same either way); an approximate codebook keeps the check honest.
-    codebook = randn(2, 5, 4, seed=30)
+    codebook = randn(2, size, 4, seed=30)
     inputs = [randn(2, 2, 11, 4, seed=s) for s in (31, 32, 33)]
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[1, [0, 1, 2, 7]] = True  # a row whose only visible keys are padding: zero output, zero gradient
@@ -121,6 +125,28 @@ def test_gradients_without_the_estimator_match_the_reference(causal, block_size)
     for fast, slow in zip(*grads):
         torch.testing.assert_close(fast, slow, rtol=1e-8, atol=1e-10)
     assert grads[0][0].abs().sum() > 0 and grads[0][1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("straight", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_and_cached_paths_agree_in_outputs_and_gradients_in_float32(causal, straight):
+    # The path depends on the length against the codebook; on the same inputs the two give the same numbers.
+    codebook = randn(2, 6, 4, seed=40).float()
+    inputs = [randn(2, 2, 10, 4, seed=s).float() for s in (41, 42, 43)]
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, [3, 4]] = True
+    inputs[1][0, :, 3] = float("nan")  # padded keys are invisible on both paths
+    codes = quantize(inputs[1].masked_fill(mask[:, None, :, None], 0.0), codebook)
+    results = []
+    for attend in (dense_vq_attention, cached_vq_attention):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = attend(*leaves, codebook, codes, 3, causal, mask, straight)
+        out.square().sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves])
+    for dense, cached in zip(*results):
+        torch.testing.assert_close(dense, cached, rtol=1e-5, atol=1e-6)
+    key_grad = results[0][2]  # only the estimator passes a gradient to k
+    assert (torch.isfinite(key_grad).all() and key_grad.abs().sum() > 0) if straight else key_grad is None
 
 
 @pytest.mark.parametrize("lag", [1, 2, 7])

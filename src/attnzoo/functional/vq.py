@@ -227,7 +227,69 @@ def vq_attention_unchecked(
     key_padding_mask: Optional[Tensor],
     straight_through: bool,
 ) -> Tensor:
-    """:func:`vq_attention` on checked arguments, with the keys' ``codes`` (batch, heads, seq) given."""
+    """:func:`vq_attention` on checked arguments, with the keys' ``codes`` (batch, heads, seq) given.
+
+    A sequence no longer than the codebook is attended densely (:func:`dense_vq_attention`): its N x N scores
+    cost less than the N x S ones over the codeword cache, and give the same outputs and gradients."""
+    if q.shape[2] <= codebook.shape[1]:
+        return dense_vq_attention(q, k, v, codebook, codes, block_size, causal, key_padding_mask, straight_through)
+    return cached_vq_attention(q, k, v, codebook, codes, block_size, causal, key_padding_mask, straight_through)
+
+
+def dense_vq_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    codebook: Tensor,
+    codes: Tensor,
+    block_size: int,
+    causal: bool,
+    key_padding_mask: Optional[Tensor],
+    straight_through: bool,
+) -> Tensor:
+    """:func:`vq_attention_unchecked` as exact softmax over the quantized keys, key by key: O(N^2) scores.
+
+    The straight-through estimator keeps its window: the scores of the keys in a query's own and previous
+    block gain ``q . (k - k.detach())``, zero in value, which passes their gradient to ``k``; other keys are
+    their codewords alone, as in the cache."""
+    dtype = q.dtype
+    compute = working_dtype(dtype)
+    batch, heads, length, dim = q.shape
+    device = q.device
+    q = q.to(compute) * (1.0 / math.sqrt(dim))
+    quantized = codewords(codebook.detach().to(compute), codes)
+    scores = torch.matmul(q, quantized.transpose(-1, -2))
+    positions = torch.arange(length, device=device)
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+    if causal:
+        allowed = positions[None, :] <= positions[:, None]
+    if straight_through:
+        block = min(block_size, length)
+        lag = positions[:, None] // block - positions[None, :] // block
+        window = (lag >= 0) & (lag <= 1) & allowed  # keys of the query's own block and the one before
+        keys = zero_padded(k, key_padding_mask).to(compute)
+        scores = scores + torch.matmul(q, (keys - keys.detach()).transpose(-1, -2)) * window
+    allowed = allowed.expand(batch, 1, length, length)
+    if key_padding_mask is not None:
+        allowed = allowed & ~key_padding_mask[:, None, None, :]
+    empty = ~allowed.any(dim=-1, keepdim=True)  # a row that sees no key outputs zeros, without NaN
+    weights = torch.softmax(scores.masked_fill(~(allowed | empty), -math.inf), dim=-1)
+    out = torch.matmul(weights, zero_padded(v, key_padding_mask).to(compute)).masked_fill(empty, 0.0)
+    return out.to(dtype)
+
+
+def cached_vq_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    codebook: Tensor,
+    codes: Tensor,
+    block_size: int,
+    causal: bool,
+    key_padding_mask: Optional[Tensor],
+    straight_through: bool,
+) -> Tensor:
+    """:func:`vq_attention_unchecked` in linear time, by the codeword cache and the exact window."""
     dtype = q.dtype
     compute = working_dtype(dtype)
     batch, heads, length, dim = q.shape
@@ -352,4 +414,6 @@ __all__ = [
     "vq_attention_reference",
     "vq_attention_step",
     "vq_attention_unchecked",
+    "dense_vq_attention",
+    "cached_vq_attention",
 ]
