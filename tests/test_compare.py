@@ -435,6 +435,10 @@ def test_cuda_only_peers_are_listed_on_the_cpu_and_peers_follow_the_mechanisms_a
                       "fla-triton-linear_attn"}
     refusal = build_peer("fla-triton-delta_rule", 2, 16, 128, True, device="cpu")
     assert refusal.startswith("unsupported") and "--device cuda" in refusal
+    refusal = build_peer("fla-triton-delta_rule", 2, 16, 128, True, device="cuda", dtype=torch.float32)
+    assert refusal.startswith("unsupported") and "bfloat16" in refusal  # fla's Triton delta rule refuses float32
+    entries, missing = compare.planned_entries(CompareConfig(peers=True, mechanisms=("linear",)))
+    assert {item["name"] for item in missing} == {"fla-triton-linear_attn"}  # the missing peers of linear only
     entries, missing = compare.planned_entries(CompareConfig(peers=True))
     measured = {entry["name"] for entry in entries if entry["kind"] == "peer"}
     assert not measured & triton and {item["name"] for item in missing} == triton

@@ -281,6 +281,13 @@ def test_the_command_line_generates_the_task_once_and_train_refuses_another_task
         train(config, None, progress=False, task=other)
     with pytest.raises(ValueError, match="task given is 'recall'"):
         train(config, None, progress=False, task=load("recall", **RECALL))
+    from attnzoo.tasks.base import task_class
+
+    with pytest.raises(ValueError, match="built from None"):  # constructed directly: its options are unknown
+        train(config, None, progress=False, task=task_class("listops")(**LISTOPS))
+    derived = load("recall", **{**RECALL, "num_queries": 3})  # an option the config leaves None, given here
+    with pytest.raises(ValueError, match="task: the config trains 'recall'"):
+        train(small("recall"), None, progress=False, task=derived)
     given = load("listops", **LISTOPS)
     assert train(config, None, progress=False, task=given).test == train(config, None, progress=False).test
 

@@ -127,9 +127,10 @@ def test_gradients_without_the_estimator_match_the_reference(causal, block_size,
     assert grads[0][0].abs().sum() > 0 and grads[0][1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("autocast", [False, True])  # both keep their float32 working dtype under autocast
 @pytest.mark.parametrize("straight", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_dense_and_cached_paths_agree_in_outputs_and_gradients_in_float32(causal, straight):
+def test_dense_and_cached_paths_agree_in_outputs_and_gradients_in_float32(causal, straight, autocast):
     # The path depends on the length against the codebook; on the same inputs the two give the same numbers.
     codebook = randn(2, 6, 4, seed=40).float()
     inputs = [randn(2, 2, 10, 4, seed=s).float() for s in (41, 42, 43)]
@@ -140,7 +141,9 @@ def test_dense_and_cached_paths_agree_in_outputs_and_gradients_in_float32(causal
     results = []
     for attend in (dense_vq_attention, cached_vq_attention):
         leaves = [t.clone().requires_grad_() for t in inputs]
-        out = attend(*leaves, codebook, codes, 3, causal, mask, straight)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = attend(*leaves, codebook, codes, 3, causal, mask, straight)
+        assert out.dtype == torch.float32
         out.square().sum().backward()
         results.append([out.detach()] + [t.grad for t in leaves])
     for dense, cached in zip(*results):

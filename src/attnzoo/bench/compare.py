@@ -259,6 +259,7 @@ def planned_entries(config: CompareConfig) -> Tuple[List[Entry], List[Dict[str, 
             present = [name for name in present if not PEERS[name].cuda_only]
         if config.mechanisms:  # the peers of the mechanisms asked for (softmax's included)
             present = [name for name in present if PEERS[name].counterpart() in names]
+            missing = [item for item in missing if PEERS[item["name"]].counterpart() in names]
         # A peer runs at the settings of its attnzoo counterpart, so the two rows compare like with like.
         entries += [peer_entry(name, config.options.get(PEERS[name].counterpart() or "")) for name in present]
     return entries, missing

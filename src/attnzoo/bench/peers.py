@@ -53,6 +53,7 @@ class Peer:
     build: Adapter
     distribution: Optional[str] = None  # what pip installs, where it differs from ``name``
     cuda_only: bool = False  # its kernels run on a CUDA device only (fla's Triton kernels)
+    half_only: bool = False  # its kernels refuse float32 and float64 (fla's Triton delta rule)
 
     @property
     def installs(self) -> str:
@@ -501,7 +502,8 @@ PEERS: Dict[str, Peer] = {
         Peer("fla-based", "fla", _BASED, _fla_based, distribution="fla-core"),
         Peer("fla-nsa", "fla", _NSA, _fla_nsa, distribution="fla-core"),
         # Its fused Triton kernels, on a CUDA device only.
-        Peer("fla-triton-delta_rule", "fla", _DELTA, _fla_triton("delta_rule"), "fla-core", cuda_only=True),
+        Peer("fla-triton-delta_rule", "fla", _DELTA, _fla_triton("delta_rule"), "fla-core", cuda_only=True,
+             half_only=True),
         Peer("fla-triton-gated_delta_rule", "fla", _GATED_DELTA, _fla_triton("gated_delta_rule"), "fla-core",
              cuda_only=True),
         Peer("fla-triton-simple_gla", "fla", _SSD, _fla_triton("simple_gla"), "fla-core", cuda_only=True),
@@ -528,17 +530,20 @@ def installed_peers() -> Tuple[List[str], List[Dict[str, str]]]:
 
 def build_peer(
     name: str, heads: int, head_dim: int, length: int, causal: bool, options: Optional[Options] = None,
-    device: str = "cpu",
+    device: str = "cpu", dtype: torch.dtype = torch.float32,
 ) -> Union[PeerAttention, str]:
     """The peer's attention callable, or a reason it cannot run in this configuration. ``options``: those
-    given to its attnzoo counterpart, whose hyper-parameters (rank, landmarks, ...) the peer takes; ``device``:
-    where it will run (a CUDA-only peer is refused elsewhere)."""
+    given to its attnzoo counterpart, whose hyper-parameters (rank, landmarks, ...) the peer takes; ``device``
+    and ``dtype``: where and in what it will run (a CUDA-only or half-precision-only peer is refused
+    elsewhere)."""
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; valid choices: {', '.join(PEERS)}")
     if not peer_installed(name):
         return f"not installed (pip install {PEERS[name].installs})"
     if PEERS[name].cuda_only and not str(device).startswith("cuda"):
         return f"unsupported: {name} runs on a CUDA device only (--device cuda)"
+    if PEERS[name].half_only and dtype not in (torch.bfloat16, torch.float16):
+        return f"unsupported: {name} takes bfloat16 or float16 only (--dtype bfloat16), not {dtype}"
     try:
         return PEERS[name].build(heads, head_dim, length, causal, dict(options or {}))
     except ImportError as error:

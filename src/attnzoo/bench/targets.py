@@ -57,7 +57,8 @@ def build_target(entry: Entry, heads: int, head_dim: int, length: int, causal: b
     Raises whatever building raises (a broken mechanism is a failed row, not an unsupported one).
     """
     if entry["kind"] == "peer":
-        peer = build_peer(entry["name"], heads, head_dim, length, causal, entry.get("options") or {}, device)
+        peer = build_peer(entry["name"], heads, head_dim, length, causal, entry.get("options") or {}, device,
+                          dtype)
         if isinstance(peer, str):
             return peer
         return peer.to(device=device, dtype=dtype).eval()

@@ -23,7 +23,9 @@ window, one cache of all keys). The output and the gradients of q and v are thos
 way (tested against the float64 reference).
 
 Cost: time O(N (S d + S e + L (d + e))), memory O(N S + (N / L) S e) for codebook size S, block size L, key
-width d and value width e. The softmax over the cache and the window is one hand-written autograd function:
+width d and value width e. A sequence no longer than the codebook (N <= S) is attended densely instead, key by
+key over its quantized keys, in O(N^2 (d + e)): fewer scores than the cache's N x S, the same outputs and
+gradients (:func:`dense_vq_attention`). The softmax over the cache and the window is one hand-written autograd function:
 its backward forms the score gradients in place instead of allocating an (N x S) tensor per elementwise
 step (see :class:`_SoftmaxOverCacheAndWindow`).
 """
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._autocast import outside_autocast
+from ._autocast import outside_autocast, without_autocast
 from .._dtypes import working_dtype
 from .._validation import check_bool, check_key_padding_mask, check_number, check_qkv
 from .masks import zero_padded
@@ -236,6 +238,7 @@ def vq_attention_unchecked(
     return cached_vq_attention(q, k, v, codebook, codes, block_size, causal, key_padding_mask, straight_through)
 
 
+@without_autocast  # its own working dtype, as the cached path's Function
 def dense_vq_attention(
     q: Tensor,
     k: Tensor,

@@ -92,7 +92,9 @@ class VQAttention(Mechanism):
     )
     sweep_option = "codebook_size"
     test_options = {"codebook_size": 8, "block_size": 4, "seed": 0}
-    test_variants = ({"codebook_size": 2, "block_size": 1, "seed": 1},)
+    # A codebook longer than the suite's sequences: the dense path (N <= S) instead of the codeword cache.
+    test_variants = ({"codebook_size": 2, "block_size": 1, "seed": 1},
+                     {"codebook_size": 32, "block_size": 4, "seed": 2})
 
     def __init__(
         self,

@@ -136,6 +136,8 @@ class Task:
         seq_len: every split's inputs are ``(n, seq_len)``.
         num_classes: classify/tag: the number of classes; lm: ``vocab_size``.
         pad_id: the padding token id, None if the task never pads.
+        loaded_with: the options :func:`load` built it from, defaults included (None when constructed
+            directly).
 
     A ``"seq2seq"`` task also sets ``target_len`` (the length of its targets) and ``bos_id``, ``eos_id``;
     ``vocab_size`` is then the source vocabulary and ``num_classes`` the target vocabulary.
@@ -152,6 +154,7 @@ class Task:
     num_classes: int
     pad_id: Optional[int]
     seed: int
+    loaded_with: Optional[Dict[str, Any]] = None
 
     def __init__(self, *, seed: int = 0) -> None:
         raise NotImplementedError("Task is a base class: construct a registered task (attnzoo.tasks.load)")
@@ -350,5 +353,7 @@ def load(name: str, **options: Any) -> Task:
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise TypeError(f"task {name!r} got unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
-    return cls(**options)
+    task = cls(**options)
+    task.loaded_with = {**valid, **options}  # what it was built from, defaults included, for train(task=...)
+    return task
 

@@ -329,16 +329,16 @@ def _finish(run: _Run, command: Optional[Sequence[str]]) -> TrainResult:
 
 
 def _the_task(config: TrainConfig, loaded: Optional[Task]) -> Task:
-    """The config's task: ``loaded`` if it is that task with those options, else loaded now."""
+    """The config's task: ``loaded`` if :func:`attnzoo.tasks.load` built it from the config's task and options
+    (defaults included), else loaded now; any other task is refused."""
     if loaded is None:
         return task_registry.load(config.task, **config.task_options)
-    settings = loaded.options() if isinstance(loaded, Task) else None
-    # Defaults count too; an option left None is one the task derives (recall's num_queries), whatever it became.
-    wanted = {**task_registry.task_options(config.task), **config.task_options}
-    if settings is None or loaded.name != config.task or any(
-            value is not None and settings.get(key) != value for key, value in wanted.items()):
-        raise ValueError(f"task: the config trains {config.task!r} with options {config.task_options}, but the "
-                         f"task given is {getattr(loaded, 'name', type(loaded).__name__)!r} with {settings}")
+    built_from = getattr(loaded, "loaded_with", None)
+    if getattr(loaded, "name", None) != config.task or built_from is None or built_from != {
+            **task_registry.task_options(config.task), **config.task_options}:
+        raise ValueError(f"task: the config trains {config.task!r} with options {config.task_options}; the task "
+                         f"given is {getattr(loaded, 'name', type(loaded).__name__)!r} built from {built_from} "
+                         "(pass what attnzoo.tasks.load(config.task, **config.task_options) returns)")
     return loaded
 
 
@@ -372,9 +372,9 @@ def train(
             evaluates and writes the output directory; every rank returns the same result. Settings or
             mechanisms it cannot honour are refused first (:func:`~attnzoo.training.data_parallel_reasons`).
         decoding: the decoder of a seq2seq task's decoded metrics, in every evaluation (greedy by default).
-        task: the task the config names, already loaded with its options (``attnzoo train`` loads it once to
-            check the settings), so its data is not generated again; another task, or other options, is
-            refused. None: loaded here.
+        task: the config's task as :func:`attnzoo.tasks.load` returns it for ``config.task`` and
+            ``config.task_options`` (``attnzoo train`` loads it once to check the settings), so its data is not
+            generated again; a task built otherwise, or from other options, is refused. None: loaded here.
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
     written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there. A run killed
