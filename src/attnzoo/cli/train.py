@@ -58,7 +58,8 @@ DECODER_OPTIONS = {
     "--monotonic-behind": "behind",
 }
 # Switches: on when given (store_const True), otherwise None ("not given").
-TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift", "--pack": "pack"}
+TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift", "--pack": "pack",
+               "--group-by-length": "group_by_length"}
 OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
 OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--set",
                        task_options="--task-options", block_options="--block-options")
@@ -341,7 +342,7 @@ def _check_buildable(config: Any) -> Any:
     import torch
 
     from ..tasks import load
-    from ..training import build_model
+    from ..training import build_model, check_length_grouping
 
     try:
         task = load(config.task, **config.task_options)
@@ -349,7 +350,7 @@ def _check_buildable(config: Any) -> Any:
         raise ValueError(f"--task-options: {error}") from None
     with torch.random.fork_rng(devices=[]):
         try:
-            build_model(config, task)
+            check_length_grouping(config, task, build_model(config, task))
         except TypeError as error:
             options = "--set" if config.block == "attention" else "--block-options"
             raise ValueError(f"{options}: {error}") from None
@@ -431,6 +432,10 @@ def _add_model_options(train: argparse.ArgumentParser) -> None:
                        help="packed batches: a batch's documents back to back in one row, no padding, the loss "
                             "masked at document boundaries (bytes: its files; listops: its sequences); recorded "
                             "in the run's config, so --resume and attnzoo eval pack too")
+    train.add_argument("--group-by-length", dest="group_by_length", action="store_const", const=True,
+                       help="batches of examples of similar length, each cut to its longest example (g2p, "
+                            "listops: less padding to compute); refused for a model whose outputs depend on "
+                            "the padded length")
 
 
 def add_train_command(commands: Any) -> None:

@@ -19,7 +19,7 @@ from ..parallel import data as _data_parallel
 from .checkpoint import CheckpointError, find_checkpoint
 from .config import TrainConfig
 from .decoders import DecoderSettings
-from .loop import TrainResult, batch_indices, evaluate, evaluate_checkpoint, load_trained, train
+from .loop import TrainResult, batch_indices, check_length_grouping, evaluate, evaluate_checkpoint, load_trained, train
 from .model import build_model, unsupported_reasons
 from .ranks import data_parallel_reasons
 
@@ -35,6 +35,7 @@ __all__ = [
     "TrainResult",
     "batch_indices",
     "build_model",
+    "check_length_grouping",
     "data_parallel_reasons",
     "evaluate",
     "evaluate_checkpoint",

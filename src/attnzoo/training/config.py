@@ -66,6 +66,10 @@ class TrainConfig:
             back to back in one row with no padding, each attending only within itself, the loss masked at
             document boundaries; for the tasks whose :meth:`~attnzoo.tasks.Task.packing_refusal` is None
             (``bytes``, ``listops``) and mechanisms that take packed batches.
+        group_by_length: train on batches of examples of similar length, each cut to its longest example
+            (:mod:`attnzoo.training.length_groups`): for tasks whose examples are padded (g2p, listops), and
+            models whose outputs do not depend on the padded length (checked when training starts). Not with
+            ``pack``, which removes the padding another way.
         copy_mechanism: seq2seq tasks only: a pointer-generator output (See et al. 2017) that can copy source
             tokens (:mod:`attnzoo.models.pointer`); the loss is the NLL of its mixed distribution. Not with
             ``label_smoothing``.
@@ -91,6 +95,7 @@ class TrainConfig:
     pooling: str = "mean"
     token_shift: bool = False
     pack: bool = False
+    group_by_length: bool = False
     batch_size: int = 32
     steps: int = 500
     lr: float = 1e-3
@@ -155,6 +160,9 @@ class TrainConfig:
         check_bool("copy_mechanism", self.copy_mechanism)
         check_bool("token_shift", self.token_shift)
         check_bool("pack", self.pack)
+        check_bool("group_by_length", self.group_by_length)
+        if self.pack and self.group_by_length:
+            raise ValueError("group_by_length cannot be combined with pack: packing already leaves no padding")
         if self.copy_mechanism and self.label_smoothing > 0:
             # Smoothing spreads mass over every output, but the extended ids a source does not hold have
             # probability 0 under the copy mixture: their log is -inf.

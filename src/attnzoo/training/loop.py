@@ -54,6 +54,7 @@ from .evaluation import (  # noqa: F401  (Tally, loss_and_tally and model_logits
     take_batch,
 )
 from .interrupts import Interrupts
+from .length_groups import LengthGroupedOrder, check_trimming_exact, example_lengths, trimmed_batch
 from .metrics_log import METRICS_CSV, MetricsLog  # noqa: F401  (METRICS_CSV is also public here)
 from .model import build_model
 from .nat import DEFAULT_LENGTH_LOSS
@@ -118,6 +119,7 @@ class _Run:
     validation: Dict[str, float]
     history: List[Dict[str, Any]] = field(default_factory=list)
     last_saved: int = 0
+    batches: Optional[Callable[[int], Tensor]] = None  # step -> the global batch's example indices
     began: float = field(default_factory=time.perf_counter)
     evaluating: float = 0.0  # seconds spent evaluating, left out of the training throughput
     tokens_seen: int = 0
@@ -182,8 +184,37 @@ def _start(
     log = MetricsLog(out if ranks.is_main else None, start if checkpoint is not None else None)
     bar = _progress_bar(progress and ranks.is_main, config.steps, start, f"{config.model_label} on {task.name}")
     model.train()
+    batches = _length_grouped_batches(config, task, model, ranks.device) if config.group_by_length else None
     return _Run(config, task, ranks, model, trained, optimizer, schedule, out, decoding, log, bar, start,
-                validation, last_saved=start)
+                validation, last_saved=start, batches=batches)
+
+
+def check_length_grouping(
+    config: TrainConfig, task: Task, model: nn.Module, device: torch.device = torch.device("cpu")
+) -> None:
+    """Raise ValueError if ``config.group_by_length`` would change what ``model`` computes: unless its outputs
+    on a batch cut to its longest example equal those on the padded batch (see
+    :func:`~attnzoo.training.length_groups.check_trimming_exact`). Nothing to check without the option."""
+    if not config.group_by_length:
+        return
+
+    def logits_of(data: Split) -> Tensor:
+        index = torch.arange(len(data))
+        inputs, _, mask, _ = take_batch(data, index, False, device)
+        return model_logits(model, task, data, index, inputs, mask)[0]
+
+    # Off the run's random stream, so that a resumed run (which checks again) draws as an uninterrupted one.
+    with torch.random.fork_rng(devices=[]):
+        check_trimming_exact(logits_of, model, task.split("train"), config.model_label)
+
+
+def _length_grouped_batches(
+    config: TrainConfig, task: Task, model: nn.Module, device: torch.device
+) -> LengthGroupedOrder:
+    """The run's length-grouped batch order, once the model is shown to compute the same on cut batches."""
+    check_length_grouping(config, task, model, device)
+    split = task.split("train")
+    return LengthGroupedOrder(example_lengths(split), config.batch_size, config.seed)
 
 
 # -- one step ------------------------------------------------------------------------------------------------
@@ -193,11 +224,15 @@ def _train_step(run: _Run, interrupts: Interrupts) -> Tuple[Dict[str, float], fl
     step. Returns the global batch's metrics, the step's learning rate and whether any rank had an interrupt
     requested by the end of the step."""
     config, split, step = run.config, run.train_split, run.step
-    whole = batch_indices(len(split), config.batch_size, step, config.seed)
+    whole = run.batches(step) if run.batches is not None else batch_indices(len(split), config.batch_size, step,
+                                                                            config.seed)
     index = run.ranks.shard(whole)  # the global batch; a data-parallel rank trains on its share of it
-    inputs, targets, mask, offsets = take_batch(split, index, config.pack, run.ranks.device)
+    data = split
+    if config.group_by_length:  # this rank's share as a split of its own, cut to its longest example
+        data, index = trimmed_batch(split, index), torch.arange(len(index))
+    inputs, targets, mask, offsets = take_batch(data, index, config.pack, run.ranks.device)
     with autocast(config.precision, run.ranks.device):
-        logits, auxiliary = model_logits(run.trained, run.task, split, index, inputs, mask, config=config,
+        logits, auxiliary = model_logits(run.trained, run.task, data, index, inputs, mask, config=config,
                                          step=step, cu_seqlens=offsets)
     loss, tally = loss_and_tally(run.task.kind, logits, targets, label_smoothing=config.label_smoothing)
     if auxiliary is not None:  # the length head's loss (NAT) or the guide loss

@@ -113,6 +113,9 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if config.token_shift and task.kind == "seq2seq":
         raise ValueError(f"token_shift cannot train on {task.name}: its model, a Seq2SeqTransformer, has no token "
                          f"shift (it exists for classify, tag and lm tasks)")
+    if config.group_by_length and task.pad_id is None:
+        raise ValueError(f"group_by_length needs a task whose examples are padded; every {task.name} example is "
+                         f"{task.seq_len} tokens long")
     refused = packing_refusal(config, task)
     if refused is not None:
         raise UnsupportedOptionError(f"pack is refused: {refused}")
