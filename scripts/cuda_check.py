@@ -23,6 +23,7 @@ import json
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -165,6 +166,63 @@ def check_models() -> List[Dict[str, Any]]:
     return rows
 
 
+TRAIN_LISTOPS = {"train_size": 64, "validation_size": 16, "test_size": 16, "min_length": 8, "max_length": 48}
+
+
+def _trained_parameters(run: Path) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from attnzoo.training import find_checkpoint
+
+    return load_file(str(find_checkpoint(run) / "model.safetensors"))
+
+
+def check_training() -> List[Dict[str, Any]]:
+    """``attnzoo.training.train`` on the device: six steps of a small ListOps model (length-grouped batches)
+    equal the CPU's without dropout; with dropout, a run interrupted at step 3 and resumed there equals the
+    uninterrupted one (the device's generator is saved with each checkpoint)."""
+    import tempfile
+
+    from attnzoo.training import TrainConfig, train
+
+    def config(dropout: float) -> "TrainConfig":
+        return TrainConfig("listops", task_options=TRAIN_LISTOPS, dim=32, depth=2, heads=2, batch_size=8, steps=6,
+                           eval_interval=3, eval_batches=1, dropout=dropout, group_by_length=True)
+
+    def stop_at_3(step: int, metrics: Dict[str, float]) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        for name, check in [("train on the device = on the CPU", "cpu"), ("resume on the device", "resume")]:
+            failures: List[str] = []
+            try:
+                if check == "cpu":
+                    here = train(config(0.0), root / "cpu", progress=False, device="cpu")
+                    there = train(config(0.0), root / "device", progress=False, device=DEVICE)
+                    if torch.device(there.device).type != torch.device(DEVICE).type:
+                        failures.append(f"trained on {there.device}, not {DEVICE}")
+                    a, b = _trained_parameters(root / "cpu"), _trained_parameters(root / "device")
+                    failures += [f for f in (_close(f"parameter {k}", a[k], b[k], 1e-3) for k in a) if f]
+                    if abs(here.test["loss"] - there.test["loss"]) > 1e-3:
+                        failures.append(f"test loss {there.test['loss']} on the device, {here.test['loss']} on the CPU")
+                else:
+                    train(config(0.1), root / "whole", progress=False, device=DEVICE)
+                    try:
+                        train(config(0.1), root / "cut", progress=False, device=DEVICE, on_step=stop_at_3)
+                    except KeyboardInterrupt:
+                        pass
+                    train(None, root / "cut", resume=True, progress=False, device=DEVICE)
+                    a, b = _trained_parameters(root / "whole"), _trained_parameters(root / "cut")
+                    failures += [f for f in (_close(f"resumed parameter {k}", a[k], b[k], 1e-5) for k in a) if f]
+            except Exception as error:
+                failures = [f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error)[-3:])]
+            rows.append({"training": name, "ok": not failures, "failures": failures})
+    return rows
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mechanisms", default=None, help="comma-separated (default: every registered one)")
@@ -187,12 +245,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     models = check_models()
     for row in models:
         print(f"{row['model']}: {'ok' if row['ok'] else 'FAILED ' + '; '.join(row['failures'][:1])}", flush=True)
+    training = check_training()
+    for row in training:
+        print(f"{row['training']}: {'ok' if row['ok'] else 'FAILED ' + '; '.join(row['failures'][:1])}", flush=True)
     device = torch.cuda.get_device_name(torch.device(DEVICE)) if DEVICE.startswith("cuda") else DEVICE
-    report = {"device": device, "torch": torch.__version__, "mechanisms": rows, "models": models}
+    report = {"device": device, "torch": torch.__version__, "mechanisms": rows, "models": models,
+              "training": training}
     with open(args.output, "w") as handle:
         json.dump(report, handle, indent=1, default=str)
-    failed = [r for r in rows + models if not r["ok"]]
-    print(f"cuda_check: {len(rows) + len(models) - len(failed)} passed, {len(failed)} failed; {args.output}")
+    failed = [r for r in rows + models + training if not r["ok"]]
+    checked = len(rows) + len(models) + len(training)
+    print(f"cuda_check: {checked - len(failed)} passed, {len(failed)} failed; {args.output}")
     return 1 if failed else 0
 
 

@@ -45,6 +45,15 @@ def test_grouped_batches_are_shorter_than_random_ones():
     assert random >= 11 and grouped <= random - 4, (grouped, random)
 
 
+def test_padding_before_a_token_is_refused_rather_than_cut_away():
+    from attnzoo.tasks import Split
+
+    inputs = torch.tensor([[5, 6, 0], [0, 7, 8]])
+    split = Split(inputs, torch.tensor([0, 1]), inputs == 0)
+    with pytest.raises(ValueError, match="needs padding at the end of each row"):
+        example_lengths(split)
+
+
 def test_a_trimmed_seq2seq_batch_keeps_every_token_and_drops_only_padding():
     split = load("copy", **COPY).split("train")
     index = torch.tensor([3, 1, 7])
@@ -113,6 +122,8 @@ def test_group_by_length_is_recorded_in_the_run(capsys, tmp_path):
      "--group-by-length is refused: nystrom gives other outputs when a batch is cut to its longest example"),
     (["listops", "--pack", "--task-options", json.dumps(LISTOPS)],
      "--group-by-length cannot be combined with pack"),
+    (["copy", "--batch-size", "64", "--task-options", json.dumps(COPY)],
+     "--group-by-length needs batch_size at most the 40 training examples (every batch is full), got 64"),
 ])
 def test_group_by_length_where_it_cannot_work_is_a_one_line_usage_error(capsys, tmp_path, argv, message):
     assert main(["train", *argv, "--group-by-length", "--dim", "16", "--depth", "1", "--heads", "2", "--steps", "1",

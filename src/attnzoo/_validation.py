@@ -183,3 +183,28 @@ def check_position_mask(name: str, mask: Optional[Tensor], batch: int, length: i
         raise ValueError(f"{name} must have shape (batch, seq) = ({batch}, {length}), got {tuple(mask.shape)}")
     if mask.device != device:
         raise ValueError(f"{name} must be on {device}, got {mask.device}")
+
+
+def device_problem(value: object) -> Optional[str]:
+    """What keeps ``value`` from naming a device attnzoo runs on ("must be 'cpu' or 'cuda[:N]', ..."), or None:
+    the CPU, or a CUDA device that this process can see."""
+    try:
+        device = torch.device(value)  # parses "cuda:1", rejects "cuda:x"
+    except (RuntimeError, ValueError, TypeError):
+        return f"must be 'cpu' or 'cuda[:N]', got {value!r}"
+    if device.type not in ("cpu", "cuda"):
+        return f"must be 'cpu' or 'cuda[:N]', got {value!r}"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"is {value!r} but CUDA is not available"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"is {value!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+    return None
+
+
+def check_device(name: str, value: object) -> torch.device:
+    """``value`` as a torch.device (:func:`device_problem` decides), else ValueError naming ``name``."""
+    problem = device_problem(value)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}")
+    return torch.device(value)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._validation import check_number as check_option_number
+from .._validation import check_number as check_option_number, device_problem
 from ..mechanisms import APPROXIMATE, available, build_mechanism, capabilities, mechanism_class
 from .launch import METHODS, Launcher
 from .measure import DEFAULT_MIN_SAMPLE_S
@@ -136,20 +136,10 @@ class CompareConfig:
                 raise ConfigError("options", f"for {name}: {error}") from None
 
     def _validate_device(self) -> None:
-        # torch.device parses "cuda:1" and rejects "cuda:x"; a malformed string would otherwise only fail in
-        # the first worker, as a row per configuration.
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, ValueError, TypeError):
-            raise ConfigError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError("device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError("device", f"is {self.device!r} but CUDA is not available")
-            if device.index is not None and device.index >= torch.cuda.device_count():
-                raise ConfigError("device", f"is {self.device!r} but only {torch.cuda.device_count()} CUDA "
-                                            "device(s) are visible")
+        # A malformed or missing device would otherwise only fail in the first worker, as a row per configuration.
+        problem = device_problem(self.device)
+        if problem is not None:
+            raise ConfigError("device", problem)
 
 
 class ConfigError(ValueError):

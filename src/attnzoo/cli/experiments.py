@@ -59,7 +59,7 @@ def lra_command(args: argparse.Namespace) -> int:
         config = LraConfig(preset=args.preset, mechanisms=args.mechanisms, tasks=args.tasks, threads=args.threads,
                            jobs=args.jobs, cell_timeout_s=args.cell_timeout, overrides=overrides,
                            options=options_by_mechanism(args.settings), imports=imports,
-                           long_length=args.long_length)
+                           long_length=args.long_length, device=args.device)
         config.validate()
         check_output_dir("--output", output)
     except (TypeError, ValueError) as error:
@@ -154,6 +154,8 @@ def add_lra_command(commands: Any) -> None:
                           "(forward+backward, the model's heads and width) at this many tokens, by the kernel "
                           f"benchmark, in the same run (default {DEFAULT_LONG_LENGTH})")
     _add_cell_options(lra, "cells")
+    lra.add_argument("--device", help="cpu (default) or cuda[:N]: where every cell trains (several cells share one "
+                                      "GPU with --jobs) and the long length is measured")
     lra.add_argument("--output", default="lra-results", metavar="DIR", help="default lra-results/")
     lra_output = lra.add_mutually_exclusive_group()
     lra_output.add_argument("--quiet", action="store_true", help="no progress and no table")

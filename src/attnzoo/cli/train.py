@@ -240,9 +240,9 @@ def _new_config(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[Any, A
     return config, _check_buildable(config)
 
 
-def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str], Any]:
+def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str], Any, Any]:
     """(config or None when resuming, decoder settings, output directory, imports, the loaded task or None when
-    resuming), every usage error raised."""
+    resuming, the device or None), every usage error raised."""
     from ..training import TrainConfig
     from ..parallel.data import launched_by_torchrun
     from ..training import data_parallel_reasons
@@ -268,7 +268,26 @@ def _prepare_run(args: argparse.Namespace) -> Tuple[Any, Any, str, List[str], An
         reasons = data_parallel_reasons(config or TrainConfig.from_dict(saved), world)
         if reasons:
             raise ValueError(f"torchrun with {world} processes: " + "; ".join(map(name_option, reasons)))
-    return config, decoding, output, imports, task
+    return config, decoding, output, imports, task, _training_device(args.device, saved["task"])
+
+
+def _training_device(device: Optional[str], task_name: str) -> Any:
+    """--device as a torch.device (None when not given), or a usage error naming it."""
+    from ..parallel.data import launched_by_torchrun
+    from ..tasks import task_class
+    from ..training.loop import training_device
+
+    if device is None:
+        return None
+    if launched_by_torchrun():
+        raise ValueError("--device cannot be combined with torchrun: each rank trains on the device torchrun gives it")
+    try:
+        chosen = training_device(device)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None
+    if chosen.type != "cpu" and task_class(task_name).kind == "seq2seq":
+        raise ValueError(f"--device {device}: {task_name} is a seq2seq task, and seq2seq tasks train on the CPU only")
+    return chosen
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -279,7 +298,7 @@ def train_command(args: argparse.Namespace) -> int:
     from ..training.checkpoint import stopped_before_first_checkpoint
 
     try:
-        config, decoding, output, imports, task = _prepare_run(args)
+        config, decoding, output, imports, task, device = _prepare_run(args)
     except (ValueError, TypeError, CheckpointError, UnsupportedOptionError) as error:
         return usage_error("train", str(error))
     if args.threads is not None:
@@ -297,14 +316,14 @@ def train_command(args: argparse.Namespace) -> int:
         record_imports(Path(output), imports)
     try:
         result = train(config, output, resume=args.resume is not None, progress=not args.quiet and main,
-                       command=command, parallel=parallel, decoding=decoding, task=task)
+                       command=command, parallel=parallel, decoding=decoding, task=task, device=device)
     except KeyboardInterrupt:
         if main:
             print(f"attnzoo train: interrupted; the last finished step is saved: resume with "
                   f"attnzoo train --resume {output}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except CheckpointError as error:
-        return usage_error("train", str(error))
+    except (CheckpointError, ValueError) as error:  # settings that only fail once the run is built
+        return usage_error("train", name_option(str(error)))
     finally:
         stop(parallel)
     if main:  # rank 0 reports for the whole data-parallel run
@@ -451,6 +470,8 @@ def add_train_command(commands: Any) -> None:
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint "
                                                        "(its settings are kept; options given must match)")
     train.add_argument("--threads", type=integer_at_least(1), help="torch threads (default: torch's choice)")
+    train.add_argument("--device", help="cpu (default) or cuda[:N]: where the run trains (classify, tag and lm "
+                                        "tasks; a resumed run may change it)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_decoder_options(train)

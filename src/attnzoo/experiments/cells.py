@@ -38,8 +38,9 @@ Row = Dict[str, Any]
 
 
 def train_command(config: TrainConfig, cell: Path, resume: bool, threads: Optional[int],
-                  imports: Sequence[str] = ()) -> List[str]:
-    """The ``attnzoo train`` command line of one cell: every setting that differs from the defaults."""
+                  imports: Sequence[str] = (), device: Optional[str] = None) -> List[str]:
+    """The ``attnzoo train`` command line of one cell: every setting that differs from the defaults (and
+    ``--device`` when one is given)."""
     command = [sys.executable, "-m", "attnzoo.cli", "train"]
     for spec in imports:
         command += ["--import", spec]
@@ -61,6 +62,8 @@ def train_command(config: TrainConfig, cell: Path, resume: bool, threads: Option
             command += ["--" + key.replace("_", "-"), str(value)]
     if threads:
         command += ["--threads", str(threads)]
+    if device is not None:
+        command += ["--device", device]
     return command + ["--quiet"]
 
 
@@ -89,10 +92,11 @@ def last_validation(cell: Path) -> Optional[Dict[str, Any]]:
 
 
 def run_cell(config: TrainConfig, cell: Path, timeout_s: float, threads: Optional[int],
-             imports: Sequence[str] = ()) -> Row:
-    """Train one cell in a fresh process (resuming its checkpoint if it has one); its row."""
+             imports: Sequence[str] = (), device: Optional[str] = None) -> Row:
+    """Train one cell in a fresh process (resuming its checkpoint if it has one) on ``device`` (None: the
+    CPU, ``attnzoo train``'s default); its row."""
     resume = (cell / "checkpoints" / "LATEST").exists()
-    command = train_command(config, cell, resume, threads, imports)
+    command = train_command(config, cell, resume, threads, imports, device)
     cell.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     try:
@@ -116,14 +120,14 @@ def run_cell(config: TrainConfig, cell: Path, timeout_s: float, threads: Optiona
 
 
 def run_cells(trainings: Sequence[Cell], timeout_s: float, threads: Optional[int], jobs: int,
-              imports: Sequence[str] = ()) -> Iterator[Tuple[Hashable, Path, Row]]:
+              imports: Sequence[str] = (), device: Optional[str] = None) -> Iterator[Tuple[Hashable, Path, Row]]:
     """Train ``(key, config, cell directory)`` runs ``jobs`` at a time, each by :func:`run_cell` in its own
     process; yields ``(key, cell directory, row)`` as each finishes. Every process gets ``threads`` torch
     threads (1 by default when several run together: small models gain more from a core each than from two
-    threads sharing both)."""
+    threads sharing both). Every process trains on ``device`` (several may share one GPU)."""
     threads = threads or (1 if jobs > 1 else None)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_cell, config, cell, timeout_s, threads, imports): (key, cell)
+        futures = {pool.submit(run_cell, config, cell, timeout_s, threads, imports, device): (key, cell)
                    for key, config, cell in trainings}
         for future in as_completed(futures):
             key, cell = futures[future]
@@ -139,7 +143,8 @@ def save_row(cell: Path, row: Row) -> None:
 
 def train_cells(trainings: Sequence[Cell], timeout_s: float, threads: Optional[int] = None, jobs: int = 1,
                 imports: Sequence[str] = (),
-                progress: Optional[Callable[[Hashable, Row, bool], None]] = None) -> Dict[Hashable, Row]:
+                progress: Optional[Callable[[Hashable, Row, bool], None]] = None,
+                device: Optional[str] = None) -> Dict[Hashable, Row]:
     """Every cell's row, in the order given: kept from ``cell.json`` if it finished before, else trained now
     (:func:`run_cells`) and saved (:func:`save_row`). ``progress(key, row, kept)`` is called for each."""
     rows: Dict[Hashable, Row] = {}
@@ -152,7 +157,7 @@ def train_cells(trainings: Sequence[Cell], timeout_s: float, threads: Optional[i
                 progress(key, rows[key], True)
         else:
             pending.append((key, config, cell))
-    for key, cell, row in run_cells(pending, timeout_s, threads, jobs, imports):
+    for key, cell, row in run_cells(pending, timeout_s, threads, jobs, imports, device):
         rows[key] = row
         save_row(cell, row)
         if progress is not None:

@@ -26,6 +26,7 @@ from ..bench.results import BASELINE
 from ..mechanisms import available as mechanisms_available
 from ..tasks import available as tasks_available, load as load_task
 from ..training import TrainConfig, unsupported_reasons
+from ..training.loop import training_device
 from .cells import CELL_JSON, save_row, train_cells, validations
 from .lra_speed import (
     DEFAULT_LONG_LENGTH,
@@ -33,6 +34,7 @@ from .lra_speed import (
     long_length_config,
     long_length_summary,
     measure_long_length,
+    measured_on,
     training_lengths_text,
 )
 from .settings import check_cell_settings, check_mechanism_options, check_names, check_preset, keep_settings
@@ -114,6 +116,7 @@ class LraConfig:
     options: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     imports: List[str] = field(default_factory=list)
     long_length: int = DEFAULT_LONG_LENGTH   # where speed and memory are measured for lra-long.png
+    device: Optional[str] = None   # where the cells train and the long length is measured (None: the CPU)
 
     def validate(self) -> None:
         check_preset(self.preset, BUDGETS)
@@ -125,6 +128,11 @@ class LraConfig:
             raise ValueError(f"--tasks: the {self.preset} preset has no budget for {', '.join(elsewhere)}; its "
                              f"tasks: {', '.join(BUDGETS[self.preset])}")
         check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
+        if self.device is not None:
+            try:
+                training_device(self.device)  # a device that is not there fails now, not in every cell
+            except ValueError as error:
+                raise ValueError(f"--{error}") from None
         check_mechanism_options(self.options)
         for task in self.task_names:
             self.train_config(task, BASELINE)  # every override must make a valid config
@@ -161,6 +169,8 @@ class LraConfig:
                     "cells": {task: self.train_config(task, BASELINE).as_dict() for task in self.task_names}}
         if self.options:
             settings["options"] = self.options
+        if self.device is not None:  # cells trained on another device would mix speeds in one table
+            settings["device"] = self.device
         return settings
 
 
@@ -203,12 +213,12 @@ def run_lra(config: LraConfig, output: Path, argv: Sequence[str],
             progress(f"{key[0]} / {key[1]}: {row['status']}")
 
     timeout = config.cell_timeout_s or CELL_TIMEOUT_S[config.preset]
-    rows = train_cells(trainings, timeout, config.threads, config.jobs, config.imports, report)
+    rows = train_cells(trainings, timeout, config.threads, config.jobs, config.imports, report, config.device)
     cells = {task: {m: rows[(task, m)] for m in mechanisms} for task in tasks}  # in the order asked for
     dim, heads = config.attention_shape()
     measured = measure_long_length(
         long_length_config(config.long_length, mechanisms, config.options, heads, dim // heads, config.threads,
-                           config.imports), output, argv)
+                           config.imports, config.device), output, argv)
     if progress is not None:
         progress(f"speed and memory at N={config.long_length}: measured")
     data = collect(config, tasks, mechanisms, cells, baselines, metrics, argv)
@@ -357,7 +367,7 @@ def render_long_length(data: Dict[str, Any]) -> List[str]:
         return []
     lines = [f"## Speed and memory at N={long['length']}", "",
              f"One attention layer's forward+backward, batch {long['batch']}, {long['heads']} heads of width "
-             f"{long['head_dim']} (the model's width {long['dim']}), {long['threads']} thread(s), "
+             f"{long['head_dim']} (the model's width {long['dim']}), {measured_on(long)}, "
              f"{long['repeats']} timed repeat(s); peak memory in a fresh process per mechanism. Measured by the "
              f"kernel benchmark (`{long['files']}`).", "",
              "| mechanism | forward+backward ms | tokens/s | peak memory MiB | speed vs softmax | memory vs softmax |"

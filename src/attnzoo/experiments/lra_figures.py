@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 from ..bench.results import BASELINE  # noqa: E402
-from .lra_speed import training_lengths_text  # noqa: E402
+from .lra_speed import measured_on, training_lengths_text  # noqa: E402
 
 Point = Tuple[str, float, float, float]  # mechanism, speed, accuracy %, memory MiB
 
@@ -92,7 +92,7 @@ def plot_long_length(data: Dict[str, Any], path: Path) -> None:
         points.append((entry["mechanism"], row["tokens_per_second"], 100 * entry["average_accuracy"],
                        row["peak_memory_mib"]))
     shape = (f"batch {long['batch']}, {long['heads']} heads of width {long['head_dim']} (model width {long['dim']}), "
-             f"{long['threads']} thread{'s' if long['threads'] != 1 else ''}")
+             f"{measured_on(long)}")
     _bubbles(data, points, path,
              f"speed at N={long['length']}: tokens per second of one attention layer's forward+backward (log)",
              f"attnzoo lra ({data['budget']} preset): accuracy trained at the tasks' own lengths "

@@ -66,14 +66,25 @@ def attention_options(name: str, options: Optional[Mapping[str, Any]], length: i
     return chosen
 
 
+def measured_on(long: Dict[str, Any]) -> str:
+    """Where the long length was measured, for labels: "1 thread" on the CPU, else the device (and its name)."""
+    device = long.get("device", "cpu")
+    if device == "cpu":
+        return f"{long['threads']} thread{'s' if long['threads'] != 1 else ''}"
+    name = (long.get("machine") or {}).get("gpu")
+    return f"{device} ({name})" if name else device
+
+
 def long_length_config(long_length: int, mechanisms: Sequence[str], options: Mapping[str, Mapping[str, Any]],
-                       heads: int, head_dim: int, threads: Optional[int], imports: Sequence[str]) -> CompareConfig:
+                       heads: int, head_dim: int, threads: Optional[int], imports: Sequence[str],
+                       device: Optional[str] = None) -> CompareConfig:
     """The kernel benchmark's settings: one length, batch 1, the model's heads and head width, one timed
-    forward+backward per mechanism, no feature sweep. Softmax is measured too (every ratio refers to it)."""
+    forward+backward per mechanism, no feature sweep, on ``device`` (None: the CPU). Softmax is measured too
+    (every ratio refers to it)."""
     return CompareConfig.from_preset(
         "quick", lengths=[long_length], mechanisms=list(mechanisms), options={k: dict(v) for k, v in options.items()},
         batch=1, heads=heads, head_dim=head_dim, repeats=LONG_REPEATS, timing_budget_s=None, budget_s=LONG_BUDGET_S,
-        min_sample_s=0.0, sweep=False, threads=threads or 1, imports=list(imports))
+        min_sample_s=0.0, sweep=False, threads=threads or 1, imports=list(imports), device=device or "cpu")
 
 
 def _same_settings(saved: Dict[str, Any], config: CompareConfig) -> bool:
@@ -83,7 +94,7 @@ def _same_settings(saved: Dict[str, Any], config: CompareConfig) -> bool:
 
 def long_length_config_dict(config: CompareConfig) -> Dict[str, Any]:
     """The settings that decide what a long-length measurement measured (a rerun with other ones remeasures)."""
-    keys = ("lengths", "mechanisms", "options", "batch", "heads", "head_dim", "repeats", "threads", "dtype")
+    keys = ("lengths", "mechanisms", "options", "batch", "heads", "head_dim", "repeats", "threads", "dtype", "device")
     return {key: getattr(config, key) for key in keys}
 
 
@@ -121,7 +132,8 @@ def long_length_summary(data: Dict[str, Any], mechanisms: Sequence[str], dim: in
             "speed_vs_softmax": row.get("speed_vs_softmax"), "memory_vs_softmax": row.get("memory_vs_softmax"),
         })
     return {"length": length, "batch": config["batch"], "heads": config["heads"], "head_dim": config["head_dim"],
-            "dim": dim, "threads": config["threads"], "repeats": config["repeats"], "command": data["command"],
+            "dim": dim, "threads": config["threads"], "device": config.get("device", "cpu"),
+            "repeats": config["repeats"], "command": data["command"],
             "machine": data.get("machine"), "files": f"{LONG_DIR}/results.json, {LONG_DIR}/results.csv",
             "rows": rows}
 

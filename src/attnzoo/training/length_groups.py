@@ -39,7 +39,11 @@ def example_lengths(split: Split) -> Tensor:
     if split.padding_mask is None:
         raise ValueError("group_by_length needs a task whose examples are padded (this split has no padding "
                          "mask: every example has the same length)")
-    lengths = (~split.padding_mask).sum(dim=1)
+    mask = split.padding_mask
+    if mask.shape[1] > 1 and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("group_by_length needs padding at the end of each row (a row of this split has padding "
+                         "before a token), so that cutting the trailing columns keeps every token")
+    lengths = (~mask).sum(dim=1)
     if isinstance(split, Seq2SeqSplit):
         target_lengths = (split.targets != IGNORE_INDEX).sum(dim=1)
         lengths = lengths * (split.targets.shape[1] + 1) + target_lengths
@@ -115,10 +119,9 @@ def check_trimming_exact(logits_of: LogitsOf, model: nn.Module, split: Split, la
     positions of ``examples`` training examples whether their batch is cut to its longest example or not.
 
     ``logits_of(split)`` returns the model's logits for every example of ``split``; ``label`` names the model
-    in the message. The examples are the shortest ones of the split's first 256, so the cut is as deep as
-    it gets."""
-    candidates = torch.arange(min(len(split), 256))
-    index = candidates[torch.sort(example_lengths(split)[candidates], stable=True).indices[:examples]]
+    in the message. The examples are the split's shortest, so the cut is as deep as it gets (a split whose
+    examples all have the full length is never cut, and passes)."""
+    index = torch.sort(example_lengths(split), stable=True).indices[:examples]
     whole, cut = trimmed_batch(split, index, trim=False), trimmed_batch(split, index)
     was_training = model.training
     model.eval()

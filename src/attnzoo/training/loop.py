@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import tasks as task_registry
+from .._validation import check_device
 from ..parallel.data import DataParallel
 from ..tasks import Split, Task
 from . import hooks
@@ -93,6 +94,8 @@ class TrainResult:
     peak_memory_mib: Optional[float] = None
     output: Optional[str] = None
     history: List[Dict[str, Any]] = field(default_factory=list)
+    device: str = "cpu"
+    peak_device_memory_mib: Optional[float] = None  # a CUDA run's peak allocated on the GPU (peak_memory_mib: host)
 
     def as_dict(self) -> Dict[str, Any]:
         data = asdict(self)
@@ -173,6 +176,7 @@ def _start(
             optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
             torch.set_rng_state(state["rng"])
+            ranks.restore_rng(state)  # a CUDA device's generator (its dropout), where the run has one
             start = int(state["step"])
             saved_rng = state.get("rank_rng")  # every rank's generator, in a checkpoint of a data-parallel run
             validation = dict(state.get("validation", {}))
@@ -184,7 +188,8 @@ def _start(
     log = MetricsLog(out if ranks.is_main else None, start if checkpoint is not None else None)
     bar = _progress_bar(progress and ranks.is_main, config.steps, start, f"{config.model_label} on {task.name}")
     model.train()
-    batches = _length_grouped_batches(config, task, model, ranks.device) if config.group_by_length else None
+    batches = _length_grouped_batches(config, task, model, ranks.device, checkpoint is not None) \
+        if config.group_by_length else None
     return _Run(config, task, ranks, model, trained, optimizer, schedule, out, decoding, log, bar, start,
                 validation, last_saved=start, batches=batches)
 
@@ -197,6 +202,10 @@ def check_length_grouping(
     :func:`~attnzoo.training.length_groups.check_trimming_exact`). Nothing to check without the option."""
     if not config.group_by_length:
         return
+    size = len(task.split("train"))
+    if config.batch_size > size:
+        raise ValueError(f"group_by_length needs batch_size at most the {size} training examples (every batch is "
+                         f"full), got {config.batch_size}")
 
     def logits_of(data: Split) -> Tensor:
         index = torch.arange(len(data))
@@ -209,10 +218,12 @@ def check_length_grouping(
 
 
 def _length_grouped_batches(
-    config: TrainConfig, task: Task, model: nn.Module, device: torch.device
+    config: TrainConfig, task: Task, model: nn.Module, device: torch.device, resuming: bool
 ) -> LengthGroupedOrder:
-    """The run's length-grouped batch order, once the model is shown to compute the same on cut batches."""
-    check_length_grouping(config, task, model, device)
+    """The run's length-grouped batch order, once the model is shown to compute the same on cut batches (when the
+    run starts: a resumed run was checked then, and its trained weights may sit nearer the tolerance)."""
+    if not resuming:
+        check_length_grouping(config, task, model, device)
     split = task.split("train")
     return LengthGroupedOrder(example_lengths(split), config.batch_size, config.seed)
 
@@ -355,7 +366,8 @@ def _finish(run: _Run, command: Optional[Sequence[str]]) -> TrainResult:
         config=config, steps=run.step, validation=validation, test=test, baseline=task.baseline(),
         parameters=sum(p.numel() for p in run.model.parameters()), train_seconds=round(train_seconds, 3),
         tokens_per_second=round(run.tokens_seen / max(train_seconds, 1e-9), 1), peak_memory_mib=_peak_memory_mib(),
-        output=None if run.out is None else str(run.out), history=run.history,
+        output=None if run.out is None else str(run.out), history=run.history, device=str(run.ranks.device),
+        peak_device_memory_mib=_peak_device_memory_mib(run.ranks.device),
     )
     if run.out is not None and run.ranks.is_main:
         data = {"command": list(command) if command is not None else None, **result.as_dict()}
@@ -388,6 +400,7 @@ def train(
     parallel: Optional[DataParallel] = None,
     decoding: DecoderSettings = GREEDY,
     task: Optional[Task] = None,
+    device: Union[str, torch.device, None] = None,
 ) -> TrainResult:
     """Train a model on a task; returns its validation and test metrics beside the task's trivial baseline.
 
@@ -410,6 +423,9 @@ def train(
         task: the config's task as :func:`attnzoo.tasks.load` returns it for ``config.task`` and
             ``config.task_options`` (``attnzoo train`` loads it once to check the settings), so its data is not
             generated again; a task built otherwise, or from other options, is refused. None: loaded here.
+        device: where a run of one process trains ("cpu", the default, or "cuda[:N]"); a data-parallel run
+            trains on its ranks' devices. Not part of the config: a run may resume on another device (its
+            dropout then draws from that device's generator, so it is no longer bit-identical).
 
     An interrupt (Ctrl-C, SIGTERM) is taken at the end of the current step: a checkpoint of that step is
     written (atomically) and KeyboardInterrupt raised, so ``resume=True`` carries on from there. A run killed
@@ -419,16 +435,34 @@ def train(
     out = None if output is None else Path(output)
     config, checkpoint = _resolved_config(config, out, resume)
     task = _the_task(config, task)
-    ranks = ranks_of(parallel)
+    ranks = ranks_of(parallel, None if device is None else training_device(device))
     ranks.check(config)
     if ranks.device.type != "cpu" and task.kind == "seq2seq":
-        raise ValueError(f"{task.name}: seq2seq tasks train on the CPU only (data parallel on {ranks.device})")
+        raise ValueError(f"{task.name}: seq2seq tasks train on the CPU only (asked to train on {ranks.device})")
     if out is not None and ranks.is_main:  # stale temporaries of a stopped save go; a new run records its config
         begin_run(out, _saved_config(config, task), checkpoint)
-    with torch.random.fork_rng(devices=[]):
+    # The caller's generators are left as they were: the CPU's, and the CUDA device's a single process trains on.
+    cuda = [ranks.device] if ranks.device.type == "cuda" and parallel is None else []
+    with torch.random.fork_rng(devices=cuda):
         run = _start(config, task, checkpoint, ranks, out, decoding, progress)
         _train_steps(run, on_step)
         return _finish(run, command)
+
+
+def training_device(device: Union[str, torch.device]) -> torch.device:
+    """``device`` as the torch.device a run trains on: the CPU, or a CUDA device this process sees, with its
+    index (``"cuda"``: the current one); ValueError naming ``device`` otherwise."""
+    chosen = check_device("device", device)
+    if chosen.type == "cuda" and chosen.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return chosen
+
+
+def _peak_device_memory_mib(device: torch.device) -> Optional[float]:
+    """The most a CUDA run allocated on its GPU so far, in MiB (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
 
 
 def _peak_memory_mib() -> Optional[float]:

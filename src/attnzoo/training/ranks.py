@@ -43,10 +43,14 @@ def data_parallel_reasons(config: TrainConfig, world_size: int) -> List[str]:
 
 
 class SingleProcess:
-    """A run in this process alone: the whole batch, nothing to communicate."""
+    """A run in this process alone, on one device: the whole batch, nothing to communicate."""
 
     device = torch.device("cpu")
     is_main = True  # the process that evaluates, logs and writes files
+
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        if device is not None:
+            self.device = device
 
     def check(self, config: TrainConfig) -> None:
         """Nothing to refuse."""
@@ -74,8 +78,15 @@ class SingleProcess:
         return value
 
     def rng_states(self) -> Dict[str, Any]:
-        """Generator states a checkpoint keeps beside the model's (none besides the main one)."""
+        """Generator states a checkpoint keeps beside the main one: a CUDA device's (its dropout draws from it)."""
+        if self.device.type == "cuda":
+            return {"cuda_rng": torch.cuda.get_rng_state(self.device)}
         return {}
+
+    def restore_rng(self, state: Dict[str, Any]) -> None:
+        """Set the generators :meth:`rng_states` saved in ``state`` (a checkpoint's training state)."""
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def barrier(self) -> None:
         """No other rank to wait for."""
@@ -85,7 +96,8 @@ class Replicas(SingleProcess):
     """This rank of a data-parallel run (:class:`~attnzoo.parallel.DataParallel`): its share of each global batch,
     DDP's averaged gradients, rank 0's evaluations broadcast, a barrier after each checkpoint."""
 
-    def __init__(self, parallel: DataParallel) -> None:
+    def __init__(self, parallel: DataParallel) -> None:  # noqa: D107 (the device is the rank's)
+        super().__init__(parallel.device)
         self.parallel = parallel
         self.device = parallel.device
         self.is_main = parallel.is_main
@@ -131,13 +143,18 @@ class Replicas(SingleProcess):
         """Every rank's dropout generator, for a resume on as many ranks."""
         return {"rank_rng": self.parallel.gather(torch.get_rng_state())}
 
+    def restore_rng(self, state: Dict[str, Any]) -> None:
+        """Nothing here: :meth:`prepare` sets this rank's generator."""
+
     def barrier(self) -> None:
         self.parallel.barrier()  # no rank runs ahead of a checkpoint still being written
 
 
-def ranks_of(parallel: Optional[DataParallel]) -> SingleProcess:
-    """The loop's view of ``parallel`` (None: this process alone)."""
-    return SingleProcess() if parallel is None else Replicas(parallel)
+def ranks_of(parallel: Optional[DataParallel], device: Optional[torch.device] = None) -> SingleProcess:
+    """The loop's view of ``parallel`` (None: this process alone, on ``device``, the CPU by default)."""
+    if parallel is not None and device is not None:
+        raise ValueError("device is chosen by the data-parallel process group (each rank's own); leave it None")
+    return SingleProcess(device) if parallel is None else Replicas(parallel)
 
 
 __all__ = ["Replicas", "SingleProcess", "data_parallel_reasons", "ranks_of"]
