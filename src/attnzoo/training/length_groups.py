@@ -33,6 +33,12 @@ DEFAULT_POOL_BATCHES = 64
 examples share a batch still changes from epoch to epoch."""
 
 
+def epoch_permutation(size: int, seed: int, epoch: int) -> Tensor:
+    """(size,) int64: the order of the training examples in ``epoch``, drawn from ``(seed, epoch)`` alone. Plain
+    batches (:func:`~attnzoo.training.loop.batch_indices`) and length-grouped ones both start from it."""
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
 def example_lengths(split: Split) -> Tensor:
     """(n,) int64 sort keys of the examples' lengths: the source length, and for a seq2seq split the target
     length (scored tokens) below it, ``source * (target_len + 1) + target``. Raises if nothing is padded."""
@@ -81,8 +87,7 @@ class LengthGroupedOrder:
     def epoch_batches(self, epoch: int) -> Tensor:
         """(batches_per_epoch, batch_size) int64: the batches of ``epoch`` in the order they are trained."""
         size, batch = len(self.lengths), self.batch_size
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
-        order = order[: self.batches_per_epoch * batch]
+        order = epoch_permutation(size, self.seed, epoch)[: self.batches_per_epoch * batch]
         pool = self.pool_batches * batch
         grouped = []
         for start in range(0, len(order), pool):

@@ -55,7 +55,13 @@ from .evaluation import (  # noqa: F401  (Tally, loss_and_tally and model_logits
     take_batch,
 )
 from .interrupts import Interrupts
-from .length_groups import LengthGroupedOrder, check_trimming_exact, example_lengths, trimmed_batch
+from .length_groups import (
+    LengthGroupedOrder,
+    check_trimming_exact,
+    epoch_permutation,
+    example_lengths,
+    trimmed_batch,
+)
 from .metrics_log import METRICS_CSV, MetricsLog  # noqa: F401  (METRICS_CSV is also public here)
 from .model import build_model
 from .nat import DEFAULT_LENGTH_LOSS
@@ -72,7 +78,7 @@ def batch_indices(size: int, batch_size: int, step: int, seed: int) -> Tensor:
     start, stop = step * batch_size, (step + 1) * batch_size
     pieces = []
     for epoch in range(start // size, (stop - 1) // size + 1):
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        order = epoch_permutation(size, seed, epoch)
         lo, hi = max(start - epoch * size, 0), min(stop - epoch * size, size)
         pieces.append(order[lo:hi])
     return torch.cat(pieces)
