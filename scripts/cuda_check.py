@@ -177,10 +177,29 @@ def _trained_parameters(run: Path) -> Dict[str, torch.Tensor]:
     return load_file(str(find_checkpoint(run) / "model.safetensors"))
 
 
+def _one_rank_group() -> "attnzoo.parallel.DataParallel":
+    """A data-parallel run of one rank on the device (nccl on a GPU, gloo on the CPU): DDP's wrapping and the
+    checkpoint's per-rank generators on the device, without a second GPU."""
+    import os
+    import socket
+
+    from attnzoo.parallel import DataParallel
+
+    with socket.socket() as probe:  # a free local port for the one-process rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device(DEVICE)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                                         **({"device_id": device} if device.type == "cuda" else {}))
+    return DataParallel.from_group(device=device)
+
+
 def check_training() -> List[Dict[str, Any]]:
     """``attnzoo.training.train`` on the device: six steps of a small ListOps model (length-grouped batches)
     equal the CPU's without dropout; with dropout, a run interrupted at step 3 and resumed there equals the
-    uninterrupted one (the device's generator is saved with each checkpoint)."""
+    uninterrupted one (the device's generator is saved with each checkpoint), alone and as one data-parallel
+    rank (each rank's device generator is saved)."""
     import tempfile
 
     from attnzoo.training import TrainConfig, train
@@ -196,7 +215,8 @@ def check_training() -> List[Dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
-        for name, check in [("train on the device = on the CPU", "cpu"), ("resume on the device", "resume")]:
+        for name, check in [("train on the device = on the CPU", "cpu"), ("resume on the device", "resume"),
+                            ("resume data-parallel on the device", "parallel")]:
             failures: List[str] = []
             try:
                 if check == "cpu":
@@ -209,13 +229,18 @@ def check_training() -> List[Dict[str, Any]]:
                     if abs(here.test["loss"] - there.test["loss"]) > 1e-3:
                         failures.append(f"test loss {there.test['loss']} on the device, {here.test['loss']} on the CPU")
                 else:
-                    train(config(0.1), root / "whole", progress=False, device=DEVICE)
+                    on = {"device": DEVICE} if check == "resume" else {"parallel": _one_rank_group()}
                     try:
-                        train(config(0.1), root / "cut", progress=False, device=DEVICE, on_step=stop_at_3)
-                    except KeyboardInterrupt:
-                        pass
-                    train(None, root / "cut", resume=True, progress=False, device=DEVICE)
-                    a, b = _trained_parameters(root / "whole"), _trained_parameters(root / "cut")
+                        train(config(0.1), root / check / "whole", progress=False, **on)
+                        try:
+                            train(config(0.1), root / check / "cut", progress=False, on_step=stop_at_3, **on)
+                        except KeyboardInterrupt:
+                            pass
+                        train(None, root / check / "cut", resume=True, progress=False, **on)
+                    finally:
+                        if check == "parallel" and torch.distributed.is_initialized():
+                            torch.distributed.destroy_process_group()
+                    a, b = _trained_parameters(root / check / "whole"), _trained_parameters(root / check / "cut")
                     failures += [f for f in (_close(f"resumed parameter {k}", a[k], b[k], 1e-5) for k in a) if f]
             except Exception as error:
                 failures = [f"{type(error).__name__}: {error}", "".join(traceback.format_exception(error)[-3:])]

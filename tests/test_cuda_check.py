@@ -26,7 +26,8 @@ def test_every_setting_of_a_mechanism_is_checked_and_passes_on_agreeing_devices(
     assert ("delta", "step") in settings and ("delta", "cross") not in settings  # delta declares no cross
     assert all(row["ok"] for row in report["mechanisms"] + report["models"] + report["training"])
     assert {row["training"] for row in report["training"]} == {"train on the device = on the CPU",
-                                                                "resume on the device"}
+                                                                "resume on the device",
+                                                                "resume data-parallel on the device"}
 
 
 def test_a_device_dependent_output_fails_the_check(monkeypatch):

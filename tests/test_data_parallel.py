@@ -256,6 +256,63 @@ def test_rank_zero_writes_one_checkpoint_and_an_interrupted_run_resumes_exactly(
     assert columns("cut-run") == columns("whole-run")  # each evaluation logged once, by rank 0
 
 
+class _RankOfTwo:
+    """The parts of DataParallel that Replicas uses for generators: rank 1 of 2 on ``device``, gathering by
+    pairing this rank's value with a stand-in for rank 0's."""
+
+    world_size, rank, is_main = 2, 1, False
+
+    def __init__(self, device):
+        self.device, self.seeded = torch.device(device), None
+
+    def wrap(self, model):
+        return model
+
+    def gather(self, value):
+        return [torch.zeros_like(value), value]
+
+    def seed_dropout(self, seed, step):
+        self.seeded = (seed, step)
+
+
+def _cuda_generator_stand_in(monkeypatch):
+    """torch.cuda's generator calls, recorded (no GPU here): get returns a fixed state, set appends its args."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((8,), 7, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: calls.append((state, device)))
+    return calls
+
+
+def test_ranks_on_gpus_save_and_restore_every_rank_s_cuda_generator(monkeypatch):
+    """Dropout on a GPU draws from the CUDA generator: a data-parallel checkpoint keeps each rank's, and a resume
+    on as many ranks sets this rank's, so a resumed run draws the same dropout as an uninterrupted one."""
+    from attnzoo.training.ranks import Replicas
+
+    calls = _cuda_generator_stand_in(monkeypatch)
+    cuda_rank = Replicas(_RankOfTwo("cuda:0"))
+    saved = cuda_rank.rng_states()
+    assert len(saved["rank_rng"]) == len(saved["rank_cuda_rng"]) == 2
+    assert torch.equal(saved["rank_cuda_rng"][1], torch.full((8,), 7, dtype=torch.uint8))
+    before = torch.get_rng_state()
+    try:
+        cuda_rank.prepare(torch.nn.Linear(1, 1), seed=0, start=3, saved_state=saved)
+        assert torch.equal(torch.get_rng_state(), saved["rank_rng"][1])
+        assert len(calls) == 1 and torch.equal(calls[0][0], saved["rank_cuda_rng"][1])
+        assert calls[0][1] == torch.device("cuda:0") and cuda_rank.parallel.seeded is None
+        # A checkpoint without the CUDA generators (or from another number of ranks) cannot resume them: the
+        # rank draws fresh ones from (seed, rank, step) instead of pairing a saved CPU state with a stale GPU one.
+        cuda_rank.prepare(torch.nn.Linear(1, 1), seed=0, start=3, saved_state={"rank_rng": saved["rank_rng"]})
+        assert cuda_rank.parallel.seeded == (0, 3) and len(calls) == 1
+        # On the CPU the CPU generator is the whole story, and CUDA's is never touched.
+        cpu_rank = Replicas(_RankOfTwo("cpu"))
+        assert set(cpu_rank.rng_states()) == {"rank_rng"}
+        cpu_rank.prepare(torch.nn.Linear(1, 1), seed=0, start=3, saved_state={"rank_rng": saved["rank_rng"]})
+        assert cpu_rank.parallel.seeded is None and len(calls) == 1
+        assert torch.equal(torch.get_rng_state(), saved["rank_rng"][1])
+    finally:
+        torch.set_rng_state(before)
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 def test_a_batch_the_ranks_cannot_share_equally_is_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="batch_size 7 .* divisible by the 2 ranks"):

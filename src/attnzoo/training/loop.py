@@ -174,7 +174,7 @@ def _start(
     model = build_model(config, task).to(ranks.device)  # before the optimiser, which follows its device
     optimizer = _optimizer(model, config)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, config.learning_rate_factor)
-    start, validation, saved_rng = 0, {}, None
+    start, validation, saved_state = 0, {}, None
     if checkpoint is not None:
         load_weights(checkpoint, model)
         state = load_state(checkpoint)
@@ -184,11 +184,11 @@ def _start(
             torch.set_rng_state(state["rng"])
             ranks.restore_rng(state)  # a CUDA device's generator (its dropout), where the run has one
             start = int(state["step"])
-            saved_rng = state.get("rank_rng")  # every rank's generator, in a checkpoint of a data-parallel run
+            saved_state = state  # every rank's generators, in a checkpoint of a data-parallel run
             validation = dict(state.get("validation", {}))
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
             raise CheckpointError(f"{checkpoint}: training state does not fit this run ({error})") from None
-    trained = ranks.prepare(model, config.seed, start, saved_rng)
+    trained = ranks.prepare(model, config.seed, start, saved_state)
     if out is not None and ranks.is_main:
         out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out if ranks.is_main else None, start if checkpoint is not None else None)

@@ -55,8 +55,9 @@ class SingleProcess:
     def check(self, config: TrainConfig) -> None:
         """Nothing to refuse."""
 
-    def prepare(self, model: nn.Module, seed: int, start: int, saved_rng: Any) -> nn.Module:
-        """What the training step calls: the model itself."""
+    def prepare(self, model: nn.Module, seed: int, start: int, saved_state: Optional[Dict[str, Any]]) -> nn.Module:
+        """What the training step calls: the model itself (``saved_state``: the training state of the checkpoint
+        the run resumes from, None for a new run; :meth:`restore_rng` has already set its generators)."""
         return model
 
     def shard(self, index: Tensor) -> Tensor:
@@ -108,16 +109,33 @@ class Replicas(SingleProcess):
         if reasons:
             raise ValueError("; ".join(reasons))
 
-    def prepare(self, model: nn.Module, seed: int, start: int, saved_rng: Any) -> nn.Module:
-        """The model on this rank's device, wrapped in DDP, with this rank's dropout generator: the one a
-        checkpoint saved for it when resumed on as many ranks as it was saved from, else one drawn from
-        ``(seed, rank, start)``."""
+    def prepare(self, model: nn.Module, seed: int, start: int, saved_state: Optional[Dict[str, Any]]) -> nn.Module:
+        """The model on this rank's device, wrapped in DDP, with this rank's dropout generators (the CPU's, and
+        the CUDA device's on a GPU): the ones ``saved_state`` (a checkpoint's training state) kept for it when
+        resumed on as many ranks as it was saved from, else ones drawn from ``(seed, rank, start)``."""
         trained = self.parallel.wrap(model)
-        if isinstance(saved_rng, list) and len(saved_rng) == self.parallel.world_size:
-            torch.set_rng_state(saved_rng[self.parallel.rank])
-        else:
+        saved = self._saved_for_this_rank(saved_state or {})
+        if saved is None:
             self.parallel.seed_dropout(seed, start)
+            return trained
+        cpu_state, cuda_state = saved
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, self.device)
         return trained
+
+    def _saved_for_this_rank(self, state: Dict[str, Any]) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+        """This rank's saved (CPU, CUDA) generator states, or None where ``state`` has none for as many ranks.
+        A CUDA rank resumes exactly only from a checkpoint that kept every rank's CUDA generator too."""
+        cpu_states, cuda_states = state.get("rank_rng"), state.get("rank_cuda_rng")
+        world_size, rank = self.parallel.world_size, self.parallel.rank
+        if not (isinstance(cpu_states, list) and len(cpu_states) == world_size):
+            return None
+        if self.device.type != "cuda":
+            return cpu_states[rank], None
+        if not (isinstance(cuda_states, list) and len(cuda_states) == world_size):
+            return None
+        return cpu_states[rank], cuda_states[rank]
 
     def shard(self, index: Tensor) -> Tensor:
         return self.parallel.shard(index)
@@ -140,8 +158,12 @@ class Replicas(SingleProcess):
         return self.parallel.broadcast(value)
 
     def rng_states(self) -> Dict[str, Any]:
-        """Every rank's dropout generator, for a resume on as many ranks."""
-        return {"rank_rng": self.parallel.gather(torch.get_rng_state())}
+        """Every rank's dropout generators (the CPU's; on GPUs each rank's CUDA device's too), for a resume on as
+        many ranks."""
+        states = {"rank_rng": self.parallel.gather(torch.get_rng_state())}
+        if self.device.type == "cuda":
+            states["rank_cuda_rng"] = self.parallel.gather(torch.cuda.get_rng_state(self.device))
+        return states
 
     def restore_rng(self, state: Dict[str, Any]) -> None:
         """Nothing here: :meth:`prepare` sets this rank's generator."""
