@@ -293,22 +293,27 @@ def test_ranks_on_gpus_save_and_restore_every_rank_s_cuda_generator(monkeypatch)
     saved = cuda_rank.rng_states()
     assert len(saved["rank_rng"]) == len(saved["rank_cuda_rng"]) == 2
     assert torch.equal(saved["rank_cuda_rng"][1], torch.full((8,), 7, dtype=torch.uint8))
-    before = torch.get_rng_state()
+    assert torch.equal(saved["cuda_rng"], saved["rank_cuda_rng"][1])  # what a single process resuming it reads
+    before, model = torch.get_rng_state(), torch.nn.Linear(1, 1)
     try:
-        cuda_rank.prepare(torch.nn.Linear(1, 1), seed=0, start=3, saved_state=saved)
-        assert torch.equal(torch.get_rng_state(), saved["rank_rng"][1])
-        assert len(calls) == 1 and torch.equal(calls[0][0], saved["rank_cuda_rng"][1])
-        assert calls[0][1] == torch.device("cuda:0") and cuda_rank.parallel.seeded is None
+        assert cuda_rank.restore_rng(saved)
+        cuda_rank.prepare(model, seed=0, start=3, restored=True)
+        assert torch.equal(torch.get_rng_state(), saved["rank_rng"][1]) and cuda_rank.parallel.seeded is None
+        assert calls[-1][1] == torch.device("cuda:0") and torch.equal(calls[-1][0], saved["rank_cuda_rng"][1])
         # A checkpoint without the CUDA generators (or from another number of ranks) cannot resume them: the
         # rank draws fresh ones from (seed, rank, step) instead of pairing a saved CPU state with a stale GPU one.
-        cuda_rank.prepare(torch.nn.Linear(1, 1), seed=0, start=3, saved_state={"rank_rng": saved["rank_rng"]})
-        assert cuda_rank.parallel.seeded == (0, 3) and len(calls) == 1
+        assert not cuda_rank.restore_rng({"rank_rng": saved["rank_rng"]})
+        cuda_rank.prepare(model, seed=0, start=3, restored=False)
+        assert cuda_rank.parallel.seeded == (0, 3)
         # On the CPU the CPU generator is the whole story, and CUDA's is never touched.
+        calls.clear()
         cpu_rank = Replicas(_RankOfTwo("cpu"))
         assert set(cpu_rank.rng_states()) == {"rank_rng"}
-        cpu_rank.prepare(torch.nn.Linear(1, 1), seed=0, start=3, saved_state={"rank_rng": saved["rank_rng"]})
-        assert cpu_rank.parallel.seeded is None and len(calls) == 1
+        assert cpu_rank.restore_rng({"rank_rng": saved["rank_rng"]}) and not calls
         assert torch.equal(torch.get_rng_state(), saved["rank_rng"][1])
+        # A damaged state raises inside the checkpoint loading, which reports it as a CheckpointError.
+        with pytest.raises((TypeError, RuntimeError)):
+            cpu_rank.restore_rng({"rank_rng": ["not a state", "not a state"]})
     finally:
         torch.set_rng_state(before)
 

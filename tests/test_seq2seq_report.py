@@ -174,3 +174,20 @@ def test_the_command_refuses_bad_options_naming_them_before_training(argv, optio
     assert main(["seq2seq-report", *argv, "--output", str(tmp_path / "out")]) == 2
     assert option in capsys.readouterr().err
     assert not (tmp_path / "out" / "cells").exists()
+
+
+def test_the_measurements_decode_a_bfloat16_run_in_bfloat16(tmp_path, monkeypatch):
+    # As `attnzoo eval` does: a run trained under bfloat16 autocast is measured under it, not in float32.
+    from attnzoo.experiments import seq2seq_eval
+    from attnzoo.training import TrainConfig, train
+
+    config = TrainConfig("copy-names", task_options={"validation_size": 8, "test_size": 8}, dim=16, depth=1,
+                         heads=2, batch_size=4, steps=1, eval_interval=1, eval_batches=1, precision="bfloat16")
+    train(config, tmp_path / "run", progress=False)
+    seen = []
+    original = seq2seq_eval.autocast
+    monkeypatch.setattr(seq2seq_eval, "autocast", lambda precision: seen.append(precision) or original(precision))
+    breakdown = seq2seq_eval.copy_breakdown(tmp_path / "run")
+    attention = seq2seq_eval.cross_attention_map(tmp_path / "run")
+    assert set(breakdown) >= {"names", "numbers", "rare"} and attention["weights"]
+    assert seen and set(seen) == {"bfloat16"}

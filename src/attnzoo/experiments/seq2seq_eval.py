@@ -27,6 +27,7 @@ from ..models.monotonic import MonotonicInference
 from ..training import DecoderSettings, evaluate, load_trained
 from ..training.nat import nat_outputs, target_lengths
 from ..training.decoders import timed_outputs
+from ..training.evaluation import autocast
 from ..training.seq2seq import decoded_metrics, rare_token_recall, strip_output
 
 RunPath = Union[str, Path]
@@ -45,6 +46,14 @@ def greedy_outputs(model: torch.nn.Module, task: Any, source: Tensor, source_mas
     outputs, _ = timed_outputs(model, source, source_mask, bos_id=task.bos_id, eos_id=task.eos_id,
                                max_new_tokens=task.target_len)
     return outputs
+
+
+def _in_precision(precision: str, decode: Callable[[Tensor], List[List[int]]]) -> Callable[[Tensor], List[List[int]]]:
+    """``decode`` under a run's ``precision`` (bfloat16 autocast for a run trained in it), as evaluation decodes."""
+    def decode_in_precision(index: Tensor) -> List[List[int]]:
+        with autocast(precision):
+            return decode(index)
+    return decode_in_precision
 
 
 def _batches(count: int, size: int) -> List[Tensor]:
@@ -77,10 +86,11 @@ def compare_at_nat(at_run: RunPath, nat_run: RunPath, split: str = "test", batch
         return [strip_output(row.tolist(), task.eos_id) for row in decoded]
 
     decoders: Dict[str, Callable[[Tensor], List[List[int]]]] = {
-        "AT greedy": lambda i: greedy_outputs(at_model, task, data.inputs[i], data.padding_mask[i]),
-        f"NAT ({nat_model.nat.length_mode} length)": lambda i: nat_outputs(nat_model, task, data.inputs[i],
-                                                                            data.padding_mask[i]),
-        "NAT (true length)": true_length_outputs,
+        "AT greedy": _in_precision(at_config.precision, lambda i: greedy_outputs(at_model, task, data.inputs[i],
+                                                                                 data.padding_mask[i])),
+        f"NAT ({nat_model.nat.length_mode} length)": _in_precision(
+            nat_config.precision, lambda i: nat_outputs(nat_model, task, data.inputs[i], data.padding_mask[i])),
+        "NAT (true length)": _in_precision(nat_config.precision, true_length_outputs),
     }
     parameters = {name: sum(p.numel() for p in model.parameters())
                   for name, model in (("AT", at_model), ("NAT", nat_model))}
@@ -135,9 +145,11 @@ def copy_breakdown(run: RunPath, split: str = "test", batch_size: int = 64) -> D
     model, task, config = load_trained(run)
     data = task.split(split)
     predictions: List[List[int]] = []
+    decode = _in_precision(config.precision, lambda i: greedy_outputs(model, task, data.inputs[i],
+                                                                      data.padding_mask[i]))
     with torch.no_grad():
         for index in _batches(len(data), batch_size):
-            predictions += greedy_outputs(model, task, data.inputs[index], data.padding_mask[index])
+            predictions += decode(index)
     references = [strip_output(row.tolist(), task.eos_id) for row in data.targets]
     return {"run": str(run), "copy_mechanism": config.copy_mechanism, "steps": config.steps, "split": split,
             **{kind: round(rare_token_recall(predictions, references, ids), 4)
@@ -159,13 +171,13 @@ def cross_attention_map(run: RunPath, split: str = "test", minimum_length: int =
 
     Returns {"index", "source" (source token names), "target" (the target token each row predicts, END last),
     "weights" (target x source nested lists, each row summing to 1)}."""
-    model, task, _ = load_trained(run)
+    model, task, config = load_trained(run)
     data = task.split(split)
     source_lengths = (~data.padding_mask).sum(dim=1).tolist()
     index = pick_example(source_lengths, minimum_length)
     source_length = source_lengths[index]
     target_length = int(target_lengths(data.targets[index:index + 1])[0])
-    with torch.no_grad(), CrossAttentionWeights(model, "the attention map") as recorder:
+    with torch.no_grad(), autocast(config.precision), CrossAttentionWeights(model, "the attention map") as recorder:
         model(data.inputs[index:index + 1], data.decoder_inputs[index:index + 1],
               src_padding_mask=data.padding_mask[index:index + 1])
     # (layers, heads, seq_tgt, seq_src) -> (seq_tgt, seq_src), cut to the true lengths.

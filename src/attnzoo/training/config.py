@@ -48,7 +48,8 @@ class TrainConfig:
             (None: a tenth of ``steps``), then cosine decay down to ``min_lr_ratio * lr`` at the last step.
         weight_decay: AdamW's decoupled decay, applied to matrices only (not to biases, norms or embeddings).
         grad_clip: the largest gradient norm (0 switches clipping off).
-        precision: "float32", or "bfloat16" for autocast (mixed precision) on the CPU.
+        precision: "float32", or "bfloat16" for autocast (mixed precision) on the run's device, in training and
+            in every evaluation and decoding of the run.
         seed: weights, dropout and the order of the training examples.
         eval_interval: steps between evaluations on the validation split (and checkpoints).
         eval_batches: batches per evaluation (None: the whole split).

@@ -174,7 +174,7 @@ def _start(
     model = build_model(config, task).to(ranks.device)  # before the optimiser, which follows its device
     optimizer = _optimizer(model, config)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, config.learning_rate_factor)
-    start, validation, saved_state = 0, {}, None
+    start, validation, restored = 0, {}, False
     if checkpoint is not None:
         load_weights(checkpoint, model)
         state = load_state(checkpoint)
@@ -182,13 +182,12 @@ def _start(
             optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
             torch.set_rng_state(state["rng"])
-            ranks.restore_rng(state)  # a CUDA device's generator (its dropout), where the run has one
+            restored = ranks.restore_rng(state)  # a CUDA device's generator, and a data-parallel rank's own
             start = int(state["step"])
-            saved_state = state  # every rank's generators, in a checkpoint of a data-parallel run
             validation = dict(state.get("validation", {}))
         except (KeyError, ValueError, RuntimeError, TypeError) as error:
             raise CheckpointError(f"{checkpoint}: training state does not fit this run ({error})") from None
-    trained = ranks.prepare(model, config.seed, start, saved_state)
+    trained = ranks.prepare(model, config.seed, start, restored)
     if out is not None and ranks.is_main:
         out.mkdir(parents=True, exist_ok=True)
     log = MetricsLog(out if ranks.is_main else None, start if checkpoint is not None else None)
@@ -218,7 +217,7 @@ def check_length_grouping(
         inputs, _, mask, _ = take_batch(data, index, False, device)
         return model_logits(model, task, data, index, inputs, mask)[0]
 
-    # Off the run's random stream, so that a resumed run (which checks again) draws as an uninterrupted one.
+    # Off the run's random stream, so that the run draws as it would without the check.
     with torch.random.fork_rng(devices=[]):
         check_trimming_exact(logits_of, model, task.split("train"), config.model_label)
 

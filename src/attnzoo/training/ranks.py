@@ -55,9 +55,9 @@ class SingleProcess:
     def check(self, config: TrainConfig) -> None:
         """Nothing to refuse."""
 
-    def prepare(self, model: nn.Module, seed: int, start: int, saved_state: Optional[Dict[str, Any]]) -> nn.Module:
-        """What the training step calls: the model itself (``saved_state``: the training state of the checkpoint
-        the run resumes from, None for a new run; :meth:`restore_rng` has already set its generators)."""
+    def prepare(self, model: nn.Module, seed: int, start: int, restored: bool) -> nn.Module:
+        """What the training step calls: the model itself (``restored``: whether :meth:`restore_rng` set this
+        process's generators from a checkpoint; nothing to draw either way)."""
         return model
 
     def shard(self, index: Tensor) -> Tensor:
@@ -84,10 +84,12 @@ class SingleProcess:
             return {"cuda_rng": torch.cuda.get_rng_state(self.device)}
         return {}
 
-    def restore_rng(self, state: Dict[str, Any]) -> None:
-        """Set the generators :meth:`rng_states` saved in ``state`` (a checkpoint's training state)."""
+    def restore_rng(self, state: Dict[str, Any]) -> bool:
+        """Set the generators :meth:`rng_states` saved in ``state`` (a checkpoint's training state; the main
+        CPU generator is the caller's); whether this process's generators are now the saved ones."""
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        return True
 
     def barrier(self) -> None:
         """No other rank to wait for."""
@@ -109,33 +111,13 @@ class Replicas(SingleProcess):
         if reasons:
             raise ValueError("; ".join(reasons))
 
-    def prepare(self, model: nn.Module, seed: int, start: int, saved_state: Optional[Dict[str, Any]]) -> nn.Module:
-        """The model on this rank's device, wrapped in DDP, with this rank's dropout generators (the CPU's, and
-        the CUDA device's on a GPU): the ones ``saved_state`` (a checkpoint's training state) kept for it when
-        resumed on as many ranks as it was saved from, else ones drawn from ``(seed, rank, start)``."""
+    def prepare(self, model: nn.Module, seed: int, start: int, restored: bool) -> nn.Module:
+        """The model on this rank's device, wrapped in DDP; unless :meth:`restore_rng` ``restored`` this rank's
+        generators, ones drawn from ``(seed, rank, start)`` (rank 0 keeps the single process's)."""
         trained = self.parallel.wrap(model)
-        saved = self._saved_for_this_rank(saved_state or {})
-        if saved is None:
+        if not restored:
             self.parallel.seed_dropout(seed, start)
-            return trained
-        cpu_state, cuda_state = saved
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, self.device)
         return trained
-
-    def _saved_for_this_rank(self, state: Dict[str, Any]) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
-        """This rank's saved (CPU, CUDA) generator states, or None where ``state`` has none for as many ranks.
-        A CUDA rank resumes exactly only from a checkpoint that kept every rank's CUDA generator too."""
-        cpu_states, cuda_states = state.get("rank_rng"), state.get("rank_cuda_rng")
-        world_size, rank = self.parallel.world_size, self.parallel.rank
-        if not (isinstance(cpu_states, list) and len(cpu_states) == world_size):
-            return None
-        if self.device.type != "cuda":
-            return cpu_states[rank], None
-        if not (isinstance(cuda_states, list) and len(cuda_states) == world_size):
-            return None
-        return cpu_states[rank], cuda_states[rank]
 
     def shard(self, index: Tensor) -> Tensor:
         return self.parallel.shard(index)
@@ -159,14 +141,28 @@ class Replicas(SingleProcess):
 
     def rng_states(self) -> Dict[str, Any]:
         """Every rank's dropout generators (the CPU's; on GPUs each rank's CUDA device's too), for a resume on as
-        many ranks."""
-        states = {"rank_rng": self.parallel.gather(torch.get_rng_state())}
+        many ranks; and this rank's CUDA generator as a single process saves it (rank 0 writes the checkpoint, so
+        a single process resuming it, or rank 0 on another number of ranks, continues rank 0's draws)."""
+        states = {**super().rng_states(), "rank_rng": self.parallel.gather(torch.get_rng_state())}
         if self.device.type == "cuda":
             states["rank_cuda_rng"] = self.parallel.gather(torch.cuda.get_rng_state(self.device))
         return states
 
-    def restore_rng(self, state: Dict[str, Any]) -> None:
-        """Nothing here: :meth:`prepare` sets this rank's generator."""
+    def restore_rng(self, state: Dict[str, Any]) -> bool:
+        """This rank's saved generators when ``state`` kept them for as many ranks (on GPUs, the CUDA ones too):
+        then True. Otherwise rank 0's CUDA generator where saved, and False: :meth:`prepare` then draws fresh
+        ones for the other ranks."""
+        super().restore_rng(state)
+        world_size, rank = self.parallel.world_size, self.parallel.rank
+        cpu_states, cuda_states = state.get("rank_rng"), state.get("rank_cuda_rng")
+        if not (isinstance(cpu_states, list) and len(cpu_states) == world_size):
+            return False
+        if self.device.type == "cuda" and not (isinstance(cuda_states, list) and len(cuda_states) == world_size):
+            return False  # a saved CPU state with a stale GPU one would not continue the run's dropout
+        torch.set_rng_state(cpu_states[rank])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_states[rank], self.device)
+        return True
 
     def barrier(self) -> None:
         self.parallel.barrier()  # no rank runs ahead of a checkpoint still being written
