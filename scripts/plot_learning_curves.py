@@ -1,7 +1,7 @@
 """Validation metric against training time for `attnzoo train` runs, one line per run, with optional
 horizontal baselines: the picture of "which is better at equal time".
 
-    python scripts/plot_learning_curves.py docs/results/bytes/softmax docs/results/bytes/gla \
+    python scripts/plot_learning_curves.py docs/results/bytes/softmax docs/results/bytes/gated_delta \
         --metric bits_per_byte --baselines docs/results/bytes/compressor-baselines-9mb.json \
         --output docs/results/bytes/learning-curves.png
 
