@@ -71,3 +71,17 @@ def test_every_lra_cell_trains_on_the_device_given(tmp_path):
     assert "--device" not in train_command(config, tmp_path, False, 1)
     resumed = train_command(config, tmp_path, True, None, (), "cuda")
     assert resumed[-3:] == ["--device", "cuda", "--quiet"] and "--resume" in resumed
+
+
+def test_lra_records_one_device_however_it_is_named(monkeypatch):
+    # A continued run is refused when its settings differ: `--device cpu` and no `--device` are one run, and so
+    # are `cuda` and `cuda:0` where device 0 is the current one.
+    import attnzoo.experiments.lra as lra
+
+    plain = LraConfig().settings()
+    assert "device" not in plain and LraConfig(device="cpu").settings() == plain
+    current = torch.device("cuda", 0)
+    monkeypatch.setattr(lra, "training_device",
+                        lambda device: current if device == "cuda" else torch.device(device))
+    assert LraConfig(device="cuda").settings()["device"] == LraConfig(device="cuda:0").settings()["device"] == "cuda:0"
+    assert LraConfig(device="cuda:1").settings()["device"] == "cuda:1"

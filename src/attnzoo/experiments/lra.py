@@ -169,9 +169,18 @@ class LraConfig:
                     "cells": {task: self.train_config(task, BASELINE).as_dict() for task in self.task_names}}
         if self.options:
             settings["options"] = self.options
-        if self.device is not None:  # cells trained on another device would mix speeds in one table
-            settings["device"] = self.device
+        device = self.recorded_device()
+        if device is not None:  # cells trained on another device would mix speeds in one table
+            settings["device"] = device
         return settings
+
+    def recorded_device(self) -> Optional[str]:
+        """The device the cells train on, as the settings record it: None for the CPU, given or not, and a CUDA
+        device with its index (``cuda`` is the current one), so that naming one device two ways is one run."""
+        if self.device is None:
+            return None
+        device = training_device(self.device)
+        return None if device.type == "cpu" else str(device)
 
 
 def _unsupported_row(train_config: TrainConfig, task: Any) -> Optional[Dict[str, Any]]:
