@@ -128,11 +128,10 @@ class LraConfig:
             raise ValueError(f"--tasks: the {self.preset} preset has no budget for {', '.join(elsewhere)}; its "
                              f"tasks: {', '.join(BUDGETS[self.preset])}")
         check_cell_settings(self.jobs, self.threads, self.cell_timeout_s)
-        if self.device is not None:
-            try:
-                training_device(self.device)  # a device that is not there fails now, not in every cell
-            except ValueError as error:
-                raise ValueError(f"--{error}") from None
+        try:
+            self.recorded_device()  # a device that is not there fails now, not in every cell
+        except ValueError as error:
+            raise ValueError(f"--{error}") from None
         check_mechanism_options(self.options)
         for task in self.task_names:
             self.train_config(task, BASELINE)  # every override must make a valid config
