@@ -20,7 +20,7 @@ PIP=("$PY" -m pip install --disable-pip-version-check -c constraints.txt)
 echo "install-peers: pure-python peers"
 "${PIP[@]}" performer-pytorch linformer nystrom-attention local-attention reformer-pytorch x-transformers
 
-# flash-linear-attention: its pure-PyTorch references (fla.ops.<name>.naive) are what tests/test_fla_reference.py
+# flash-linear-attention: its pure-PyTorch references (fla.ops.<name>.naive) are what tests/mechanisms/test_fla_reference.py
 # and the fla-* peers of `attnzoo compare --peers` run. fla-core requires only einops (torch and triton are
 # optional extras of it, never asked for here, so the pinned CPU torch stays); importing fla needs triton and
 # packaging even on a CPU machine, where it warns that Triton is unsupported and falls back to the CPU.

@@ -7,7 +7,7 @@
 For each setting (by default every Pathfinder setting of every `attnzoo lra` preset, then a small 12 x 12 one),
 prints the best accuracy of a threshold, either way round, on each feature of
 `attnzoo.tasks.pathfinder.shortcut_accuracies` (0.5: the feature gives nothing away).
-`tests/test_tasks_pathfinder.py` holds the marker distance below 55% at every preset's setting."""
+`tests/tasks/test_tasks_pathfinder.py` holds the marker distance below 55% at every preset's setting."""
 
 import argparse
 

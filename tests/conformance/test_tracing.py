@@ -2,7 +2,7 @@
 (``torch.compile(fullgraph=True)``), causal and not where declared, forward and backward equal to eager.
 
 What is already covered elsewhere is not repeated: ``check_traced_matches_eager`` (:mod:`.checks`) traces
-without gradients and runs the graph with a mask of other values; ``tests/test_compile.py`` compiles through
+without gradients and runs the graph with a mask of other values; ``tests/mechanisms/test_compile.py`` compiles through
 MultiHeadAttention with AOTAutograd, one form of the call per mechanism. Here the traced graph's first call
 runs with gradients (an in-place write into a view that eager mode accepts can be refused when the graph is
 replayed), every option set in ``test_variants`` is traced, and compiling covers the causal and the

@@ -36,7 +36,7 @@ def pooling_projection(max_seq_len: int, rank: int) -> Tensor:
     positions (whole-position blocks at rank 96 of 128) bias the result towards the short ones. Random entries
     such as the ``N(0, 1/rank)`` of the paper's analysis do worse still: a projected key then sums ``n`` keys
     with weights of size ``1/sqrt(rank)``, so logits and values grow like ``sqrt(n / rank)``. On the
-    standard normal inputs of ``tests/test_linformer.py`` (N=128, head_dim 16) the relative error against exact
+    standard normal inputs of ``tests/mechanisms/test_linformer.py`` (N=128, head_dim 16) the relative error against exact
     softmax at rank 16, 32, 64, 128 is 0.740, 0.707, 0.608, 0 with pooling and about 12, 7, 2.8, 1.4 with
     ``N(0, 1/rank)`` entries (uniform attention: 0.769). It draws nothing from the random generator.
     """

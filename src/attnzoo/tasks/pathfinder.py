@@ -32,7 +32,7 @@ How an image is made (all in numpy, vectorised over a batch of candidate images)
   :func:`shortcut_accuracies` measures this and other cheap cues; ``scripts/pathfinder_shortcut.py`` prints them.
 
 So the connected components (8-connectivity) of the non-zero pixels are exactly the strokes, and the label
-is whether the two markers lie in one component: ``tests/test_tasks_pathfinder.py`` recomputes every label
+is whether the two markers lie in one component: ``tests/tasks/test_tasks_pathfinder.py`` recomputes every label
 that way from the pixels alone.
 
 Difficulty: ``contour_length`` (LRA's Pathfinder uses 6, 9 and 14 "paddles"); the default is 9.

@@ -1,4 +1,4 @@
-"""What the checks against flash-linear-attention's pure-PyTorch references share (``tests/test_fla_reference.py``).
+"""What the checks against flash-linear-attention's pure-PyTorch references share (``tests/mechanisms/test_fla_reference.py``).
 
 fla (the ``fla-core`` distribution, in the ``peers`` extra) is imported only by the test module, behind
 ``pytest.importorskip``; this module needs nothing but torch, so it can be imported anywhere.

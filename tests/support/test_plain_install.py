@@ -27,7 +27,7 @@ from typing import Dict, FrozenSet, List, NamedTuple, Set
 import pytest
 from packaging.requirements import Requirement
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 OUTPUT_FILES = ["results.json", "results.csv", "time.png", "memory.png", "error.png", "bubble.png", "report.md"]
 
 # The generated sitecustomize.py: {allowed}, {stdlib} and {log} are filled in by the fixture.

@@ -1,7 +1,7 @@
 """One rank of a data-parallel training test: ``python data_parallel_worker.py STORE RANK WORLD JOBS OUT``.
 
 Joins a gloo group through a file store and runs ``attnzoo.training.train`` once for each job of JOBS (a JSON
-list written by tests/test_data_parallel.py, each with ``config``, ``output``, ``resume``, ``stop_at``, and
+list written by tests/training/test_data_parallel.py, each with ``config``, ``output``, ``resume``, ``stop_at``, and
 ``imports``: files of mechanisms of the test's own to import first, as ``attnzoo train --import`` does), in
 order, then saves, per job, what it returned and its model's parameters and buffers, or the error it raised,
 to OUT. Several jobs in one launch spare the tests the start-up of new processes."""

@@ -1,6 +1,6 @@
 """One rank of a sequence-parallel test: ``python sequence_parallel_worker.py STORE RANK WORLD CASES OUT``.
 
-Joins a gloo group through a file store, runs every case of CASES (saved by tests/test_sequence_parallel.py) on
+Joins a gloo group through a file store, runs every case of CASES (saved by tests/training/test_sequence_parallel.py) on
 its part of the sequence, and saves its outputs and gradients (or the error a case raised) to OUT."""
 
 import sys

@@ -14,7 +14,7 @@ import torch
 
 from attnzoo.models.fusion import AttentionFusion, attention_fusion_reference
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "attention_fusion.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "attention_fusion.py"
 
 
 def _inputs(batch: int = 5, modalities: int = 3, dim: int = 8, dtype: torch.dtype = torch.float32):

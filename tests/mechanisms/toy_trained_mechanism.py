@@ -1,7 +1,7 @@
 """A new mechanism with training-time state, in one class: an auxiliary loss and an update after every optimiser
 step, declared through the training hooks of the mechanism contract.
 
-Imported by tests/test_adding_a_mechanism.py (in this process, and by each rank of a data-parallel run there);
+Imported by tests/mechanisms/test_adding_a_mechanism.py (in this process, and by each rank of a data-parallel run there);
 ``attnzoo train`` and DDP read its hooks, and nothing else in the library knows about it.
 """
 

@@ -275,7 +275,7 @@ def test_train_set_must_name_the_runs_own_mechanism(capsys, tmp_path):
 
 
 # -- a mechanism of your own in every command --------------------------------------------------------------------
-TOY = Path(__file__).with_name("toy_new_mechanism.py")
+TOY = Path(__file__).parents[1] / "mechanisms" / "toy_new_mechanism.py"
 RECALL = "train_size=32,validation_size=8,test_size=8,num_pairs=4,num_keys=8,num_values=4"
 TINY_MODEL = {"dim": 16, "depth": 1, "heads": 2, "batch_size": 8}
 

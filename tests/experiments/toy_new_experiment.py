@@ -2,9 +2,9 @@
 
 Everything it needs comes from :mod:`attnzoo.experiments`: the cell runner (each cell one ``attnzoo train``
 run in a fresh process, finished cells kept, interrupted ones resumed) and the checks every experiment shares.
-Imported by tests/test_adding_an_experiment.py; nothing else in the library knows about it.
+Imported by tests/experiments/test_adding_an_experiment.py; nothing else in the library knows about it.
 
-    python tests/toy_new_experiment.py OUTPUT [--steps N] [--jobs N]
+    python tests/experiments/toy_new_experiment.py OUTPUT [--steps N] [--jobs N]
 """
 
 from __future__ import annotations

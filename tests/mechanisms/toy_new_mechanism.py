@@ -1,6 +1,6 @@
 """A new mechanism in one class: everything attnzoo needs to list it, compare it and hold it to the suite.
 
-Imported by tests/test_adding_a_mechanism.py (and by ``attnzoo compare --import`` there); nothing else in the
+Imported by tests/mechanisms/test_adding_a_mechanism.py (and by ``attnzoo compare --import`` there); nothing else in the
 library knows about it.
 """
 

@@ -14,7 +14,7 @@ from attnzoo.training.checkpoint import find_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 TASK = TESTS / "toy_new_task.py"
-HOOKED = TESTS / "toy_trained_mechanism.py"
+HOOKED = TESTS.parent / "mechanisms" / "toy_trained_mechanism.py"
 TINY = ["--dim", "16", "--depth", "1", "--heads", "2", "--batch-size", "8", "--quiet"]
 
 

@@ -1,6 +1,6 @@
 """A task defined outside attnzoo, as a user would write one: the whole of the "adding a task" recipe.
 
-``attnzoo train --import tests/toy_new_task.py toy-parity`` trains on it and ``attnzoo eval`` reads the run back;
+``attnzoo train --import tests/tasks/toy_new_task.py toy-parity`` trains on it and ``attnzoo eval`` reads the run back;
 no other file names it.
 The task: the parity of the number of ones in a random bit string (a class per sequence).
 """

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "attnzoo"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "attnzoo"
 
 # Lowest first. A module may import from its own layer or any layer below.
 LAYERS = [

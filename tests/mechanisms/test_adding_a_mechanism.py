@@ -1,6 +1,6 @@
-"""Adding a mechanism takes one class and nothing else: ``tests/toy_new_mechanism.py`` (under 40 lines) shows up
+"""Adding a mechanism takes one class and nothing else: ``tests/mechanisms/toy_new_mechanism.py`` (under 40 lines) shows up
 in ``attnzoo list``, runs in ``attnzoo compare`` with the error sweep its class declares, and passes the whole
-conformance suite, without a line changed anywhere in the library. ``tests/toy_trained_mechanism.py``, a mechanism
+conformance suite, without a line changed anywhere in the library. ``tests/mechanisms/toy_trained_mechanism.py``, a mechanism
 with an auxiliary loss and an update after every optimiser step, trains with ``attnzoo.training.train`` and under
 DDP through the training hooks alone."""
 
@@ -131,7 +131,7 @@ def test_trains_with_its_auxiliary_loss_and_updates_after_every_step(tempered_cl
 
 @pytest.mark.slow  # two processes
 def test_trains_data_parallel_with_its_hooks_alike_on_every_rank(tempered_class, tmp_path):
-    from test_data_parallel import job, run_ranks, weights
+    from data_parallel_runs import job, run_ranks, weights
 
     train(TRAINED, tmp_path / "one", progress=False)
     (ranks,) = run_ranks(tmp_path, [job(TRAINED, tmp_path / "two", imports=[str(TRAINED_TOY)])])
@@ -143,7 +143,7 @@ def test_trains_data_parallel_with_its_hooks_alike_on_every_rank(tempered_class,
     assert all(int(ranks[1]["state"][key]) == TRAINED.steps for key in ranks[1]["state"] if key.endswith("updates"))
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     # The key bias of softmax-like attention has a zero gradient in exact arithmetic: AdamW turns its rounding
-    # noise into steps of size lr (see tests/test_data_parallel.py), so it says nothing and is left out.
+    # noise into steps of size lr (see tests/training/test_data_parallel.py), so it says nothing and is left out.
     compared = [key for key in one if not key.endswith("k_proj.bias")]
     assert one.keys() == two.keys() and len(compared) > len(one) - 4
     for key in compared:

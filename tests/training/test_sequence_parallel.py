@@ -22,7 +22,7 @@ from attnzoo.functional.state_scan import (
     split_causal_attention,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "sequence_parallel_worker.py"
 TIMEOUT_S = 150  # four processes on two busy cores start in seconds; a hang fails instead of blocking CI
 

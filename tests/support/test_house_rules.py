@@ -18,7 +18,7 @@ import pytest
 
 import attnzoo
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "attnzoo"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "attnzoo"
 MECHANISM_HOMES = {"mechanisms", "functional"}
 DEFAULT_MECHANISM = "softmax"
 

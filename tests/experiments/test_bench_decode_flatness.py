@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode_flatness.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode_flatness.py"
 _spec = importlib.util.spec_from_file_location("bench_decode_flatness", SCRIPT)
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench  # its dataclass looks its module up there

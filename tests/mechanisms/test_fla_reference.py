@@ -3,7 +3,7 @@ references (``fla.ops.<name>.naive``) at equal settings: same inputs, gates and 
 in float32 and 1e-10 in float64 where the reference computes in float64.
 
 Runs where the ``peers`` extra is installed (``scripts/install-peers.sh``); skipped otherwise, like the other
-peer checks. What is shared, and how a mechanism adds its case in a line, is in ``tests/fla_reference.py``.
+peer checks. What is shared, and how a mechanism adds its case in a line, is in ``tests/support/fla_reference.py``.
 
 Where the definitions differ on purpose, the case maps one onto the other and says so:
 

@@ -2,7 +2,7 @@
 vocabulary, determinism under a seed (and independence from the global RNGs), options that rebuild the same
 data, baselines recomputed independently, and clear errors for bad names and options.
 
-Each task's own data (labels recomputed by independent evaluators) is checked in tests/test_tasks_<name>.py."""
+Each task's own data (labels recomputed by independent evaluators) is checked in tests/tasks/test_tasks_<name>.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "cuda_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cuda_check.py"
 
 
 def _load():

@@ -1,4 +1,4 @@
-"""The recipe for adding a training experiment holds: tests/toy_new_experiment.py, one file that uses only
+"""The recipe for adding a training experiment holds: tests/experiments/toy_new_experiment.py, one file that uses only
 attnzoo.experiments, trains its cells in fresh processes, writes its table, and keeps finished cells."""
 
 from __future__ import annotations

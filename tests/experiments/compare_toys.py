@@ -1,4 +1,4 @@
-"""Toy mechanisms for the ``attnzoo compare`` tests, imported by path (``--import tests/compare_toys.py``).
+"""Toy mechanisms for the ``attnzoo compare`` tests, imported by path (``--import tests/experiments/compare_toys.py``).
 
 Only the compare tests' worker and CLI processes import this file: it never registers into the test process,
 so the conformance suite over ``attnzoo.available()`` never sees these toys.
