@@ -13,6 +13,7 @@ import sys
 from . import functional
 from .attention import AttentionState, MultiHeadAttention
 from .mechanisms import (
+    CallInput,
     Capabilities,
     Mechanism,
     UnsupportedOptionError,
@@ -63,6 +64,7 @@ __all__ = [
     "AttentionFusion",
     "AttentionState",
     "MultiHeadAttention",
+    "CallInput",
     "Capabilities",
     "Mechanism",
     "UnsupportedOptionError",

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._validation import check_bool, check_floating, check_positive_int, check_probability
 from .mechanisms.base import UnsupportedOptionError, shapes_only
-from .mechanisms.registry import available, build_mechanism, mechanism_class
+from .mechanisms.registry import build_mechanism
 from .state import DecodingState
 from .positional import RotaryEmbedding
 
@@ -127,20 +127,20 @@ class MultiHeadAttention(nn.Module):
         *,
         causal: bool = False,
         key_padding_mask: Optional[Tensor] = None,
-        global_mask: Optional[Tensor] = None,
         cu_seqlens: Optional[Tensor] = None,
+        **call_inputs: Optional[Tensor],
     ) -> Tensor:
         """Self-attention over x, or cross-attention from x to ``context`` (batch, seq_c, context_dim).
 
-        ``global_mask``: (batch, seq) bool, True marking global positions for this call, passed on to a
-        mechanism that takes it (``"global_mask"`` in its ``call_options``: ``longformer``); refused with an
-        :class:`~attnzoo.UnsupportedOptionError` naming it for any other mechanism.
+        ``**call_inputs``: the per-call inputs the mechanism declares (:attr:`~attnzoo.Mechanism.call_inputs`,
+        e.g. a (batch, seq) bool ``global_mask``), passed on to it; a name it does not declare is refused, naming
+        it, before anything is projected.
 
         ``cu_seqlens``: a packed batch, x of batch 1 holding documents back to back: int64 offsets ``[0, ...,
         seq]``, each document attending only within itself (rotary positions restart at each document);
         for a mechanism whose ``capabilities.packing`` accepts it, refused naming it for any other."""
         self._check_input("x", x, self.dim)
-        options = self._call_options(global_mask=global_mask)
+        options: Dict[str, Any] = self.mechanism.check_call_inputs(call_inputs)
         spans = None
         if cu_seqlens is not None:
             if context is not None:
@@ -172,19 +172,6 @@ class MultiHeadAttention(nn.Module):
         if spans is None:
             return self.rotary(x)
         return torch.cat([self.rotary(x[:, :, start:end]) for start, end in spans], dim=2)
-
-    def _call_options(self, **given: Optional[Tensor]) -> Dict[str, Tensor]:
-        """The per-call arguments that were given (not None), each checked to be one the mechanism declares in
-        its ``call_options``, before anything is projected."""
-        options = {name: value for name, value in given.items() if value is not None}
-        for name in options:
-            if name not in self.mechanism.call_options:
-                takes = [n for n in available() if name in mechanism_class(n).call_options]
-                raise UnsupportedOptionError(
-                    f"{name}=...: mechanism {self.mechanism.name!r} does not take {name} (mechanisms that do: "
-                    f"{', '.join(takes) or 'none'})"
-                )
-        return options
 
     def _require_cross(self, q_len: int, context_len: int) -> None:
         """Refuse cross-attention (``context=``) before projecting anything, with every reason the mechanism

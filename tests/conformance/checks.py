@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import inspect
 import itertools
+import math
 import re
 import sys
 import typing
@@ -35,6 +36,7 @@ from attnzoo.functional import softmax_attention_reference
 from attnzoo.mechanisms import (
     APPROXIMATE,
     NATIVE_KV,
+    CallInput,
     Capabilities,
     Mechanism,
     UnsupportedOptionError,
@@ -307,6 +309,9 @@ def check_declaration(cls: Type[Mechanism]) -> None:
         raise AssertionError(f"{where}: capabilities.max_length must be None or a positive int, got {limit!r}")
     if caps.recurrent_step and not caps.causal:
         raise AssertionError(f"{where}: recurrent_step=True needs causal=True (step equals the causal forward)")
+    for needs_causal in ("causal_rows", "linear_recurrence"):
+        if getattr(caps, needs_causal) and not caps.causal:
+            raise AssertionError(f"{where}: {needs_causal}=True needs causal=True (it describes the causal form)")
     multiple = caps.length_multiple
     if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         raise AssertionError(f"{where}: capabilities.length_multiple must be None or a positive int, got {multiple!r}")
@@ -345,36 +350,37 @@ def check_declaration(cls: Type[Mechanism]) -> None:
     check_bool_options_exercised(cls, options)
     check_option_types(cls)
     check_declared_option_roles(cls, options)
-    check_call_options(cls)
+    check_call_inputs(cls)
 
 
-# The keyword-only arguments of the contract's forward(q, k, v, causal, key_padding_mask, *, cross, cu_seqlens).
-_CONTRACT_KEYWORDS = ("cross", "cu_seqlens")
+# The methods that take a mechanism's per-call inputs, each as a keyword-only argument defaulting to None.
+_TAKE_CALL_INPUTS = ("attend", "attend_reference")
 
 
-def check_call_options(cls: Type[Mechanism]) -> None:
-    """``call_options`` lists exactly the keyword-only arguments ``forward`` takes beyond the contract's, each
-    defaulting to None, and ``reference`` takes them too (so each has a float64 counterpart):
-    ``MultiHeadAttention`` passes on what is listed there and refuses anything else."""
+def check_call_inputs(cls: Type[Mechanism]) -> None:
+    """``call_inputs`` is a tuple of :class:`CallInput` with distinct names, and ``attend`` and
+    ``attend_reference`` (and ``attend_packed``, for a mechanism that takes packed rows) take exactly those as
+    keyword-only arguments defaulting to None: the base class checks each input once and passes it on by
+    name, so every per-call input reaches the fast path and its float64 counterpart, and nothing else does."""
     where = cls.__qualname__
-    listed = cls.call_options
-    if not isinstance(listed, tuple) or not all(isinstance(name, str) for name in listed):
-        raise AssertionError(f"{where}.call_options must be a tuple of argument names, got {listed!r}")
-    for method in ("forward", "reference"):
+    declared = cls.call_inputs
+    if not isinstance(declared, tuple) or not all(isinstance(spec, CallInput) for spec in declared):
+        raise AssertionError(f"{where}.call_inputs must be a tuple of CallInput, got {declared!r}")
+    names = [spec.name for spec in declared]
+    if len(set(names)) != len(names):
+        raise AssertionError(f"{where}.call_inputs names an input twice: {names}")
+    methods = _TAKE_CALL_INPUTS + (("attend_packed",) if cls.capabilities.packed else ())
+    for method in methods:
         parameters = inspect.signature(getattr(cls, method)).parameters
-        extra = [name for name, p in parameters.items()
-                 if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _CONTRACT_KEYWORDS]
-        for name in listed:
+        taken = [name for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        for name in names:
             p = parameters.get(name)
             if p is None or p.kind is not inspect.Parameter.KEYWORD_ONLY or p.default is not None:
-                raise AssertionError(
-                    f"{where}.call_options lists {name!r}, but {method} takes no keyword-only {name}=None"
-                )
-        unlisted = sorted(set(extra) - set(listed))
-        if method == "forward" and unlisted:
-            raise AssertionError(
-                f"{where}.forward takes keyword-only {unlisted} beyond the contract's; declare them in call_options"
-            )
+                raise AssertionError(f"{where}.call_inputs declares {name!r}, but {method} takes no keyword-only "
+                                     f"{name}=None")
+        unlisted = sorted(set(taken) - set(names))
+        if unlisted:
+            raise AssertionError(f"{where}.{method} takes keyword-only {unlisted}: declare them in call_inputs")
 
 
 def check_declared_option_roles(cls: Type[Mechanism], options: Dict[str, inspect.Parameter]) -> None:
@@ -390,6 +396,11 @@ def check_declared_option_roles(cls: Type[Mechanism], options: Dict[str, inspect
             (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         if option not in options or annotation is not int:
             raise AssertionError(f"{cls.__qualname__}.{role} = {option!r} must name an int option of its constructor")
+    for role in ("scale_option", "window_option", "quiet_option"):
+        option = getattr(cls.capabilities, role)
+        if option is not None and option not in options:
+            raise AssertionError(f"{cls.__qualname__}: capabilities.{role} = {option!r} names no option of its "
+                                 f"constructor: {sorted(options)}")
     if cls.sweep_option is not None and cls.capabilities.kind != APPROXIMATE:
         raise AssertionError(
             f"{cls.__qualname__} sweeps {cls.sweep_option!r} but is of kind {cls.capabilities.kind!r}: only an "
@@ -1326,6 +1337,80 @@ def check_data_parallel_reasons(mechanism: Mechanism) -> None:
                                  f"{mechanism.name!r}, got {reason!r}")
 
 
+def check_logit_scale(mechanism: Mechanism) -> None:
+    """A mechanism declaring a ``scale_option`` built with it reports it (:meth:`Mechanism.logit_scale`, which
+    the drop-in reads), and its output follows it: with scale ``s`` it equals, for dot-product logits, the
+    output at the default scale of queries times ``s * sqrt(head_dim)``."""
+    option = mechanism.capabilities.scale_option
+    if option is None:
+        if mechanism.logit_scale() is not None:
+            raise AssertionError(f"{mechanism.name}: logit_scale() is {mechanism.logit_scale()!r} without a "
+                                 f"declared scale_option")
+        return
+    cls = type(mechanism)
+
+    def built(scale: Optional[float]) -> Mechanism:  # the class's test options, one seed: equal parameters
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            made = cls(mechanism.heads, mechanism.head_dim, **{**dict(cls.test_options), option: scale})
+        return made.double().eval()
+
+    scaled = built(0.7)
+    if scaled.logit_scale() != 0.7:
+        raise AssertionError(f"{mechanism.name}: built with {option}=0.7, logit_scale() gives "
+                             f"{scaled.logit_scale()!r}")
+    if not mechanism.capabilities.dot_product_logits:
+        return
+    plain = built(None)
+    q, k, v = random_qkv(plain, BATCH, SEQ, SEQ, torch.float64, seed=41)
+    with torch.no_grad():
+        expected = plain(q * 0.7 * math.sqrt(q.shape[-1]), k, v)
+        assert_close(scaled(q, k, v), expected, f"{mechanism.name} with {option}=0.7: not the scaled logits", **TIGHT)
+
+
+def check_attention_weights(mechanism: Mechanism) -> None:
+    """A mechanism declaring ``attention_weights`` gives weights that are what its output mixes the values with
+    (weights @ v equals the forward output, in every variant), that hide padded keys whatever they hold, and
+    that take an additive bias on the logits (-inf hides a key as padding does); one that does not refuses,
+    naming the capability."""
+    if not mechanism.capabilities.attention_weights:
+        q, k, _ = random_qkv(mechanism, BATCH, SEQ, SEQ, torch.float32, seed=42)
+        expect_error(lambda: mechanism.attention_weights(q, k), UnsupportedOptionError, "attention_weights",
+                     f"{mechanism.name}: attention_weights() without the capability")
+        return
+    m = as_dtype(mechanism, torch.float64)
+    for variant in variants(mechanism):
+        (q, k, v), mask = variant_inputs(mechanism, variant, torch.float64, seed=43)
+        what = f"{mechanism.name} {variant.describe()}"
+        with torch.no_grad():
+            out = call(m, (q, k, v), variant.causal, mask, variant.cross)
+            weights = m.attention_weights(q, k, mask, causal=variant.causal)
+            values = v if mask is None else v.masked_fill(mask[:, None, :, None], 0.0)
+            if weights.shape[1] != v.shape[1]:
+                values = values.repeat_interleave(weights.shape[1] // v.shape[1], dim=1)
+            assert_close(weights @ values, out, f"{what}: attention_weights() @ v is not the output", **TIGHT)
+            if mask is not None:
+                bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(mask, -math.inf)[:, None, None, :]
+                assert_close(m.attention_weights(q, k, causal=variant.causal, bias=bias), weights,
+                             f"{what}: an additive -inf bias does not hide keys as padding does", **TIGHT)
+
+
+def check_causal_rows(mechanism: Mechanism) -> None:
+    """A mechanism declaring ``causal_rows`` gives, causally, the same last rows whatever the earlier queries
+    hold (zeros, as a decoder over a cache passes them)."""
+    if not (mechanism.capabilities.causal_rows and mechanism.capabilities.causal):
+        return  # an option that switched the causal form off leaves no causal rows (the class needs one)
+    m = as_dtype(mechanism, torch.float64)
+    q, k, v = random_qkv(mechanism, BATCH, SEQ, SEQ, torch.float64, seed=44)
+    new = 3
+    zeroed = torch.cat([torch.zeros_like(q[:, :, :-new]), q[:, :, -new:]], dim=2)
+    with torch.no_grad():
+        assert_close(m(zeroed, k, v, causal=True)[:, :, -new:], m(q, k, v, causal=True)[:, :, -new:],
+                     f"{mechanism.name}: declares causal_rows, but its last causal rows depend on earlier queries",
+                     **TIGHT)
+
+
+
 #: Every instance-level check, in the order a failure is easiest to read.
 INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_output_shape_and_dtype,
@@ -1340,6 +1425,9 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_traced_matches_eager,
     check_matches_reference,
     check_value_width,
+    check_logit_scale,
+    check_attention_weights,
+    check_causal_rows,
     check_low_precision,
     check_gradients_finite,
     check_non_contiguous_inputs,

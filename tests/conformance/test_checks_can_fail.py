@@ -16,7 +16,8 @@ from torch import Tensor
 
 from attnzoo._validation import check_qkv
 from attnzoo.functional import allowed_mask, softmax_attention
-from attnzoo.mechanisms import Mechanism, SoftmaxAttention
+from attnzoo.functional.softmax import softmax_weights
+from attnzoo.mechanisms import CallInput, Mechanism, SoftmaxAttention
 
 from . import checks
 from .checks import Case
@@ -322,6 +323,8 @@ class HookedToy(GoodToy):
     step from (step, seed), and a reason against data parallelism naming it."""
 
     name = "hooked-toy"
+    # Its constructor takes no option, so none plays a role.
+    capabilities = replace(CAPS, scale_option=None, window_option=None, quiet_option=None)
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__(heads, head_dim)
@@ -387,6 +390,32 @@ class RefusesWithAString(GoodToy):
         return "toy keeps state per rank"
 
 
+class IgnoresItsScale(GoodToy):
+    """Declares a scale option (softmax's) and attends at 1/sqrt(head_dim) whatever it says."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return softmax_attention(q, k, v, causal, key_padding_mask)
+
+
+class WeightsWithoutItsScale(GoodToy):
+    def attend_weights(self, q, k, key_padding_mask, causal, bias):
+        return softmax_weights(q, k, causal, key_padding_mask, bias=bias)
+
+
+class RowsReadEarlierQueries(GoodToy):
+    """Declares causal_rows, but each query is averaged with the ones before it."""
+
+    capabilities = replace(CAPS, causal_rows=True)
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        running = q.cumsum(dim=2) / torch.arange(1, q.shape[2] + 1, dtype=q.dtype).view(1, 1, -1, 1)
+        return super().attend(running, k, v, causal, key_padding_mask, cross)
+
+
+class ScaleOptionItLacks(GoodToy):
+    capabilities = replace(CAPS, scale_option="temperature")
+
+
 def toy(cls, heads: int = checks.HEADS, **options) -> Mechanism:
     return cls(heads, checks.HEAD_DIM, **options).double().eval()
 
@@ -445,6 +474,9 @@ BROKEN = [
     (checks.check_after_optimizer_step, RedrawsFromTheGlobalGenerator, {}, r"differ in 'probe'.*global generator"),
     (checks.check_after_optimizer_step, RedrawsInFloat32, {}, r"changed the shape, dtype or device of \['probe'\]"),
     (checks.check_after_optimizer_step, StepUnchecked, {}, r"after_optimizer_step\(-1, 0\): expected ValueError"),
+    (checks.check_logit_scale, IgnoresItsScale, {}, r"scale=0.7: not the scaled logits"),
+    (checks.check_attention_weights, WeightsWithoutItsScale, {"scale": 0.5}, r"attention_weights\(\) @ v is not"),
+    (checks.check_causal_rows, RowsReadEarlierQueries, {}, r"last causal rows depend on earlier queries"),
     (checks.check_data_parallel_reasons, RefusesWithoutSayingWhy, {}, r"non-empty string naming"),
     (checks.check_data_parallel_reasons, RefusesWithAString, {}, r"must return a list of strings, got str"),
 ]
@@ -490,32 +522,48 @@ def test_declaration_check_rejects_unknown_test_options():
         checks.check_declaration(MisspelledTestOption)
 
 
-def test_declaration_check_rejects_undeclared_call_option():
-    class TakesAnUndeclaredArgument(GoodToy):
-        def forward(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False, extra=None):
-            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+def test_declaration_check_rejects_an_option_role_naming_no_option():
+    with pytest.raises(AssertionError, match=r"capabilities.scale_option = 'temperature' names no option"):
+        checks.check_declaration(ScaleOptionItLacks)
 
-    with pytest.raises(AssertionError, match=r"takes keyword-only \['extra'\] .* declare them in call_options"):
+
+def test_declaration_check_rejects_undeclared_call_input():
+    class TakesAnUndeclaredArgument(GoodToy):
+        def attend(self, q, k, v, causal, key_padding_mask, cross, *, extra=None):
+            return super().attend(q, k, v, causal, key_padding_mask, cross)
+
+    with pytest.raises(AssertionError, match=r"attend takes keyword-only \['extra'\]: declare them in call_inputs"):
         checks.check_declaration(TakesAnUndeclaredArgument)
 
 
-def test_declaration_check_rejects_call_option_forward_does_not_take():
-    class ListsAnArgumentItLacks(GoodToy):
-        call_options = ("global_mask",)
+def test_declaration_check_rejects_call_input_attend_does_not_take():
+    class DeclaresAnInputItLacks(GoodToy):
+        call_inputs = (CallInput("global_mask", "positions"),)
 
-    with pytest.raises(AssertionError, match=r"lists 'global_mask', but forward takes no keyword-only"):
-        checks.check_declaration(ListsAnArgumentItLacks)
+    with pytest.raises(AssertionError, match=r"declares 'global_mask', but attend takes no keyword-only"):
+        checks.check_declaration(DeclaresAnInputItLacks)
 
 
-def test_declaration_check_rejects_call_option_without_reference():
+def test_declaration_check_rejects_call_input_without_reference():
     class NoReferenceCounterpart(GoodToy):
-        call_options = ("extra",)
+        call_inputs = (CallInput("extra", "positions"),)
 
-        def forward(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False, extra=None):
-            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+        def attend(self, q, k, v, causal, key_padding_mask, cross, *, extra=None):
+            return super().attend(q, k, v, causal, key_padding_mask, cross)
 
-    with pytest.raises(AssertionError, match=r"lists 'extra', but reference takes no keyword-only"):
+    with pytest.raises(AssertionError, match=r"declares 'extra', but attend_reference takes no keyword-only"):
         checks.check_declaration(NoReferenceCounterpart)
+
+
+def test_overriding_what_the_base_class_checks_is_refused_at_class_creation():
+    with pytest.raises(TypeError, match=r"overrides forward\(\).*implement attend\(\) instead"):
+        class OwnForward(GoodToy):
+            def forward(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+                return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
+    with pytest.raises(TypeError, match=r"overrides reference\(\).*implement attend_reference\(\) instead"):
+        class OwnReference(GoodToy):
+            def reference(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+                return super().reference(q, k, v, causal, key_padding_mask, cross=cross)
 
 
 # -- property checks -----------------------------------------------------------------------------------------

@@ -256,11 +256,15 @@ def test_mistral_and_qwen2_match_their_own_attention(build, mechanism, options):
         assert torch.equal(ours.generate(ids, **kwargs), theirs.generate(ids, **kwargs))
 
 
-def test_a_sliding_window_a_mechanism_cannot_honour_is_refused():
+@pytest.mark.parametrize("mechanism, options", [("performer", {"nb_features": 8}), ("based", {}), ("nsa", {})],
+                         ids=["performer", "based", "nsa"])
+def test_a_sliding_window_a_mechanism_cannot_honour_is_refused(mechanism, options):
+    # based and nsa have a window option, but their other parts read beyond it: only a declared window_option
+    # (exactly a sliding window) honours the model's.
     model = mistral(window=4)
     state, _, implementation = snapshot(model)
-    with pytest.raises(UnsupportedOptionError, match=r"sliding_window=4.*performer cannot honour"):
-        use_attnzoo(model, "performer", nb_features=8)
+    with pytest.raises(UnsupportedOptionError, match=rf"sliding_window=4.*{mechanism} cannot honour"):
+        use_attnzoo(model, mechanism, **options)
     assert model.config._attn_implementation == implementation and not hasattr(model.config, "attnzoo")
 
 

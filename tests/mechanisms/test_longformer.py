@@ -359,6 +359,33 @@ def test_multi_head_attention_refuses_global_mask_for_other_mechanisms():
         mha(x, global_mask=torch.zeros(2, 5, dtype=torch.bool))
 
 
+def test_a_mechanism_refuses_a_per_call_input_it_does_not_declare_before_any_work():
+    q, k, v = qkv(2, 2, 5, 4)
+    local = build_mechanism("local", 2, 4, window=2)
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    for call in (lambda: local(q, k, v, global_mask=mask), lambda: local.reference(q, k, v, global_mask=mask)):
+        with pytest.raises(UnsupportedOptionError, match=r"global_mask=...: mechanism 'local' does not take "
+                                                          r"global_mask \(mechanisms that do: longformer\)"):
+            call()
+    # A name no mechanism takes is a misspelt argument, for MultiHeadAttention too, before anything is projected.
+    with pytest.raises(TypeError, match=r"unexpected argument 'key_paddding_mask'"):
+        local(q, k, v, key_paddding_mask=mask)
+    mha = attnzoo.MultiHeadAttention(8, 2, "longformer", window=2)
+    with pytest.raises(TypeError, match=r"unexpected argument 'global_masks'"):
+        mha(torch.randn(2, 5, 8), global_masks=mask)
+
+
+def test_a_global_mask_is_checked_once_by_the_base_class_naming_it():
+    m = build(window=2, global_tokens=0)
+    q, k, v = qkv(2, 2, 6, 4)
+    with pytest.raises(ValueError, match="global_mask"):
+        m(q, k, v, global_mask=torch.zeros(2, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="global_mask"):
+        m(q, k, v, global_mask=torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="global_mask"):
+        m.reference(q, k, v, global_mask=torch.zeros(3, 6, dtype=torch.bool))
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value, error", [
     ((1, 1), ValueError), ((0, 2, -1, 2), ValueError), ((1.0,), TypeError), ((True,), TypeError), ("12", TypeError),

@@ -34,5 +34,5 @@ class QuantizedQueries(Mechanism):
         # forward() has checked the inputs: the unchecked core validates nothing twice.
         return softmax_attention_unchecked(self._rounded(q), k, v, causal, key_padding_mask, False, None)
 
-    def reference(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+    def attend_reference(self, q, k, v, causal, key_padding_mask, cross):
         return softmax_attention_reference(self._rounded(q.double()), k, v, causal, key_padding_mask)

@@ -43,7 +43,7 @@ class TemperedAttention(Mechanism):
             self.pending_loss = self.penalty * self.log_temperature.pow(2).mean().to(q.dtype)
         return softmax_attention_unchecked(self._tempered(q), k, v, causal, key_padding_mask, False, None)
 
-    def reference(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+    def attend_reference(self, q, k, v, causal, key_padding_mask, cross):
         tempered = self._tempered(q.double())
         return softmax_attention_reference(tempered, k.double(), v.double(), causal, key_padding_mask)
 

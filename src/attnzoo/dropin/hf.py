@@ -16,7 +16,7 @@ was:
   queries for a mechanism whose logits are ``q . k / sqrt(head_dim)`` (:func:`scaling_route`); refused
   otherwise;
 * a sliding window (Mistral's ``sliding_window``, Qwen2's sliding layers): honoured exactly by an exact
-  mechanism (it gets ``transformers``' own mask) and by a mechanism with a ``window`` option (the window
+  mechanism (it gets ``transformers``' own mask) and by a mechanism declaring a ``window_option`` (the window
   passed to it unless the options set one); refused for any other mechanism;
 * causal self-attention for a mechanism without a causal form.
 
@@ -41,9 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 from torch import nn
 
-from ..mechanisms.base import APPROXIMATE, EXACT, Mechanism, UnsupportedOptionError
-from ..mechanisms.registry import available, build_mechanism, mechanism_class, mechanism_options
-from ..mechanisms.sparse import BlockSparseAttention
+from ..mechanisms.base import Mechanism, UnsupportedOptionError
+from ..mechanisms.registry import available, build_mechanism, mechanism_class
 from .hf_attention import (
     IMPLEMENTATION, MECHANISM_ATTRIBUTE, RECORD_ATTRIBUTE, attention_forward, padding_mask, register,
 )
@@ -97,40 +96,39 @@ OPTION, QUERIES = "option", "queries"
 
 
 def scaling_route(mechanism: Mechanism) -> Optional[str]:
-    """How a mechanism takes a logit scale other than ``1/sqrt(head_dim)``: ``"option"`` (its ``scale``
-    option), ``"queries"`` (its logits are ``q . k / sqrt(head_dim)``: an exact or approximate softmax, or
-    softmax over a fixed sparse pattern, so scaling the queries sets the scale), or None (it has no such logit
-    scale and cannot honour one). The mechanism contract declares no logit scale, so this reads the options,
-    the kind and the class."""
-    if "scale" in mechanism_options(mechanism.name):
+    """How a mechanism takes a logit scale other than ``1/sqrt(head_dim)``, as it declares
+    (:class:`~attnzoo.Capabilities`): ``"option"`` (the option its ``scale_option`` names), ``"queries"`` (its
+    ``dot_product_logits`` are ``q . k / sqrt(head_dim)``, so scaling the queries sets the scale), or None (it
+    has no such logit scale and cannot honour one)."""
+    caps = mechanism.capabilities
+    if caps.scale_option is not None:
         return OPTION
-    if mechanism.capabilities.kind in (EXACT, APPROXIMATE) or isinstance(mechanism, BlockSparseAttention):
-        return QUERIES
-    return None
+    return QUERIES if caps.dot_product_logits else None
 
 
 def _windowed() -> List[str]:
-    """The registered mechanisms that can run under a sliding window: exact ones, and those with a window."""
+    """The registered mechanisms that can run under a sliding window: exact ones (under ``transformers``' mask),
+    and those declaring a ``window_option``."""
     return [name for name in available()
-            if mechanism_class(name).capabilities.exact or "window" in mechanism_options(name)]
+            if mechanism_class(name).capabilities.exact or mechanism_class(name).capabilities.window_option]
 
 
 def _module_options(
     path: str, module: nn.Module, kind: str, mechanism: str, options: Dict[str, Any]
 ) -> Dict[str, Any]:
     """The options one module's mechanism is built with: the user's, plus the module's logit scale for a
-    mechanism with a ``scale`` option, plus the model's sliding window for an inexact one with a ``window``
-    option (an exact mechanism gets the window in transformers' mask)."""
+    mechanism declaring a ``scale_option``, plus the model's sliding window for an inexact one declaring a
+    ``window_option`` (an exact mechanism gets the window in transformers' mask)."""
     module_options = dict(options)
-    valid = mechanism_options(mechanism)
-    if "scale" in valid and "scale" not in module_options:
-        module_options["scale"] = float(module.scaling)
+    caps = mechanism_class(mechanism).capabilities
+    if caps.scale_option is not None and caps.scale_option not in module_options:
+        module_options[caps.scale_option] = float(module.scaling)
     window = _sliding_window(module, kind)
     if window is not None:
-        if mechanism_class(mechanism).capabilities.exact:
+        if caps.exact:
             pass  # transformers' own mask carries the window; a window option would make the mechanism inexact
-        elif "window" in valid:
-            module_options.setdefault("window", int(window))
+        elif caps.window_option is not None:
+            module_options.setdefault(caps.window_option, int(window))
         else:
             can = ", ".join(_windowed())
             raise UnsupportedOptionError(

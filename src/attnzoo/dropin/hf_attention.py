@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from ..functional.grouped import per_query_group, repeat_kv
 from ..mechanisms.base import NATIVE_KV, Mechanism, UnsupportedOptionError
 from ..mechanisms.registry import build_mechanism
-from ..mechanisms.kernelized import KernelizedMechanism
 
 IMPLEMENTATION = "attnzoo"
 """The name under which the attention and mask functions are registered in ``transformers``."""
@@ -191,12 +190,13 @@ def _exact(
     scaling: Optional[float], dropout: float, output_attentions: bool,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Exact softmax attention under a 4-D mask (bool, True = attend, or additive), as ``sdpa`` computes it; the
-    weights (batch, heads, seq_q, seq_kv) too when asked for. The logit scale is the mechanism's ``scale`` (the
-    module's own unless the swap set another), else the module's ``scaling``."""
+    weights (batch, heads, seq_q, seq_kv) too when asked for. The logit scale is the mechanism's
+    (:meth:`~attnzoo.Mechanism.logit_scale`: the module's own unless the swap set another), else the module's
+    ``scaling``."""
     if mask.dim() != 4:
         raise UnsupportedOptionError(f"attention_mask of shape {tuple(mask.shape)}: a 4-D mask (batch, 1, seq_q, "
                                      f"seq_kv) was expected from the mask function")
-    scale = getattr(mechanism, "scale", None) or scaling or 1.0 / math.sqrt(query.shape[-1])
+    scale = mechanism.logit_scale() or scaling or 1.0 / math.sqrt(query.shape[-1])
     p = dropout if module.training else 0.0
     if not output_attentions:
         def sdpa(queries: Tensor) -> Tensor:
@@ -235,9 +235,9 @@ def _key_padding(mask: Tensor, key: Tensor, value: Tensor, batch: int) -> Tuple[
 
 def _scaled_queries(mechanism: Mechanism, query: Tensor, scaling: Optional[float]) -> Tensor:
     """The queries scaled so that the mechanism's ``1/sqrt(head_dim)`` logit scale becomes the module's
-    ``scaling`` (checked at swap time: :func:`attnzoo.dropin.hf.scaling_route`). Exact mechanisms with a
-    ``scale`` option took it at swap time."""
-    if scaling is None or getattr(mechanism, "scale", None) is not None:
+    ``scaling`` (checked at swap time: :func:`attnzoo.dropin.hf.scaling_route`). A mechanism whose logit scale
+    an option set (its ``scale_option``) took it at swap time."""
+    if scaling is None or mechanism.logit_scale() is not None:
         return query
     factor = scaling * math.sqrt(query.shape[-1])
     return query if math.isclose(factor, 1.0, rel_tol=1e-12) else query * factor
@@ -247,21 +247,22 @@ def _mechanism_call(
     mechanism: Mechanism, query: Tensor, key: Tensor, value: Tensor, causal: bool, padding: Optional[Tensor]
 ) -> Tensor:
     """The mechanism over the keys (bottom-right aligned when causal): self-attention, cross-attention from the
-    cache, or a causal kernelized recurrence's last rows."""
+    cache, or the last rows of a causal call of a mechanism declaring ``causal_rows``."""
     q_len, k_len = query.shape[2], key.shape[2]
     if q_len == k_len:
         return mechanism(query, key, value, causal=causal, key_padding_mask=padding)
     if mechanism.capabilities.cross:
         # Decoding from the KV cache: the new positions are the last ones, causal bottom-right alignment.
         return mechanism(query, key, value, causal=causal, key_padding_mask=padding, cross=True)
-    if causal and isinstance(mechanism, KernelizedMechanism) and q_len < k_len:
-        # Row i of a causal kernelized attention reads only query i and the keys up to it: the new rows are the
-        # last rows of a causal pass in which the earlier (uncached) queries are zeros.
+    if causal and mechanism.capabilities.causal_rows and q_len < k_len:
+        # Row i of such a causal attention reads only query i and the keys up to it: the new rows are the last
+        # rows of a causal pass in which the earlier (uncached) queries are zeros.
         queries = torch.cat([query.new_zeros(*query.shape[:2], k_len - q_len, query.shape[3]), query], dim=2)
         return mechanism(queries, key, value, causal=True, key_padding_mask=padding)[:, :, k_len - q_len :]
     raise UnsupportedOptionError(
-        f"{mechanism.name}: {q_len} queries over {k_len} cached keys needs cross-attention or a causal "
-        f"kernelized recurrence; generate with use_cache=False, or pick such a mechanism"
+        f"{mechanism.name}: {q_len} queries over {k_len} cached keys needs cross-attention or a causal form whose "
+        f"rows read only their own query (capability causal_rows); generate with use_cache=False, or pick such a "
+        f"mechanism"
     )
 
 

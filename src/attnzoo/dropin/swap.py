@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from .._validation import check_choice
 from ..attention import MultiHeadAttention
 from ..mechanisms.base import UnsupportedOptionError, shapes_only
-from ..mechanisms.registry import available, mechanism_class, mechanism_options
+from ..mechanisms.registry import available, capabilities, mechanism_class
 from .masks import TranslatedMasks, translate_masks
 from .swapped import CROSS, EITHER, SELF, WEIGHTS_CHOICES, SwappedAttention
 
@@ -146,12 +146,13 @@ def _torch_weights(module: nn.MultiheadAttention) -> Tuple[List[Tensor], List[Op
 
 
 def _zero_attention_hint() -> str:
-    """What comes closest to ``add_zero_attn``: a mechanism with a ``quiet`` option (one added to the softmax
-    denominator, which is attention to one extra zero key and value), read from the registered options."""
-    quiet = [name for name in available() if "quiet" in mechanism_options(name)]
+    """What comes closest to ``add_zero_attn``: a mechanism declaring a ``quiet_option`` (one added to the
+    softmax denominator, which is attention to one extra zero key and value)."""
+    quiet = [(name, caps.quiet_option) for name in available() for caps in [capabilities(name)] if caps.quiet_option]
     if not quiet:
         return ""
-    return f"; mechanism={quiet[0]!r} with quiet=True is the closest (a zero key, without its batch of zeros)"
+    name, option = quiet[0]
+    return f"; mechanism={name!r} with {option}=True is the closest (a zero key, without its batch of zeros)"
 
 
 def _refusals(module: nn.Module, path: str) -> List[str]:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .._validation import check_bool, check_choice
 from ..attention import MultiHeadAttention
 from ..functional.masks import zero_padded
-from ..mechanisms.base import Mechanism, UnsupportedOptionError
+from ..mechanisms.base import UnsupportedOptionError
 from ..mechanisms.registry import available, capabilities
 from .masks import TranslatedMasks, translate_masks
 
@@ -42,12 +42,6 @@ def exact_mechanisms() -> List[str]:
     """The registered mechanisms that compute exact softmax attention (``Capabilities.kind == "exact"``): the
     ones that honour any mask and return the attention weights."""
     return [name for name in available() if capabilities(name).exact]
-
-
-def _logit_scale(mechanism: Mechanism) -> Optional[float]:
-    """The logit scale an exact mechanism applies (None: ``1/sqrt(head_dim)``). The contract declares no logit
-    scale, so it is read from the mechanism's ``scale`` attribute when it has one (its ``scale`` option)."""
-    return getattr(mechanism, "scale", None)
 
 
 class SwappedAttention(nn.Module):
@@ -227,7 +221,7 @@ class SwappedAttention(nn.Module):
             bias = bias.masked_fill(masks.key_padding_mask[:, None, None, :], -math.inf)
         if masks.additive is not None:
             bias = bias + masks.additive
-        logit_scale = _logit_scale(self.attention.mechanism)
+        logit_scale = self.attention.mechanism.logit_scale()
         if not need_weights:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=logit_scale)
             return self._output(out), None

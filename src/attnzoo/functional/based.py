@@ -36,6 +36,7 @@ from .blocksparse import (
     LocalPattern,
     blocksparse_attention_reference,
     blocksparse_attention_unchecked,
+    default_block,
     window_cache_prefill,
     window_cache_step,
 )
@@ -45,9 +46,6 @@ from .linear import (
     kernel_attention_step_unchecked,
     kernel_attention_unchecked,
 )
-
-WINDOW_BLOCK = 64
-"""Block size of the window part on the blockwise core (at most the window)."""
 
 
 def taylor_features(x: Tensor) -> Tensor:
@@ -80,8 +78,8 @@ def based_features(q: Tensor, k: Tensor, q_proj: Tensor, k_proj: Tensor) -> Tupl
 
 
 def window_pattern(window: int) -> LocalPattern:
-    """The window part's pattern: ``|i - j| < window`` on blocks of ``min(window, 64)``."""
-    return LocalPattern(window, min(window, WINDOW_BLOCK))
+    """The window part's pattern: ``|i - j| < window`` on the blockwise family's blocks (``min(window, 64)``)."""
+    return LocalPattern(window, default_block(window))
 
 
 def based_attention_unchecked(

@@ -45,18 +45,11 @@ from .._validation import (
     check_positive_int,
     check_qkv,
 )
-from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, grouped_sdpa, packed_blocksparse_plan
+from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, default_block, grouped_sdpa, packed_blocksparse_plan
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions, blockwise_rows
 from .masks import zero_padded
 from .packing import spans_by_length
 from .softmax import masked_softmax_reference
-
-DEFAULT_BLOCK = 128
-"""The default block size of the window part (or the window, if smaller). Each block of queries reads its
-window span of keys, copied per block, plus the global keys: larger blocks copy each key fewer times and read a
-little more beyond the window. At N=8192, 4 heads of 64, forward+backward on 2 shared CPU cores, blocks of 128
-took about 0.8x the time of blocks of 64 at window 256 (0.88x causal), 0.86x at window 128; blocks of 256 were
-no faster than 128 over two runs."""
 
 Projections = Tuple[Tensor, Tensor, Tensor]
 """The global projections (Wq, Wk, Wv), each (heads, dim, dim): a row x of head h maps to ``x @ W[h]``."""
@@ -155,7 +148,8 @@ def longformer_attention(
         global_projections: (Wq, Wk, Wv), each (heads, head_dim, head_dim) (Wv: head_dim_v): the global
             queries' rows are computed from ``q @ Wq`` over ``k @ Wk`` and ``v @ Wv``. None: the plain q, k, v.
         scale: logit scale (> 0), ``1/sqrt(head_dim)`` by default.
-        block_size: positions per block of the window part (a speed knob). None: ``min(window, DEFAULT_BLOCK)``.
+        block_size: positions per block of the window part (a speed knob). None: the blockwise family's default
+            (:func:`attnzoo.functional.blocksparse.default_block`).
 
     Returns:
         (batch, heads, seq, head_dim_v); rows that may see no key are zeros.
@@ -175,7 +169,7 @@ def longformer_attention(
     check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
     _check_projections(global_projections, q.shape[1], q.shape[3], v.shape[3])
     globals_ = None if global_mask is None else gather_global_positions(global_mask)
-    plan = window_plan(window, block_size or min(window, DEFAULT_BLOCK), q.shape[2], causal, q.device)
+    plan = window_plan(window, default_block(window, block_size), q.shape[2], causal, q.device)
     return longformer_attention_unchecked(q, k, v, window, plan, globals_, causal, key_padding_mask, scale,
                                           global_projections)
 

@@ -96,10 +96,3 @@ def attend_per_document(attend: PerDocument, q: Tensor, k: Tensor, v: Tensor, sp
         positions.append(index.reshape(-1))
     order = torch.argsort(torch.cat(positions))  # back from grouped order to row order
     return torch.cat(outputs, dim=1)[:, order].unsqueeze(0)
-
-
-def reference_per_document(reference: PerDocument, q: Tensor, k: Tensor, v: Tensor,
-                           spans: List[Tuple[int, int]]) -> Tensor:
-    """The obviously-correct form of :func:`attend_per_document`: ``reference`` on each document's slice in
-    turn, the outputs concatenated along the sequence."""
-    return torch.cat([reference(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in spans], dim=2)

@@ -149,23 +149,20 @@ def masked_softmax_reference(logits: Tensor, allowed: Optional[Tensor], dim: int
     return torch.where(total > 0, weights / total.clamp_min(1e-300), torch.zeros_like(weights))
 
 
-def softmax_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    causal: bool = False,
-    key_padding_mask: Optional[Tensor] = None,
-    *,
-    quiet: bool = False,
-    scale: Optional[float] = None,
+def softmax_weights(
+    q: Tensor, k: Tensor, causal: bool, key_padding_mask: Optional[Tensor], *, quiet: bool = False,
+    scale: Optional[float] = None, bias: Optional[Tensor] = None,
 ) -> Tensor:
-    """Obviously-correct quadratic softmax attention in float64, for tests. Same arguments as
-    :func:`softmax_attention`; returns float64."""
-    q, k, v = q.double(), zero_padded(k.double(), key_padding_mask), zero_padded(v.double(), key_padding_mask)
+    """The (batch, heads, seq_q, seq_kv) weights of softmax attention, in q's dtype: ``softmax(q . k * scale +
+    bias)`` over the keys ``causal`` (bottom-right aligned) and ``key_padding_mask`` leave visible (the others
+    weigh 0, whatever the padded keys hold); ``quiet`` adds one to the denominator. A row that sees no key
+    weighs 0 everywhere (never NaN). k has q's heads; ``bias`` broadcasts to the weights' shape."""
     batch, _, q_len, head_dim = q.shape
     k_len = k.shape[2]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    logits = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    logits = torch.einsum("bhid,bhjd->bhij", q, zero_padded(k, key_padding_mask)) * scale
+    if bias is not None:
+        logits = logits + bias
     allowed = allowed_mask(batch, q_len, k_len, causal, key_padding_mask, q.device)
     if allowed is None:
         allowed = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=q.device)
@@ -178,5 +175,21 @@ def softmax_attention_reference(
     denominator = weights.sum(-1, keepdim=True)
     if quiet:
         denominator = denominator + torch.exp(-shift)
-    probabilities = torch.where(denominator > 0, weights / denominator.clamp_min(1e-300), torch.zeros_like(weights))
-    return probabilities @ v
+    tiny = torch.finfo(weights.dtype).tiny
+    return torch.where(denominator > 0, weights / denominator.clamp_min(tiny), torch.zeros_like(weights))
+
+
+def softmax_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    *,
+    quiet: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """Obviously-correct quadratic softmax attention in float64, for tests. Same arguments as
+    :func:`softmax_attention`; returns float64."""
+    weights = softmax_weights(q.double(), k.double(), causal, key_padding_mask, quiet=quiet, scale=scale)
+    return weights @ zero_padded(v.double(), key_padding_mask)

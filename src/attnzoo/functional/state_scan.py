@@ -44,6 +44,23 @@ from .linear.inputs import _masked_keys, _masked_log_decay, _with_ones
 from .linear.normalize import normalize_output
 
 
+class LinearTerms(NamedTuple):
+    """A causal linear-attention recurrence as a mechanism defines it (:meth:`attnzoo.Mechanism.linear_terms`):
+    what :func:`part_terms` and :func:`finish_part` need to run it on a part of a sequence."""
+
+    phi_q: Tensor
+    """(B, H, N, m) query features."""
+    phi_k: Tensor
+    """(B, H, N, m) key features (gated keys included)."""
+    key_log_scale: Optional[Tensor]
+    """(B, H, 1, 1) log of the shift the key features were divided by (stabilised features), or None."""
+    log_decay: Optional[Tensor]
+    """(B, H, N) per-position log decay, or None for undecayed linear attention."""
+    normalizer: str
+    chunk_size: int
+    denominator_eps: float
+
+
 class PartTerms(NamedTuple):
     """What one part of the sequence computes before the scan (all in the working dtype).
 

@@ -140,19 +140,11 @@ class AttentionFreeTransformer(Mechanism):
         return aft_full_unchecked(q, k, v, self.dense_position_bias(q.shape[2]), causal, key_padding_mask,
                                   self.chunk_size)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Dense float64 form (:func:`attnzoo.functional.aft.aft_reference`) with ``w`` written out entry by
         entry from this instance's parameters."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         bias = None
         if self.position_bias is not None:
             n = q.shape[2]

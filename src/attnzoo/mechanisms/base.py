@@ -1,4 +1,5 @@
-"""The mechanism contract and the registry (the declarations it reads are in :mod:`.capabilities`).
+"""The mechanism contract: the base class every mechanism derives from (the declarations it reads are in
+:mod:`.capabilities`, the registry in :mod:`.registry`).
 
 Every attention mechanism is a small ``nn.Module`` working on per-head tensors (batch, heads, seq, head_dim).
 It declares what it can do once, in a :class:`Capabilities`; the registry, the conformance tests,
@@ -13,13 +14,20 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
+from .._validation import (
+    check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv,
+)
 from ..functional.grouped import query_groups, repeat_kv
-from ..functional.packing import attend_per_document, check_cu_seqlens, reference_per_document
+from ..functional.packing import attend_per_document, check_cu_seqlens
+from ..functional.state_scan import LinearTerms
 from ..state import DecodingState
+from .call_inputs import check_call_input_values, declared_call_inputs
+from .made_inputs import seeded_generator, shapes_only  # noqa: F401 - importable from here as before
 from .packed_checks import check_document_lengths
+from .state_checks import StateLayout, check_state_made_here, check_state_tensors
 from .capabilities import (  # noqa: F401 - the contract's declarations, importable from here as before
     APPROXIMATE,
+    CallInput,
     Capabilities,
     EXACT,
     GROUPED_KV,
@@ -40,45 +48,7 @@ State = Optional[DecodingState]
 """A mechanism's decoding state: a :class:`~attnzoo.state.DecodingState`, or None before the first step.
 Passed in and returned explicitly; never stored on the module."""
 
-StateLayout = Dict[str, Tuple[Tuple[Optional[int], ...], torch.dtype]]
-"""Name -> (shape after the batch dim, None where the size varies; dtype) of every tensor of a state."""
 
-
-
-def seeded_generator(seed: Optional[int]) -> Optional[torch.Generator]:
-    """For a mechanism's ``seed`` option (an int >= 0, checked here): a generator seeded with it, or None to draw
-    from the global RNG. Mechanisms draw their random buffers from it at construction, never in a forward."""
-    seed = check_number("seed", seed, integer=True, minimum=0, optional=True)
-    return None if seed is None else torch.Generator().manual_seed(seed)
-
-
-def shapes_only(
-    batch: int, heads: int, q_len: int, k_len: int, head_dim: int, dtype: torch.dtype = torch.float32, *,
-    kv_heads: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """q, k, v of the given shapes on the ``meta`` device: no memory, no data. For asking
-    :meth:`Mechanism.unsupported_reasons` about a call before making its inputs. k and v have ``kv_heads``
-    heads (``heads`` when None)."""
-    kv_heads = heads if kv_heads is None else kv_heads
-    make = lambda n, length: torch.empty(batch, n, length, head_dim, dtype=dtype, device="meta")  # noqa: E731
-    return make(heads, q_len), make(kv_heads, k_len), make(kv_heads, k_len)
-
-
-def _grouped_reference(reference: Any) -> Any:
-    """Wrap a mechanism's ``reference`` so that it takes grouped keys and values: it repeats them to one head
-    per query head (grouped-query attention is defined as attention on the repeated keys and values), after
-    refusing what :meth:`Mechanism.check_grouping` refuses."""
-
-    @functools.wraps(reference)
-    def grouped(self: "Mechanism", q: Tensor, k: Tensor, v: Tensor, *args: Any, **options: Any) -> Tensor:
-        if isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == k.dim() == 4 and q.shape[1] != k.shape[1]:
-            self.check_grouping(q, k, v)
-            groups = query_groups(q.shape[1], k.shape[1])
-            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        return reference(self, q, k, v, *args, **options)
-
-    grouped.takes_grouped_kv = True  # type: ignore[attr-defined]
-    return grouped
 
 
 class Mechanism(nn.Module):
@@ -102,17 +72,23 @@ class Mechanism(nn.Module):
     length_option: ClassVar[Optional[str]] = None
     """The integer option that must equal the sequence length (a learned projection over positions), if any:
     ``attnzoo compare`` sets it to each length it measures."""
-    call_options: ClassVar[Tuple[str, ...]] = ()
-    """Keyword-only arguments this mechanism's :meth:`forward` takes beyond the contract's, each defaulting to
-    None (per-call inputs, e.g. longformer's ``global_mask``). ``MultiHeadAttention.forward`` passes such an
-    argument on to a mechanism that lists it and refuses it, naming it, for any other."""
+    call_inputs: ClassVar[Tuple[CallInput, ...]] = ()
+    """The per-call inputs this mechanism takes beyond the contract's arguments (e.g. longformer's
+    ``global_mask``), each a :class:`CallInput`: :meth:`forward` and :meth:`reference` check them and pass
+    them by name to :meth:`attend`, :meth:`attend_packed` and :meth:`attend_reference`, which take each as a
+    keyword-only argument defaulting to None. ``MultiHeadAttention.forward`` passes them on."""
+
+    _CONTRACT_METHODS: ClassVar[Tuple[str, ...]] = ("forward", "reference")
+    """What the base class does for every mechanism and no subclass overrides: the checks live there, once."""
 
     def __init_subclass__(cls, **options: Any) -> None:
         super().__init_subclass__(**options)
-        # Every reference takes grouped keys/values (by repeating them), whichever class defines it.
-        reference = cls.__dict__.get("reference")
-        if reference is not None and not getattr(reference, "takes_grouped_kv", False):
-            cls.reference = _grouped_reference(reference)  # type: ignore[method-assign]
+        for method, instead in zip(cls._CONTRACT_METHODS, ("attend", "attend_reference")):
+            if method in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__qualname__} overrides {method}(), which checks the inputs for every mechanism: implement "
+                    f"{instead}() instead (declare per-call inputs in call_inputs)"
+                )
 
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -130,6 +106,7 @@ class Mechanism(nn.Module):
         *,
         cross: bool = False,
         cu_seqlens: Optional[Tensor] = None,
+        **call_inputs: Optional[Tensor],
     ) -> Tensor:
         """Attend.
 
@@ -148,17 +125,32 @@ class Mechanism(nn.Module):
                 each document attending only within itself (see :mod:`attnzoo.functional.packing`); for a
                 mechanism whose ``capabilities.packing`` accepts it; ``max_length`` binds each document, not the
                 row (:meth:`check_packed_inputs`). None: one sequence per batch row.
+            **call_inputs: the per-call inputs this mechanism declares in :attr:`call_inputs` (each a (batch,
+                seq) bool mask); any other name is refused, naming it.
 
         Returns:
             (batch, heads, seq_q, head_dim_v)
         """
+        inputs = self.check_call_inputs(call_inputs)
         if cu_seqlens is not None:
             spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
+            self.check_call_input_values(inputs, q)
             k, v = self.repeated_kv(q, k, v)  # kv_heads heads stay for a native mechanism, as unpacked
-            return self.attend_packed(q, k, v, causal, spans)
+            return self.attend_packed(q, k, v, causal, spans, **inputs)
         self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        self.check_call_input_values(inputs, q)
         k, v = self.repeated_kv(q, k, v)
-        return self.attend(q, k, v, causal, key_padding_mask, cross)
+        return self.attend(q, k, v, causal, key_padding_mask, cross, **inputs)
+
+    def check_call_inputs(self, given: Dict[str, Any]) -> Dict[str, Any]:
+        """The declared per-call inputs (:attr:`call_inputs`), each the value given or None, after refusing any
+        other name, naming it (:func:`.call_inputs.declared_call_inputs`): callers ask before any work."""
+        return declared_call_inputs(self.name, self.call_inputs, given)
+
+    def check_call_input_values(self, inputs: Dict[str, Any], q: Tensor) -> None:
+        """Each given per-call input a (batch, seq) bool mask over q's positions on q's device (naming it), and
+        none under ``torch.jit.trace`` that a trace cannot take."""
+        check_call_input_values(self.name, self.call_inputs, inputs, q)
 
     def repeated_kv(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
         """k and v as :meth:`attend` and :meth:`attend_step` receive them: repeated to q's heads for a mechanism
@@ -171,7 +163,8 @@ class Mechanism(nn.Module):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
-        """The mechanism's maths, on checked inputs; k, v with fewer heads than q only if ``grouped_kv="native"``."""
+        """The mechanism's maths, on checked inputs; k, v with fewer heads than q only if ``grouped_kv="native"``.
+        A mechanism declaring :attr:`call_inputs` takes each as a keyword-only argument (None when not given)."""
         raise NotImplementedError
 
     def reference(
@@ -183,15 +176,79 @@ class Mechanism(nn.Module):
         key_padding_mask: Optional[Tensor] = None,
         *,
         cross: bool = False,
+        **call_inputs: Optional[Tensor],
     ) -> Tensor:
         """The same attention computed by slow, obviously-correct quadratic maths in float64.
 
-        Every mechanism provides one; the conformance suite compares :meth:`forward` with it. Takes the
-        arguments of :meth:`forward` and uses this instance's parameters and buffers (features, projections);
+        Every mechanism provides one (:meth:`attend_reference`); the conformance suite compares :meth:`forward`
+        with it. Takes the arguments of :meth:`forward` (packed rows: :meth:`reference_packed`), checked as
+        :meth:`forward` checks them, and uses this instance's parameters and buffers (features, projections);
         returns float64 (batch, heads, seq_q, head_dim_v). Grouped keys and values are repeated to q's heads
-        before a subclass's ``reference`` sees them (the base class wraps every override).
+        (grouped-query attention is defined as attention on the repeated keys and values).
         """
-        raise NotImplementedError(f"{type(self).__qualname__} must implement reference()")
+        inputs = self.check_call_inputs(call_inputs)
+        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+        self.check_call_input_values(inputs, q)
+        if k.shape[1] != q.shape[1]:
+            groups = query_groups(q.shape[1], k.shape[1])
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return self.attend_reference(q, k, v, causal, key_padding_mask, cross, **inputs)
+
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
+        """The mechanism's float64 maths (what :meth:`reference` returns) on checked inputs, k and v with q's
+        heads."""
+        raise NotImplementedError(f"{type(self).__qualname__} must implement attend_reference()")
+
+    # -- the weights, for what needs more than the output -----------------------------------------------------
+    def attention_weights(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, *, causal: bool = False,
+        bias: Optional[Tensor] = None,
+    ) -> Tensor:
+        """For a mechanism declaring ``capabilities.attention_weights``: the (batch, heads, seq_q, seq_kv) weights
+        its output mixes the values with, for q (batch, heads, seq_q, head_dim) and k (batch, heads or kv_heads,
+        seq_kv, head_dim), under ``key_padding_mask`` (True = padding: weight 0), ``causal`` (bottom-right
+        aligned) and an additive ``bias`` on the logits broadcasting to (batch, heads, seq_q, seq_kv) (-inf
+        hides a key). In q's dtype, with gradient."""
+        caps = self.capabilities
+        if not caps.attention_weights:
+            raise UnsupportedOptionError(
+                f"{self.refused_by('attention_weights')} forms no attention weight matrix (capability "
+                f"attention_weights=False)"
+            )
+        check_qkv(q, k, k, grouped=True)
+        check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[2], q.device)
+        if k.shape[1] != q.shape[1]:
+            k = repeat_kv(k, query_groups(q.shape[1], k.shape[1]))
+        return self.attend_weights(q, k, key_padding_mask, causal, bias)
+
+    def attend_weights(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], causal: bool, bias: Optional[Tensor]
+    ) -> Tensor:
+        """The weights of :meth:`attention_weights` on checked inputs, k with q's heads."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares attention_weights=True but has no "
+                                  f"attend_weights()")
+
+    def linear_terms(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None) -> LinearTerms:
+        """For a mechanism declaring ``capabilities.linear_recurrence``: the terms of its causal recurrence over
+        q (batch, heads, seq, head_dim) and k (k with q's heads), checked as a causal forward is."""
+        if not self.capabilities.linear_recurrence:
+            raise UnsupportedOptionError(f"{self.refused_by('linear_recurrence')} has no linear-attention "
+                                         f"recurrence to expose (capability linear_recurrence=False)")
+        self.check_inputs(q, k, k, True, key_padding_mask)
+        return self.attend_linear_terms(q, k, key_padding_mask)
+
+    def attend_linear_terms(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> LinearTerms:
+        """The terms of :meth:`linear_terms` on checked inputs."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares linear_recurrence=True but has no "
+                                  f"attend_linear_terms()")
+
+    def logit_scale(self) -> Optional[float]:
+        """The scale this instance's dot-product logits use, as set by the option its ``capabilities.scale_option``
+        names (kept as the attribute of that name); None for ``1/sqrt(head_dim)`` (unset, or no such option)."""
+        option = self.capabilities.scale_option
+        return None if option is None else getattr(self, option)
 
     # -- packed batches (cu_seqlens) -----------------------------------------------------------------------------
     def check_packing(
@@ -239,14 +296,26 @@ class Mechanism(nn.Module):
         """Attention over a checked packed row q (1, heads, N, dim), k, v (1, kv_heads, N, dim), each document
         (start, end) of ``spans`` alone; k, v with fewer heads than q only if ``grouped_kv="native"`` (never
         repeated), as :meth:`attend` takes them. By default :meth:`attend` on every document, equal lengths
-        batched (``packing="split"``); a ``"native"`` mechanism overrides it."""
+        batched (``packing="split"``); a ``"native"`` mechanism overrides it (and so does one declaring
+        :attr:`call_inputs`, which it takes as :meth:`attend` does, each a (1, seq) mask over the row)."""
         return attend_per_document(lambda *qkv: self.attend(*qkv, causal, None, False), q, k, v, spans,
                                    takes_grouped=True)
 
-    def reference_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, *, cu_seqlens: Tensor) -> Tensor:
-        """:meth:`reference` of a packed row: float64, each document's reference computed alone in turn."""
+    def reference_packed(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool = False, *, cu_seqlens: Tensor,
+        **call_inputs: Optional[Tensor],
+    ) -> Tensor:
+        """:meth:`reference` of a packed row: float64, each document's reference computed alone in turn (a
+        per-call input, a (1, seq) mask over the row, cut to each document)."""
+        inputs = self.check_call_inputs(call_inputs)
         spans = self.check_packing(q, None, False, cu_seqlens)
-        return reference_per_document(lambda *qkv: self.reference(*qkv, causal), q, k, v, spans)
+        self.check_call_input_values(inputs, q)
+
+        def document(start: int, end: int) -> Dict[str, Any]:
+            return {name: None if mask is None else mask[:, start:end] for name, mask in inputs.items()}
+
+        return torch.cat([self.reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], causal,
+                                         **document(start, end)) for start, end in spans], dim=2)
 
     def check_inputs(
         self,
@@ -486,49 +555,15 @@ class Mechanism(nn.Module):
         device. Anything else raises naming ``state``."""
         if state is None:
             return
-        where = f"{self.name}.step"
-        if not isinstance(state, DecodingState):
-            raise TypeError(
-                f"{where}: state must be None (to start) or the DecodingState that {self.name}'s prefill or step "
-                f"returned, got {type(state).__name__}"
-            )
-        if state.mechanism != self.name:
-            raise ValueError(f"{where}: state was made by mechanism {state.mechanism!r}, not {self.name!r}")
-        if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 1:
-            raise ValueError(f"{where}: state.length must be a positive int, got {state.length!r}")
+        check_state_made_here(state, self.name)
         kv_heads = self.heads if kv_heads is None else kv_heads
         grouped = kv_heads != self.heads and self.capabilities.grouped_kv == NATIVE_KV
         # Overrides take kv_heads only when grouped natively, value_width only when declaring any_value_width.
         other_width = value_width is not None and value_width != self.head_dim
         asked = {**({"kv_heads": kv_heads} if grouped else {}), **({"value_width": value_width} if other_width else {})}
         layout = self.state_layout(q_t.dtype, **asked)
-        if not isinstance(state.tensors, dict) or set(state.tensors) != set(layout):
-            got = sorted(state.tensors) if isinstance(state.tensors, dict) else type(state.tensors).__name__
-            raise ValueError(f"{where}: state holds tensors {got}, expected {sorted(layout)}")
-        batch = q_t.shape[0]
-        for key, (shape, dtype) in layout.items():
-            tensor = state.tensors[key]
-            if not isinstance(tensor, Tensor):
-                raise TypeError(f"{where}: state tensor {key!r} is a {type(tensor).__name__}, not a tensor")
-            if tensor.dim() != len(shape) + 1 or tensor.shape[0] != batch:
-                raise ValueError(
-                    f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}; this step's batch is {batch} "
-                    f"(a state keeps the batch it was made for: reorder it with attnzoo.state.select_batch)"
-                )
-            if any(want is not None and got != want for got, want in zip(tensor.shape[1:], shape)):
-                expected = "(" + ", ".join("*" if size is None else str(size) for size in (batch, *shape)) + ")"
-                raise ValueError(
-                    f"{where}: state tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} for "
-                    f"heads={self.heads}, kv_heads={kv_heads}, head_dim={self.head_dim}, value width "
-                    f"{self.value_width(value_width)}: it was made by a mechanism of another shape or for keys/values "
-                    f"of another number of heads or width"
-                )
-            if tensor.dtype != dtype:
-                raise TypeError(
-                    f"{where}: state tensor {key!r} is {tensor.dtype}, expected {dtype} for {q_t.dtype} inputs"
-                )
-            if tensor.device != q_t.device:
-                raise ValueError(f"{where}: state tensor {key!r} is on {tensor.device}, the inputs on {q_t.device}")
+        check_state_tensors(state, self.name, layout, q_t, self.heads, kv_heads, self.head_dim,
+                            self.value_width(value_width))
 
     # -- training hooks --------------------------------------------------------------------------------------
     # What a training loop asks of every mechanism in its model (attnzoo.training.hooks walks them): none names

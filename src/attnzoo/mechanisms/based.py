@@ -21,6 +21,7 @@ from ..functional.based import (
 from ..functional.blocksparse import BlockPlan, blocksparse_plan
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .plan_cache import last_plan
 from .registry import register
 
 
@@ -74,12 +75,8 @@ class BasedAttention(Mechanism):
 
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
         """The window's block plan, the last one kept while the length, causality and device stay."""
-        key = (length, causal, device)
-        cached = getattr(self, "_last_plan", None)
-        if cached is None or cached[0] != key:
-            cached = (key, blocksparse_plan(window_pattern(self.window), length, causal, device))
-            self._last_plan = cached
-        return cached[1]
+        return last_plan(self, "_plan", (length, causal, device),
+                         lambda: blocksparse_plan(window_pattern(self.window), length, causal, device))
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -89,18 +86,10 @@ class BasedAttention(Mechanism):
                                         self.chunk_size, plan)
         return out.to(q.dtype)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Float64 quadratic maths (:func:`~attnzoo.functional.based.based_attention_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         return based_attention_reference(q, k, v, self.q_proj, self.k_proj, self.window, causal, key_padding_mask)
 
     # -- decoding ------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ class UnsupportedOptionError(ValueError):
     """A mechanism was asked for something its capabilities do not include (the message names the option)."""
 
 
-NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step", "any_value_width")
+NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step", "any_value_width", "attention_weights", "causal_rows")
 """The capabilities an instance's options may switch off (:meth:`Capabilities.narrowed`)."""
 
 EXACT = "exact"
@@ -52,8 +52,37 @@ itself, giving exactly what it gives that document alone."""
 
 
 @dataclass(frozen=True)
+class CallInput:
+    """A per-call input a mechanism takes beyond the contract's arguments (:attr:`Mechanism.call_inputs`): a
+    (batch, seq) bool mask over the positions of the sequence, True marking a position (of a packed row, with
+    ``cu_seqlens``, a (1, seq) mask over the row).
+
+    The base class checks it once (shape, dtype, device, naming it) and passes it by name, None when not given,
+    to :meth:`Mechanism.attend`, :meth:`Mechanism.attend_packed` and :meth:`Mechanism.attend_reference`;
+    ``MultiHeadAttention`` passes it on, naming no mechanism, and a mechanism that does not declare it refuses
+    it, naming it.
+
+    Attributes:
+        name: the keyword argument's name.
+        summary: what the mask marks, for error messages and ``attnzoo list``.
+        untraceable: why a call under ``torch.jit.trace`` cannot take it (e.g. a count read from its values,
+            which a trace would freeze), or None when it can.
+    """
+
+    name: str
+    summary: str
+    untraceable: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValueError(f"a call input's name must be an identifier, got {self.name!r}")
+
+
+@dataclass(frozen=True)
 class Capabilities:
-    """What a mechanism supports, declared once per mechanism class.
+    """What a mechanism supports, declared once per mechanism class: what the contract, the drop-in and the
+    models need to know of it, so that no code outside ``mechanisms/`` reads a mechanism's class or looks for an
+    option by name.
 
     Attributes:
         causal: supports ``causal=True`` (autoregressive masking).
@@ -78,6 +107,22 @@ class Capabilities:
         any_value_width: v may have another head dim than q and k (the output then has v's); False for a
             mechanism that ties each value channel to a query or key channel or learns weights over v's
             channels (it needs v with ``head_dim`` channels and refuses others, naming this capability).
+        dot_product_logits: its logits are ``q . k / sqrt(head_dim)`` (exact softmax, an approximation of it, or
+            softmax on a fixed pattern of positions), so scaling the queries by ``s * sqrt(head_dim)`` gives it
+            the logit scale ``s``. None (the default) means: true for an exact or approximate ``kind``.
+        scale_option: the option that sets its logit scale directly (``q . k`` times it), or None.
+        window_option: the option that restricts every query to a sliding window of the nearest keys and to
+            nothing beyond it (what a model's ``sliding_window`` means), or None.
+        quiet_option: the option that adds one to its softmax denominator (attention to one extra zero key and
+            value, what ``add_zero_attn`` comes closest to), or None.
+        attention_weights: offers :meth:`Mechanism.attention_weights`: the (batch, heads, seq_q, seq_kv) weights
+            its output mixes the values with, under any additive bias on the logits.
+        causal_rows: with ``causal=True``, output row i reads query i and no other query (the keys and values up
+            to i decide the rest), so the last rows of a causal call are those of a call whose earlier queries
+            are anything, zeros included: how a decoder computes the rows of new tokens over a cache.
+        linear_recurrence: its causal form is a linear-attention recurrence with a constant-size state, whose
+            terms (features, decays) :meth:`Mechanism.linear_terms` gives: what sequence parallelism splits
+            across ranks.
     """
 
     causal: bool
@@ -93,6 +138,13 @@ class Capabilities:
     grouped_kv: str = REPEAT_KV
     packing: str = NOT_PACKED
     any_value_width: bool = True
+    dot_product_logits: Optional[bool] = None
+    scale_option: Optional[str] = None
+    window_option: Optional[str] = None
+    quiet_option: Optional[str] = None
+    attention_weights: bool = False
+    causal_rows: bool = False
+    linear_recurrence: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -101,6 +153,12 @@ class Capabilities:
             raise ValueError(f"grouped_kv must be one of {', '.join(GROUPED_KV)}, got {self.grouped_kv!r}")
         if self.packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.dot_product_logits is None:  # frozen: set once, as the declaration reads
+            object.__setattr__(self, "dot_product_logits", self.kind in (EXACT, APPROXIMATE))
+        for role in ("scale_option", "window_option", "quiet_option"):
+            value = getattr(self, role)
+            if value is not None and (not isinstance(value, str) or not value.isidentifier()):
+                raise ValueError(f"{role} must name an option (an identifier) or be None, got {value!r}")
 
     @property
     def packed(self) -> bool:

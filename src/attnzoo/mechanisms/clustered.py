@@ -107,18 +107,10 @@ class ClusteredAttention(Mechanism):
             self.iterations, self.topk if self.improved else None,
         )
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Dense float64 maths, one (batch, head) and cluster at a time, on the same (discrete) clusters."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         return clustered_attention_reference(
             q,
             k,

@@ -122,20 +122,12 @@ class _DeltaRuleMechanism(Mechanism):
                                       self.chunk_size)
         return out.to(q.dtype)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """The per-position recurrence in float64 (:func:`attnzoo.functional.delta.delta_rule_reference`),
         with the convolutions (:func:`~attnzoo.functional.short_convolution.short_conv_reference`), beta and
         the decay computed from the float64 inputs by the same definitions."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q.double(), k.double(), v.double(),
                                                                  key_padding_mask, self._reference_conv)
         return delta_rule_reference(unit_q, unit_k, v_, beta, log_decay, causal=causal,

@@ -85,15 +85,8 @@ class DifferentialAttention(Mechanism):
         return packed_differential_attention_unchecked(q, k, v, self.lambda_(), self.lambda_init, spans, causal,
                                                        self.scale)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Two quadratic float64 softmax maps, their lambda-weighted difference and the RMS norm, lambda computed
         in float64 from this instance's vectors."""

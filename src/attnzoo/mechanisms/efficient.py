@@ -78,19 +78,11 @@ class EfficientAttention(Mechanism):
             return grouped_query_attention(attend_queries, q, k.shape[1], causal)
         return attend_queries(q, causal)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Dense float64 form: the (seq_q, seq_kv) attention matrix from explicit softmaxes
         (:func:`attnzoo.functional.efficient.efficient_attention_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         return efficient_attention_reference(q, k, v, causal, key_padding_mask)
 
     # -- decoding ------------------------------------------------------------------------------------------

@@ -58,18 +58,10 @@ class FNetMixing(Mechanism):
         # forward() checked the inputs: the unchecked core validates nothing twice.
         return tied_to_unused(fourier_mixing_unchecked(v, key_padding_mask, self.normalized), q, k)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Explicit float64 DFT matrices (:func:`attnzoo.functional.fnet.fourier_mixing_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         out = fourier_mixing_reference(v, key_padding_mask, normalized=self.normalized)
         return tied_to_unused(out, q, k)
 

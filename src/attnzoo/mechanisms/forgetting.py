@@ -97,19 +97,11 @@ class ForgettingAttention(Mechanism):
         return forgetting_attention_unchecked(q, k, v, log_forget, causal, key_padding_mask, self.scale,
                                               self.block_size)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """The (N, N) bias written out in float64 (:func:`attnzoo.functional.forgetting_attention_reference`),
         the gates computed from the float64 keys by the same definition."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         log_forget = self.log_forget(k.double(), key_padding_mask)
         return forgetting_attention_reference(q, k, v, log_forget, causal, key_padding_mask, scale=self.scale)
 

@@ -78,6 +78,8 @@ class RetentionAttention(_DotProductDecayed):
         # Each query head decays at its own rate, so a key/value head's state differs per query head.
         grouped_kv=REPEAT_KV,
         packing=PACKED_NATIVE,
+        causal_rows=True,
+        linear_recurrence=True,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"normalize": False, "chunk_size": 4},)
@@ -143,6 +145,8 @@ class GatedLinearAttention(_DotProductDecayed):
         # The gates are learned per query head, so a key/value head's state differs per query head.
         grouped_kv=REPEAT_KV,
         packing=PACKED_NATIVE,
+        causal_rows=True,
+        linear_recurrence=True,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
     test_variants = ({"normalize": False, "chunk_size": 4},)

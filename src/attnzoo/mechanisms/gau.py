@@ -112,15 +112,8 @@ class GauAttention(ScaleOffsetForms):
         out = gau_attention_unchecked(forms["q"], forms["k"], v, causal, key_padding_mask, self.scores)
         return out.to(q.dtype)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         forms = self.make_forms(q, k, key_padding_mask, reference=True)
         return gau_attention_reference(forms["q"], forms["k"], v, causal, key_padding_mask, scores=self.scores)

@@ -27,6 +27,7 @@ from ..feature_maps import (
 from ..functional.gated import key_gate_logits, rfa_gates
 from ..functional.grouped import grouped_query_attention, grouped_rows, per_query_group, ungrouped_rows
 from ..functional.shrinkage import shrunk_kernel_attention_reference, shrunk_kernel_attention_unchecked
+from ..functional.state_scan import LinearTerms
 from ..functional.linear import (
     DEFAULT_CHUNK_SIZE,
     SIGNED_DENOMINATOR_EPS,
@@ -99,19 +100,11 @@ class KernelizedMechanism(Mechanism):
     def denominator_eps(self) -> float:
         return 0.0
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Quadratic float64 form: the (seq_q, seq_kv) matrix of ``phi(q_i) . phi(k_j)`` times the decays,
         masked, normalised (:func:`attnzoo.functional.kernel_attention_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         q, k, v = q.double(), k.double(), v.double()
         phi_q, phi_k = self.reference_features(q, k, key_padding_mask, cross)
         phi_k, log_decay = self._keys(k, phi_k)
@@ -125,6 +118,12 @@ class KernelizedMechanism(Mechanism):
             normalizer=self.normalizer,
             denominator_eps=self.denominator_eps,
         )
+
+    def attend_linear_terms(self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor]) -> LinearTerms:
+        phi_q, phi_k, key_log_scale = self.features(q, k, key_padding_mask)
+        phi_k, log_decay = self._keys(k, phi_k)
+        return LinearTerms(phi_q, phi_k, key_log_scale, log_decay, self.normalizer, self.chunk_size,
+                           self.denominator_eps)
 
     # -- shared paths -----------------------------------------------------------------------------------------
     def _keys(self, k: Tensor, phi_k: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
@@ -293,6 +292,8 @@ class PerformerAttention(_RandomFeatureMechanism):
         summary="FAVOR+ positive orthogonal random features for the softmax kernel (Choromanski et al. 2021)",
         grouped_kv=NATIVE_KV,
         packing=PACKED_SPLIT,
+        causal_rows=True,
+        linear_recurrence=True,
     )
     sweep_option = "nb_features"
     test_options: ClassVar[Dict[str, object]] = {"nb_features": 32, "seed": 0, "chunk_size": 4}
@@ -370,19 +371,11 @@ class PerformerAttention(_RandomFeatureMechanism):
         phi_q, phi_k, _ = self.features(q, k, key_padding_mask, cross)
         return shrunk_kernel_attention_unchecked(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         if not self.shrinkage:
-            return super().reference(q, k, v, causal, key_padding_mask, cross=cross)
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
+            return super().attend_reference(q, k, v, causal, key_padding_mask, cross)
         phi_q, phi_k = self.reference_features(q.double(), k.double(), key_padding_mask, cross)
         return shrunk_kernel_attention_reference(phi_q, phi_k, v, self.feature_map.second_half(), key_padding_mask)
 
@@ -411,6 +404,8 @@ class LinearAttention(_FeatureMapMechanism):
         summary="linear transformer, elu(x)+1 feature map, chunked causal path (Katharopoulos et al. 2020)",
         grouped_kv=NATIVE_KV,
         packing=PACKED_NATIVE,
+        causal_rows=True,
+        linear_recurrence=True,
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
@@ -458,6 +453,8 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
         # The learned sharpness (and gate) is per query head and scales the keys: one state per query head.
         grouped_kv=REPEAT_KV,
         packing=PACKED_NATIVE,
+        causal_rows=True,
+        linear_recurrence=True,
     )
     # Trigonometric features can sum to a normaliser near zero, where rounding is amplified; 64 features keep
     # the small test problems well conditioned.

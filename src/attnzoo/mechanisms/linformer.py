@@ -190,15 +190,8 @@ class LinformerAttention(Mechanism):
         e, f = self.projections()
         return linformer_attention_unchecked(q, k, v, e, f, key_padding_mask, None)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         e, f = self.projections()
         return linformer_attention_reference(q, k, v, e, f, key_padding_mask)

@@ -9,10 +9,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .._validation import check_bool, check_indices, check_number, check_position_mask, check_positive_int
-from ..functional.blocksparse import BlockPlan
+from .._validation import check_bool, check_indices, check_number, check_positive_int
+from ..functional.blocksparse import BlockPlan, PackedBlockPlan, default_block
 from ..functional.longformer import (
-    DEFAULT_BLOCK,
     GlobalPositions,
     gather_global_positions,
     longformer_attention_reference,
@@ -25,8 +24,9 @@ from ..functional.longformer import (
     static_global_mask,
     window_plan,
 )
-from .base import NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, UnsupportedOptionError
+from .base import NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, CallInput, Capabilities, Mechanism
 from .registry import register
+from .plan_cache import last_plan
 from .sparse_checks import check_block_size
 
 
@@ -47,7 +47,7 @@ class LongformerAttention(Mechanism):
     * and, per call, ``forward(..., global_mask=...)``: a (batch, seq) bool tensor, True marking a global
       position of that batch element (so each element may have its own; build with ``global_tokens=0`` to let
       the mask alone decide). ``MultiHeadAttention.forward`` passes it on (``global_mask`` is in
-      :attr:`call_options`).
+      :attr:`call_inputs`).
 
     An index of ``global_indices`` outside ``[-seq, seq)`` for a call's sequence length is refused
     (:class:`~attnzoo.UnsupportedOptionError` naming ``global_indices``), never dropped; two indices that name
@@ -66,7 +66,7 @@ class LongformerAttention(Mechanism):
             plain q, k, v, for its window and for the global keys alike. The values' head_dim must then equal
             head_dim.
         block_size: positions per block of the window part (a speed knob; the output does not depend on it).
-            None: ``min(window, 128)`` (:data:`attnzoo.functional.longformer.DEFAULT_BLOCK`).
+            None: ``min(window, 64)`` (:data:`attnzoo.functional.blocksparse.DEFAULT_BLOCK`).
 
     Time and memory O(N (window + G)) for G global positions (the most of any batch element), nothing N x N.
     The count G of a ``global_mask`` is read from its values (one host synchronisation per call), so a call
@@ -86,8 +86,12 @@ class LongformerAttention(Mechanism):
                 "global projections (Beltagy et al. 2020)",
         packing=PACKED_NATIVE,
         grouped_kv=NATIVE_KV,
+        dot_product_logits=True,
     )
-    call_options = ("global_mask",)
+    call_inputs = (CallInput(
+        "global_mask", "further global positions of each batch element for this call",
+        untraceable="the number of global positions is read from its values",
+    ),)
     # Index -1 is in range at every length: the property tests run test_options from one position up.
     test_options = {"window": 2, "global_tokens": 1, "global_indices": (-1,), "block_size": 2}
     test_variants = (
@@ -134,66 +138,38 @@ class LongformerAttention(Mechanism):
         """The window's block plan, the fixed global positions (``global_tokens``, ``global_indices``) and the
         block mask of a call without ``key_padding_mask`` or ``global_mask``, reused while the length, causality
         and device stay the same (the last ones are kept: O(N (window + G)) bools)."""
-        key = (length, causal, device)
-        cached = getattr(self, "_last_plan", None)
-        if cached is None or cached[0] != key:
-            block = self.block_size or min(self.window, DEFAULT_BLOCK)
-            plan = window_plan(self.window, block, length, causal, device)
+
+        def make() -> Tuple[BlockPlan, GlobalPositions, Tensor]:
+            plan = window_plan(self.window, default_block(self.window, self.block_size), length, causal, device)
             fixed = static_global_mask(length, self.global_tokens, self.global_indices, device)
             fixed = gather_global_positions(fixed.view(1, length))
-            cached = (key, (plan, fixed, longformer_block_mask(plan, self.window, fixed, causal, None)))
-            self._last_plan = cached
-        return cached[1]
+            return plan, fixed, longformer_block_mask(plan, self.window, fixed, causal, None)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-        global_mask: Optional[Tensor] = None,
-        cu_seqlens: Optional[Tensor] = None,
-    ) -> Tensor:
-        """:meth:`Mechanism.forward`, plus ``global_mask``: (batch, seq) bool, True marks further global
-        positions of each batch element for this call (with those of the options), or None. With
-        ``cu_seqlens`` (a packed row), each document has the global positions it has alone, and
-        ``global_mask`` (1, seq) marks positions of the row."""
-        spans = None
-        if cu_seqlens is None:
-            self.check_inputs(q, k, v, causal, key_padding_mask, cross)
-        else:
-            spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)  # each document
-        check_position_mask("global_mask", global_mask, q.shape[0], q.shape[2], q.device)
-        if global_mask is not None and torch.jit.is_tracing():
-            raise UnsupportedOptionError(
-                "longformer: global_mask cannot be traced: the number of global positions is read from its values"
-            )
-        k, v = self.repeated_kv(q, k, v)
-        if spans is not None:
-            return self._attend_packed(q, k, v, causal, spans, global_mask)
-        return self._attend(q, k, v, causal, key_padding_mask, global_mask)
+        return last_plan(self, "_plan", (length, causal, device), make)
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool, *,
+        global_mask: Optional[Tensor] = None,
     ) -> Tensor:
-        return self._attend(q, k, v, causal, key_padding_mask, None)
+        """The window and the global positions: those of the options, plus ``global_mask``'s (the per-call input)."""
+        return self._attend(q, k, v, causal, key_padding_mask, global_mask)
 
-    def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
-        return self._attend_packed(q, k, v, causal, spans, None)
+    def attend_packed(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]], *,
+        global_mask: Optional[Tensor] = None,
+    ) -> Tensor:
+        """Each document with the global positions it has alone, plus those ``global_mask`` (1, seq) marks in the
+        row."""
+        return self._attend_packed(q, k, v, causal, spans, global_mask)
 
     def _attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]],
                        global_mask: Optional[Tensor]) -> Tensor:
-        key = (tuple(spans), causal, q.device)
-        cached = getattr(self, "_last_packed_plan", None)
-        if cached is None or cached[0] != key:
-            block = self.block_size or min(self.window, DEFAULT_BLOCK)
+        def make() -> Tuple[PackedBlockPlan, Tensor]:
+            block = default_block(self.window, self.block_size)
             fixed = packed_static_global_mask(spans, self.global_tokens, self.global_indices, q.device)
-            cached = (key, (packed_window_plan(self.window, block, spans, causal, q.device), fixed))
-            self._last_packed_plan = cached
-        plan, fixed = cached[1]
+            return packed_window_plan(self.window, block, spans, causal, q.device), fixed
+
+        plan, fixed = last_plan(self, "_packed_plan", (tuple(spans), causal, q.device), make)
         mask = fixed if global_mask is None else fixed | global_mask
         return packed_longformer_attention_unchecked(q, k, v, self.window, plan, spans, mask, causal, None,
                                                      self.projections())
@@ -217,15 +193,8 @@ class LongformerAttention(Mechanism):
         mask = fixed.expand(batch, length)
         return mask if global_mask is None else mask | global_mask
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool, *,
         global_mask: Optional[Tensor] = None,
     ) -> Tensor:
         mask = self.global_positions(q.shape[0], q.shape[2], global_mask, q.device)

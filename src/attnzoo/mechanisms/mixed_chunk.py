@@ -77,15 +77,8 @@ class MixedChunkAttention(ScaleOffsetForms):
         )
         return out.to(q.dtype)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         f = self.make_forms(q, k, key_padding_mask, reference=True)
         return mixed_chunk_attention_reference(

@@ -106,18 +106,10 @@ class NativeSparseAttention(Mechanism):
         return nsa_attention_unchecked(q, k, v, self.gates(q), self.blocks, self.k_compress, self.v_compress,
                                        causal, key_padding_mask, None, plan)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Float64 with dense masks (:func:`~attnzoo.functional.nsa.nsa_attention_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         gates = self.gates(q.double())
         return nsa_attention_reference(q, k, v, gates, self.blocks, k_weight=self.k_compress,
                                        v_weight=self.v_compress, causal=causal, key_padding_mask=key_padding_mask)

@@ -90,21 +90,13 @@ class NystromAttention(Mechanism):
             q, k, v, key_padding_mask, query_padding_mask, self.landmarks, self.pinv_iterations, self.conv_weight
         )
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Dense float64 maths, one (batch, head) at a time, with the pseudo-inverse by the same number of
         iterations of the paper's method: the exact ``torch.linalg.pinv`` differs from a few iterations by far
         more than the float64 comparison allows (the iteration is the method, not a rounding of it); the
         functional reference takes ``pinv_iterations=None`` for the exact pseudo-inverse."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         return nystrom_attention_reference(
             q,
             k,

@@ -119,15 +119,8 @@ class ReformerAttention(Mechanism):
         out = lsh_attention_unchecked(q, v, self.hash_key, self.bucket_size, self.n_hashes, causal, key_padding_mask)
         return tied_to_unused(out, k)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         out = lsh_attention_reference(
             q, v, self.hash_key, bucket_size=self.bucket_size, n_hashes=self.n_hashes, causal=causal,

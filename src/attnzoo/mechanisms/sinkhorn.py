@@ -103,15 +103,8 @@ class SinkhornAttention(Mechanism):
             causal, key_padding_mask, self.sortcut,
         )
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         return sinkhorn_attention_reference(
             q, k, v, self.sort_weight, self.sort_bias, block_size=self.block_size,

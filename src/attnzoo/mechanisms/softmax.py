@@ -27,6 +27,7 @@ from ..functional.softmax import (
     masked_softmax_reference,
     packed_softmax_attention_unchecked,
     softmax_attention_reference,
+    softmax_weights,
     softmax_attention_unchecked,
 )
 from .base import EXACT, NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, StateLayout
@@ -71,6 +72,10 @@ class SoftmaxAttention(Mechanism):
         summary="exact scaled dot-product attention (Vaswani et al. 2017)",
         grouped_kv=NATIVE_KV,
         packing=PACKED_NATIVE,
+        scale_option="scale",
+        window_option="window",
+        quiet_option="quiet",
+        attention_weights=True,
     )
     test_variants = ({"quiet": True},)
     test_variants += ({"window": 3, "sink_tokens": 2}, {"window": 2})
@@ -87,8 +92,9 @@ class SoftmaxAttention(Mechanism):
         if self.window is not None:
             # Positions of one sequence are compared: no cross-attention; the window is not exact softmax.
             # Its masked kernel takes as many key/value heads as query heads: grouped inputs are repeated.
+            # Its weights would need the window's pattern: not offered.
             self.capabilities = self.capabilities.narrowed(f"window={self.window}", kind=OWN, cross=False,
-                                                           grouped_kv=REPEAT_KV)
+                                                           grouped_kv=REPEAT_KV, attention_weights=False)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
@@ -124,21 +130,19 @@ class SoftmaxAttention(Mechanism):
             return super().attend_packed(q, k, v, causal, spans)
         return packed_softmax_attention_unchecked(q, k, v, spans, causal, self.quiet, self.scale)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         if self.window is not None:
             return _windowed_reference(q, k, v, causal, key_padding_mask, self.window, self.sink_tokens, self.scale)
         return softmax_attention_reference(q, k, v, causal, key_padding_mask, quiet=self.quiet, scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
+
+    def attend_weights(
+        self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], causal: bool, bias: Optional[Tensor]
+    ) -> Tensor:
+        return softmax_weights(q, k, causal, key_padding_mask, quiet=self.quiet, scale=self.scale, bias=bias)
     def state_layout(
         self, dtype: torch.dtype, kv_heads: Optional[int] = None, value_width: Optional[int] = None
     ) -> StateLayout:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .._validation import check_choice, check_number, check_positive_int
 from ..functional.blocksparse import (
+    DEFAULT_BLOCK,
     BigBirdPattern,
     BlockPattern,
     BlockPlan,
@@ -26,6 +27,7 @@ from ..functional.blocksparse import (
     blocksparse_attention_unchecked,
     blocksparse_plan,
     check_sink_tokens,
+    default_block,
     grouped_sdpa,
     packed_blocksparse_attention_unchecked,
     packed_blocksparse_plan,
@@ -36,6 +38,7 @@ from ..functional.blocksparse import (
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout
 from .registry import register
 from .longformer import LongformerAttention  # noqa: F401 - registered with the family, importable from here
+from .plan_cache import last_plan
 from .sparse_checks import check_block_size
 
 
@@ -58,41 +61,15 @@ class BlockSparseAttention(Mechanism):
         """The block plan for this call, reused while the length, causality, device and pattern stay the same
         (the last one is kept: indices and an element mask of O(N * blocks_per_row * block_size) bools)."""
         pattern = self.pattern()
-        key = (pattern, length, causal, device)
-        cached = getattr(self, "_last_plan", None)
-        if cached is None or cached[0] != key:
-            cached = (key, blocksparse_plan(pattern, length, causal, device))
-            self._last_plan = cached
-        return cached[1]
+        return last_plan(self, "_plan", (pattern, length, causal, device),
+                         lambda: blocksparse_plan(pattern, length, causal, device))
 
     def packed_plan(self, spans: List[Tuple[int, int]], causal: bool, device: torch.device) -> PackedBlockPlan:
         """The block plan of a packed row of documents ``spans``, each laid out as it is alone (the last one is
         kept, while the documents, causality, device and pattern stay the same)."""
         pattern = self.pattern()
-        key = (pattern, tuple(spans), causal, device)
-        cached = getattr(self, "_last_packed_plan", None)
-        if cached is None or cached[0] != key:
-            cached = (key, packed_blocksparse_plan(pattern, spans, causal, device))
-            self._last_packed_plan = cached
-        return cached[1]
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
-        cu_seqlens: Optional[Tensor] = None,
-    ) -> Tensor:
-        """:meth:`Mechanism.forward`; with ``cu_seqlens``, ``max_length`` binds each document, not the row."""
-        if cu_seqlens is None:
-            return super().forward(q, k, v, causal, key_padding_mask, cross=cross)
-        spans = self.check_packed_inputs(q, k, v, causal, key_padding_mask, cross, cu_seqlens)
-        k, v = self.repeated_kv(q, k, v)
-        return self.attend_packed(q, k, v, causal, spans)
+        return last_plan(self, "_packed_plan", (pattern, tuple(spans), causal, device),
+                         lambda: packed_blocksparse_plan(pattern, spans, causal, device))
 
     def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
         plan = self.packed_plan(spans, causal, q.device)
@@ -104,15 +81,8 @@ class BlockSparseAttention(Mechanism):
         plan = self.plan(q.shape[2], causal, q.device)
         return blocksparse_attention_unchecked(q, k, v, self.pattern(), causal, key_padding_mask, None, plan)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         return blocksparse_attention_reference(q, k, v, self.pattern(), causal, key_padding_mask)
 
@@ -130,7 +100,7 @@ class LocalAttention(BlockSparseAttention):
             ``local-attention`` package's option, so ``attnzoo compare --set local.window=W`` compares the
             two at one window (that package's buckets see between W and 2W keys back, this one exactly W).
         block_size: positions per block of the blockwise core (a speed knob; the output does not depend
-            on it). None: ``min(window, 64)``.
+            on it). None: ``min(window, 64)`` (:data:`~attnzoo.functional.blocksparse.DEFAULT_BLOCK`).
         sink_tokens: attention sinks (Xiao et al. 2023, StreamingLLM): the first ``sink_tokens`` positions
             are visible to every query besides its window (causally, to the queries at or after them), an
             int with ``0 <= sink_tokens <= window``; 0 (the default): none. Blockwise, nothing N x N: every
@@ -156,6 +126,8 @@ class LocalAttention(BlockSparseAttention):
                 "Child et al. 2019)",
         packing=PACKED_NATIVE,
         grouped_kv=NATIVE_KV,
+        dot_product_logits=True,
+        window_option="window",
     )
     test_options = {"window": 3, "block_size": 2}
     test_variants = ({"window": 5}, {"window": 1, "block_size": 4}, {"window": 40, "block_size": 3})
@@ -170,8 +142,8 @@ class LocalAttention(BlockSparseAttention):
 
     def pattern(self) -> BlockPattern:
         if self.sink_tokens:
-            return SinkLocalPattern(self.window, self.sink_tokens, self.block_size or min(self.window, 64))
-        return LocalPattern(self.window, self.block_size or min(self.window, 64))
+            return SinkLocalPattern(self.window, self.sink_tokens, default_block(self.window, self.block_size))
+        return LocalPattern(self.window, default_block(self.window, self.block_size))
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(
@@ -266,6 +238,7 @@ class StridedAttention(BlockSparseAttention):
         summary="Sparse Transformer strided/fixed patterns and dilated attention (Child et al. 2019)",
         packing=PACKED_NATIVE,
         grouped_kv=NATIVE_KV,
+        dot_product_logits=True,
     )
     test_options = {"pattern": "strided", "stride": 3, "block_size": 2}
     test_variants = (
@@ -296,10 +269,10 @@ class StridedAttention(BlockSparseAttention):
 
     def pattern(self) -> BlockPattern:
         if self.pattern_name == "strided":
-            return StridedPattern(self.stride, self.block_size or 64)
+            return StridedPattern(self.stride, default_block(block_size=self.block_size))
         if self.pattern_name == "fixed":
-            return FixedPattern(self.stride, self.summary, self.block_size or 64)
-        return DilatedPattern(self.stride, self.block_size or 64)
+            return FixedPattern(self.stride, self.summary, default_block(block_size=self.block_size))
+        return DilatedPattern(self.stride, default_block(block_size=self.block_size))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, pattern={self.pattern_name!r}, stride={self.stride}, "
@@ -341,6 +314,7 @@ class BigBirdAttention(BlockSparseAttention):
         summary="window, global and random blocks (Zaheer et al. 2020)",
         packing=PACKED_NATIVE,
         grouped_kv=NATIVE_KV,
+        dot_product_logits=True,
     )
     test_options = {"block_size": 2, "window_blocks": 1, "global_blocks": 1, "random_blocks": 1, "max_seq_len": 24}
     test_variants = (
@@ -353,7 +327,7 @@ class BigBirdAttention(BlockSparseAttention):
         heads: int,
         head_dim: int,
         *,
-        block_size: int = 64,
+        block_size: int = DEFAULT_BLOCK,
         window_blocks: int = 1,
         global_blocks: int = 1,
         random_blocks: int = 2,

@@ -63,6 +63,8 @@ class StateSpaceDualityAttention(KernelizedMechanism):
         # The step sizes are learned per query head, so a key/value head's state differs per query head.
         grouped_kv=REPEAT_KV,
         packing=PACKED_NATIVE,
+        causal_rows=True,
+        linear_recurrence=True,
     )
     test_options = {"chunk_size": 4}  # the suite's lengths cross several chunk boundaries
 

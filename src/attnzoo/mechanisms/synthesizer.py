@@ -208,19 +208,11 @@ class SynthesizerAttention(Mechanism):
             out = synthesizer_attention_unchecked(q, k, v, logits, causal, key_padding_mask, mix, self.chunk_size)
         return out if self.mix else tied_to_unused(out, q, k)
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """float64 logits from their per-element definitions, then an explicit masked, max-shifted softmax
         (:func:`attnzoo.functional.synthesizer.synthesizer_attention_reference`)."""
-        self.check_inputs(q, k, v, causal, key_padding_mask, cross)
         params = {name: getattr(self, name) for name in ("w1", "b1", "w2", "b2", "table", "left", "right")
                   if hasattr(self, name)}
         logits = synthesized_logits_reference(self.mode, q, factor=self.factor, **params)

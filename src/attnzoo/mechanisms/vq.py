@@ -234,15 +234,8 @@ class VQAttention(Mechanism):
         return [f"mechanism {self.name!r} updates its codebooks from per-rank EMA statistics, which data "
                 "parallelism does not combine: train it in one process"]
 
-    def reference(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        causal: bool = False,
-        key_padding_mask: Optional[Tensor] = None,
-        *,
-        cross: bool = False,
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         through = self.training and torch.is_grad_enabled()
         out = vq_attention_reference(q, k, v, self.codebook, self.block_size, causal, key_padding_mask,

@@ -7,12 +7,22 @@ Used by the guide loss of training (:mod:`attnzoo.training.seq2seq`) and by mono
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-from ..mechanisms.base import UnsupportedOptionError
+from ..mechanisms.base import Mechanism, UnsupportedOptionError
 from .seq2seq import Seq2SeqTransformer
+
+
+def softmax_weights_refusal(mechanism: Mechanism) -> Optional[str]:
+    """Why a cross-attention mechanism's weights are not a softmax distribution over the source positions that
+    can be read (capabilities ``kind="exact"`` and ``attention_weights``), or None when they are."""
+    caps = mechanism.capabilities
+    if caps.exact and caps.attention_weights:
+        return None
+    missing = "attention_weights" if caps.exact else "exact"
+    return f"{mechanism.refused_by(missing)} is not (capability {missing}=False)"
 
 
 class CrossAttentionWeights:
@@ -26,28 +36,23 @@ class CrossAttentionWeights:
         recorder.weights  # one tensor per decoder layer
 
     ``purpose`` names what needs the weights in the :class:`~attnzoo.UnsupportedOptionError` raised for a model
-    whose cross-attention is not exact softmax (``quiet`` included).
+    whose cross-attention is not exact softmax with its weights (:func:`softmax_weights_refusal`).
     """
 
     def __init__(self, model: Seq2SeqTransformer, purpose: str) -> None:
         self.mechanisms = [layer.cross_attention.mechanism for layer in model.decoder.layers
                            if getattr(layer, "cross_attention", None) is not None]
         for mechanism in self.mechanisms:
-            if mechanism.name != "softmax" or mechanism.quiet:
-                raise UnsupportedOptionError(f"{purpose} needs softmax cross-attention, got {mechanism.name!r}")
+            refused = softmax_weights_refusal(mechanism)
+            if refused:
+                raise UnsupportedOptionError(f"{purpose} needs exact softmax cross-attention: {refused}")
         self.weights: List[Tensor] = []
         self._handles: List[Any] = []
 
     def _record(self, module: Any, args: Tuple[Tensor, ...], kwargs: Dict[str, Any]) -> None:
         q, k = args[0], args[1]
-        if k.shape[1] != q.shape[1]:  # grouped-query cross-attention: query head h reads key head h // groups
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        scale = module.scale if module.scale is not None else q.shape[-1] ** -0.5
-        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
         mask = kwargs.get("key_padding_mask")
-        if mask is not None:
-            scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-        self.weights.append(scores.softmax(dim=-1))
+        self.weights.append(module.attention_weights(q.float(), k.float(), mask))
 
     def __enter__(self) -> "CrossAttentionWeights":
         self.weights = []

@@ -14,7 +14,8 @@ search reorders it with :func:`attnzoo.state.select_batch` like any other state)
 maths of the window and of the focus is in :mod:`attnzoo.functional.monotonic`.
 
 The weights that move the focus are those of softmax attention, so the decoder's cross-attention must be
-exact ``softmax`` (not ``quiet``); any other mechanism is refused with an
+exact softmax with its weights (``softmax``, not ``quiet``: capabilities ``exact`` and ``attention_weights``);
+any other mechanism is refused with an
 :class:`~attnzoo.UnsupportedOptionError` naming ``monotonic``. A prompt of several target tokens is run at
 once, all of its positions seeing the window at the initial focus: the constraint is meant for decoding from
 one start token.
@@ -32,7 +33,7 @@ from torch import Tensor
 from .._validation import check_number, check_positive_int
 from ..functional.monotonic import advance_focus, initial_focus, monotonic_window_mask
 from ..mechanisms.base import UnsupportedOptionError
-from .cross_attention import CrossAttentionWeights
+from .cross_attention import CrossAttentionWeights, softmax_weights_refusal
 from .seq2seq import Seq2SeqTransformer
 from .stacks import DecoderState
 
@@ -94,12 +95,11 @@ def check_monotonic(model: Any, monotonic: Any) -> Optional[MonotonicInference]:
             "monotonic=...: the copy mechanism's own attention over the source is not held to the window; "
             "decode a copy-mechanism model without monotonic inference")
     for number, layer in enumerate(model.decoder.layers):
-        mechanism = layer.cross_attention.mechanism
-        if mechanism.name != "softmax" or mechanism.quiet:
-            got = "quiet softmax" if mechanism.name == "softmax" else repr(mechanism.name)
+        refused = softmax_weights_refusal(layer.cross_attention.mechanism)
+        if refused:
             raise UnsupportedOptionError(
                 f"monotonic=...: monotonic inference moves its focus by the softmax cross-attention weights; "
-                f"decoder layer {number} has {got} cross-attention (use cross_attention='softmax')")
+                f"decoder layer {number}'s cross-attention: {refused} (use cross_attention='softmax')")
     return monotonic
 
 

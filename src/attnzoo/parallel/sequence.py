@@ -30,7 +30,6 @@ from ..attention import MultiHeadAttention
 from ..functional.state_scan import exclusive_state_scan, finish_part, part_terms, rescale_keys
 from ..mechanisms.base import Mechanism, UnsupportedOptionError
 from ..mechanisms.registry import available, mechanism_class
-from ..mechanisms.kernelized import KernelizedMechanism
 
 
 def _require_group(group: Optional[dist.ProcessGroup]) -> None:
@@ -86,19 +85,17 @@ class _PrefixAcrossRanks(torch.autograd.Function):
 
 
 def sequence_parallel_mechanisms() -> List[str]:
-    """The registered mechanisms that can run sequence-parallel (with their default options): the causal
-    kernelized ones (``KernelizedMechanism`` subclasses declaring ``causal``)."""
-    return [
-        name for name in available()
-        if issubclass(mechanism_class(name), KernelizedMechanism) and mechanism_class(name).capabilities.causal
-    ]
+    """The registered mechanisms that can run sequence-parallel (with their default options): the causal ones
+    whose causal form is a linear-attention recurrence (capability ``linear_recurrence``)."""
+    return [name for name in available()
+            if mechanism_class(name).capabilities.linear_recurrence and mechanism_class(name).capabilities.causal]
 
 
 def sequence_parallel_reasons(mechanism: Mechanism) -> List[str]:
-    """Why ``mechanism`` cannot run sequence-parallel (empty when it can): it must be a causal kernelized
-    mechanism (a ``KernelizedMechanism``, such as ``linear``, ``performer``, ``rfa``, ``retention``, ``gla``),
-    whose causal form is a recurrence with a constant-size state."""
-    if not isinstance(mechanism, KernelizedMechanism):
+    """Why ``mechanism`` cannot run sequence-parallel (empty when it can): its causal form must be a recurrence
+    with a constant-size state whose terms it exposes (capability ``linear_recurrence``: ``linear``,
+    ``performer``, ``rfa``, ``retention``, ``gla``, ...)."""
+    if not mechanism.capabilities.linear_recurrence:
         return [f"{mechanism.name} has no constant-size causal state to pass between ranks: sequence parallelism "
                 f"covers the causal kernelized mechanisms ({', '.join(sequence_parallel_mechanisms())})"]
     if not mechanism.capabilities.causal:
@@ -132,10 +129,9 @@ def sequence_parallel_attention(
     reasons = sequence_parallel_reasons(mechanism)
     if reasons:
         raise UnsupportedOptionError("; ".join(reasons))
-    assert isinstance(mechanism, KernelizedMechanism)
     mechanism.check_inputs(q, k, v, True, key_padding_mask)
-    phi_q, phi_k, key_log_scale = mechanism.features(q, k, key_padding_mask)
-    phi_k, log_decay = mechanism._keys(k, phi_k)
+    phi_q, phi_k, key_log_scale, log_decay, normalizer, chunk_size, denominator_eps = mechanism.linear_terms(
+        q, k, key_padding_mask)
     if key_log_scale is not None:
         # The single-process keys share the largest shift of the whole sequence; agree on it first. A part
         # whose keys are all padding has no shift of its own (its features are zero).
@@ -146,15 +142,15 @@ def sequence_parallel_attention(
         dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
         shared = torch.where(torch.isfinite(shared), shared, key_log_scale.detach())
         phi_k = rescale_keys(phi_k, key_log_scale.detach(), shared)
-    terms = part_terms(phi_q, phi_k, v, key_padding_mask, log_decay, chunk_size=mechanism.chunk_size)
+    terms = part_terms(phi_q, phi_k, v, key_padding_mask, log_decay, chunk_size=chunk_size)
     state = terms.state
     batch, heads, m, d1 = state.shape
     packed = state.reshape(batch, heads, m * d1)
     if terms.log_decay_total is not None:
         packed = torch.cat([packed, terms.log_decay_total.unsqueeze(-1)], dim=-1)
     prefix = _PrefixAcrossRanks.apply(packed, m, d1, terms.log_decay_total is not None, group)
-    return finish_part(terms, phi_q, prefix, normalizer=mechanism.normalizer,
-                       denominator_eps=mechanism.denominator_eps, out_dtype=v.dtype)
+    return finish_part(terms, phi_q, prefix, normalizer=normalizer, denominator_eps=denominator_eps,
+                       out_dtype=v.dtype)
 
 
 def sequence_parallel_self_attention(

@@ -39,6 +39,8 @@ blockwise kernel), :mod:`.reference` (the dense float64 reference and each patte
 from .core import blocksparse_attention, blocksparse_attention_unchecked, grouped_sdpa
 from .layout import BlockLayout, BlockPattern
 from .patterns import (
+    DEFAULT_BLOCK,
+    default_block,
     BigBirdPattern,
     DilatedPattern,
     FixedPattern,
@@ -59,7 +61,9 @@ from .reference import blocksparse_attention_reference, pattern_dense_mask
 from .window_cache import check_sink_tokens, window_cache_layout, window_cache_prefill, window_cache_step
 
 __all__ = [
+    "DEFAULT_BLOCK",
     "DENSE_SHARE",
+    "default_block",
     "DenseDocuments",
     "BigBirdPattern",
     "BlockLayout",
