@@ -49,6 +49,22 @@ PACKINGS = {
 }
 """How a mechanism honours ``cu_seqlens`` (:attr:`Capabilities.packing`): each document attends only within
 itself, giving exactly what it gives that document alone."""
+PADDED_EITHER_SIDE = "either"
+PADDED_RIGHT = "right"
+PADDED_NEITHER = "neither"
+PADDING_INVARIANCE = {
+    PADDED_EITHER_SIDE: "a sequence padded on the right or on the left gives at its positions what it gives alone",
+    PADDED_RIGHT: "a sequence padded on the right gives at its positions what it gives alone; padded on the left "
+                  "it may not: its maths reads positions counted from the row's start (a learned table or "
+                  "projection over positions, a block or chunk grid, or tokens chosen by position)",
+    PADDED_NEITHER: "a sequence's output may change with how long the padded row is, on either side (segments, "
+                    "buckets, clusters, blocks or random draws made over the whole row, or a transform of it)",
+}
+"""Where a sequence may be padded, in a batch with a ``key_padding_mask``, without changing its output at its
+own positions (:attr:`Capabilities.padding_invariance`)."""
+PADDED_SIDES = {PADDED_EITHER_SIDE: ("right", "left"), PADDED_RIGHT: ("right",), PADDED_NEITHER: ()}
+"""The sides (``"right"``: after the sequence, ``"left"``: before it) each :data:`PADDING_INVARIANCE` value
+promises."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,14 @@ class Capabilities:
         any_value_width: v may have another head dim than q and k (the output then has v's); False for a
             mechanism that ties each value channel to a query or key channel or learns weights over v's
             channels (it needs v with ``head_dim`` channels and refuses others, naming this capability).
+        padding_invariance: one of :data:`PADDING_INVARIANCE`, for a mechanism taking ``key_padding_mask``:
+            on which sides a sequence may be padded (the padded positions of q, k and v holding anything)
+            and still give at its positions, to rounding, the output it gives alone, i.e. whether its output
+            depends on the batch it is padded into: ``"either"`` (the default), ``"right"`` (its maths counts
+            positions from the row's start) or ``"neither"``. A promise the conformance suite holds it to: a
+            class declares the most its options allow, an instance whose options make it depend on positions
+            in the row (or on the row's length) declares the weaker value. Whatever it declares, what padded
+            positions hold never reaches an unpadded one.
     """
 
     causal: bool
@@ -93,6 +117,7 @@ class Capabilities:
     grouped_kv: str = REPEAT_KV
     packing: str = NOT_PACKED
     any_value_width: bool = True
+    padding_invariance: str = PADDED_EITHER_SIDE
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -101,6 +126,9 @@ class Capabilities:
             raise ValueError(f"grouped_kv must be one of {', '.join(GROUPED_KV)}, got {self.grouped_kv!r}")
         if self.packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.padding_invariance not in PADDING_INVARIANCE:
+            raise ValueError(f"padding_invariance must be one of {', '.join(PADDING_INVARIANCE)}, "
+                             f"got {self.padding_invariance!r}")
 
     @property
     def packed(self) -> bool:
