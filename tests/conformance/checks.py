@@ -41,6 +41,7 @@ from attnzoo.mechanisms import (
     mechanism_class,
     shapes_only,
 )
+from attnzoo.mechanisms.capabilities import PADDED_SIDES
 from attnzoo.state import DecodingState, map_tensors, select_batch
 
 HEADS = 2
@@ -1235,6 +1236,80 @@ def check_case_no_lookahead(mechanism: Mechanism, case: Case) -> None:
     no_lookahead(m, qkv, case.mask(), case.cut, what, seed=case.seed, cross=case.cross)
 
 
+# -- a sequence padded into a batch --------------------------------------------------------------------------
+# The same sequence padded or alone: only rounding differs (chunk or block boundaries may move with padding).
+PADDED_ALONE = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def padded_alone_lengths(mechanism: Mechanism) -> Optional[Tuple[int, int]]:
+    """(real length, padding) both legal alone and together: the padding a multiple of ``length_multiple``,
+    the padded row within ``max_length``. Without a multiple: 7 real positions (a partial block for most block
+    sizes) and 5 padded ones (shifting most block grids off their boundaries). None if no padding fits."""
+    multiple = mechanism.capabilities.length_multiple or 1
+    limit = mechanism.max_length
+    pad = multiple * -(-5 // multiple)
+    n = multiple * -(-7 // multiple)
+    if limit is not None and n + pad > limit:
+        pad = multiple
+        n = (limit - pad) // multiple * multiple
+    return (n, pad) if n >= 1 else None
+
+
+def _garbage(x: Tensor, padded: Tensor, seed: int) -> Tensor:
+    """``x`` with its padded positions (``padded``: (batch, seq) bool) holding huge values, and NaN at every
+    other padded position."""
+    generator = torch.Generator().manual_seed(seed)
+    huge = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(x.dtype) * 1e6
+    huge[:, :, 1::2] = float("nan")
+    return torch.where(padded[:, None, :, None], huge, x)
+
+
+def check_padded_like_alone(mechanism: Mechanism) -> None:
+    """A sequence padded on the right, or on the left, gives at its real positions the output it gives alone
+    (float64, causal and not as declared), whatever the padded positions of q, k and v hold (huge values,
+    NaN): its output does not depend on the batch it is padded into. Against the sequence alone on the sides
+    ``Capabilities.padding_invariance`` promises; on every side, the garbage against zeros in the padding
+    (what a padded position holds never reaches a real one). The batch's other row is a longer sequence with
+    no padding, so rows of different padding share a call."""
+    caps = mechanism.capabilities
+    if not caps.key_padding:
+        return
+    lengths = padded_alone_lengths(mechanism)
+    if lengths is None:
+        return
+    n, pad = lengths
+    m = as_dtype(mechanism, torch.float64)
+    generator = torch.Generator().manual_seed(31)
+    draw = lambda length: torch.randn(1, m.heads, length, m.head_dim, generator=generator,  # noqa: E731
+                                      dtype=torch.float64)
+    alone, other = [draw(n) for _ in range(3)], [draw(n + pad) for _ in range(3)]
+    promised = PADDED_SIDES[caps.padding_invariance]
+    for causal in ([False, True] if caps.causal else [False]):
+        expected = m(*alone, causal=causal)
+        expected_other = m(*other, causal=causal)
+        for side in ("right", "left"):
+            real = slice(0, n) if side == "right" else slice(pad, n + pad)
+            mask = torch.ones(2, n + pad, dtype=torch.bool)
+            mask[0, real] = False
+            mask[1] = False
+            zeros = []
+            for x, y in zip(alone, other):
+                row = x.new_zeros(1, m.heads, n + pad, m.head_dim)
+                row[:, :, real] = x
+                zeros.append(torch.cat([row, y]))
+            garbage = [_garbage(x, mask, seed=40 + i) for i, x in enumerate(zeros)]
+            out = m(*garbage, causal=causal, key_padding_mask=mask)
+            what = (f"{type(mechanism).__name__} causal={causal}: a sequence of {n} padded by {pad} on the {side} "
+                    f"(huge values and NaN in the padded q, k, v)")
+            assert_close(out[:1, :, real], m(*zeros, causal=causal, key_padding_mask=mask)[:1, :, real],
+                         f"{what}: differs from it with zeros in the padding", **PADDED_ALONE)
+            assert_close(out[1:], expected_other, f"{what}: the batch's unpadded row differs from it alone",
+                         **PADDED_ALONE)
+            if side in promised:
+                assert_close(out[:1, :, real], expected,
+                             f"{what}: differs from the sequence alone (padding_invariance="
+                             f"{caps.padding_invariance!r} promises the {side})", **PADDED_ALONE)
+
 # -- training hooks ------------------------------------------------------------------------------------------
 def _training_forward(mechanism: Mechanism, dtype: torch.dtype, seed: int, copy_of: Optional[Mechanism] = None
                       ) -> Tuple[Mechanism, Qkv]:
@@ -1335,6 +1410,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_deterministic,
     check_output_depends_on_values,
     check_key_padding,
+    check_padded_like_alone,
     check_no_lookahead,
     check_batch_independence,
     check_traced_matches_eager,
