@@ -1269,8 +1269,8 @@ def check_padded_like_alone(mechanism: Mechanism) -> None:
     (float64, causal and not as declared), whatever the padded positions of q, k and v hold (huge values,
     NaN): its output does not depend on the batch it is padded into. Against the sequence alone on the sides
     ``Capabilities.padding_invariance`` promises; on every side, the garbage against zeros in the padding
-    (what a padded position holds never reaches a real one). The batch's other row is a longer sequence with
-    no padding, so rows of different padding share a call."""
+    (what a padded position holds never reaches a real one). One batch: the sequence padded on the right, the
+    same padded on the left, and a longer sequence with no padding. The forward and ``reference()`` alike."""
     caps = mechanism.capabilities
     if not caps.key_padding:
         return
@@ -1283,31 +1283,35 @@ def check_padded_like_alone(mechanism: Mechanism) -> None:
     draw = lambda length: torch.randn(1, m.heads, length, m.head_dim, generator=generator,  # noqa: E731
                                       dtype=torch.float64)
     alone, other = [draw(n) for _ in range(3)], [draw(n + pad) for _ in range(3)]
+    sides = {"right": slice(0, n), "left": slice(pad, n + pad)}  # the sequence's positions in rows 0 and 1
+    mask = torch.ones(3, n + pad, dtype=torch.bool)
+    for row, real in enumerate(sides.values()):
+        mask[row, real] = False
+    mask[2] = False
+    zeros = []
+    for x, y in zip(alone, other):
+        padded = x.new_zeros(2, m.heads, n + pad, m.head_dim)
+        for row, real in enumerate(sides.values()):
+            padded[row, :, real] = x[0]
+        zeros.append(torch.cat([padded, y]))
+    garbage = [_garbage(x, mask, seed=40 + i) for i, x in enumerate(zeros)]
     promised = PADDED_SIDES[caps.padding_invariance]
-    for causal in ([False, True] if caps.causal else [False]):
-        expected = m(*alone, causal=causal)
-        expected_other = m(*other, causal=causal)
-        for side in ("right", "left"):
-            real = slice(0, n) if side == "right" else slice(pad, n + pad)
-            mask = torch.ones(2, n + pad, dtype=torch.bool)
-            mask[0, real] = False
-            mask[1] = False
-            zeros = []
-            for x, y in zip(alone, other):
-                row = x.new_zeros(1, m.heads, n + pad, m.head_dim)
-                row[:, :, real] = x
-                zeros.append(torch.cat([row, y]))
-            garbage = [_garbage(x, mask, seed=40 + i) for i, x in enumerate(zeros)]
-            out = m(*garbage, causal=causal, key_padding_mask=mask)
-            what = (f"{type(mechanism).__name__} causal={causal}: a sequence of {n} padded by {pad} on the {side} "
-                    f"(huge values and NaN in the padded q, k, v)")
-            assert_close(out[:1, :, real], m(*zeros, causal=causal, key_padding_mask=mask)[:1, :, real],
-                         f"{what}: differs from it with zeros in the padding", **PADDED_ALONE)
-            assert_close(out[1:], expected_other, f"{what}: the batch's unpadded row differs from it alone",
+    for causal, (label, run) in itertools.product([False, True] if caps.causal else [False],
+                                                  [("forward", m), ("reference()", m.reference)]):
+        with torch.no_grad():
+            expected, expected_other = run(*alone, causal=causal), run(*other, causal=causal)
+            out = run(*garbage, causal=causal, key_padding_mask=mask)
+            clean = run(*zeros, causal=causal, key_padding_mask=mask)
+        where = f"{type(mechanism).__name__} {label} causal={causal}"
+        assert_close(out[2:], expected_other, f"{where}: a sequence of {n + pad} beside padded ones differs from it "
+                     f"alone", **PADDED_ALONE)
+        for row, (side, real) in enumerate(sides.items()):
+            what = f"{where}: a sequence of {n} padded by {pad} on the {side} (huge values and NaN in the padding)"
+            actual = out[row : row + 1, :, real]
+            assert_close(actual, clean[row : row + 1, :, real], f"{what}: differs from it with zeros in the padding",
                          **PADDED_ALONE)
             if side in promised:
-                assert_close(out[:1, :, real], expected,
-                             f"{what}: differs from the sequence alone (padding_invariance="
+                assert_close(actual, expected, f"{what}: differs from the sequence alone (padding_invariance="
                              f"{caps.padding_invariance!r} promises the {side})", **PADDED_ALONE)
 
 # -- training hooks ------------------------------------------------------------------------------------------

@@ -509,6 +509,23 @@ def test_padding_check_holds_a_mechanism_to_its_declared_sides(cls, declared):
     checks.check_padded_like_alone(toy(Declared, heads=1))
 
 
+def test_padding_check_reads_the_reference_too(monkeypatch):
+    """A reference that lets a padded value's NaN through (times zero, still NaN) fails the padding check,
+    though the fast path is sound."""
+    from attnzoo.mechanisms import softmax as softmax_module
+
+    sound = softmax_module.softmax_attention_reference
+
+    def leaky(q, k, v, causal, key_padding_mask, *, quiet, scale):
+        out = sound(q, k, v, causal, key_padding_mask, quiet=quiet, scale=scale)
+        return out + 0.0 * v.sum(2, keepdim=True)
+
+    checks.check_padded_like_alone(toy(GoodToy, heads=1))
+    monkeypatch.setattr(softmax_module, "softmax_attention_reference", leaky)
+    with pytest.raises(AssertionError, match=r"reference\(\) causal=False: .* padded by 5 on the right .*non-finite"):
+        checks.check_padded_like_alone(toy(GoodToy, heads=1))
+
+
 def test_every_instance_check_has_a_broken_toy():
     guarded = {check for check, _, _, _ in BROKEN}
     assert set(checks.INSTANCE_CHECKS) <= guarded, set(checks.INSTANCE_CHECKS) - guarded
