@@ -5,7 +5,7 @@ gates per head and position,
 
 * Compressed: the keys and values are cut into blocks of ``compress_block`` (l) positions every
   ``compress_stride`` (d) positions (overlapping when d < l); each block is summarised by the mean of its
-  (unpadded) keys, resp. values, followed by a learned linear map (``k_weight``, ``v_weight``, (dim, dim),
+  keys, resp. values, followed by a learned linear map (``k_weight``, ``v_weight``, (dim, dim),
   shared by the heads). The paper's learned MLP with an intra-block position encoding is replaced by mean +
   linear (fla's reference pools by the mean alone). Causally, query t sees block i once the block is complete,
   ``i * d + l - 1 <= t``; only whole blocks exist (a tail shorter than l has no summary).

@@ -44,6 +44,9 @@ class NativeSparseAttention(Mechanism):
             of a key/value group); must divide heads.
 
     Self-attention only (the blocks pair positions of one sequence). Grouped keys and values are repeated.
+    With a key padding mask, blocks, the window and causal order are counted over each sequence's unpadded
+    positions, so a sequence's output does not depend on the padding of the batch it is in; padded positions
+    output zeros.
     Decoding state (growing: each step concatenates its key and value, an O(N) copy, where softmax's cache grows
     in blocks and writes in place): the keys and values ``k``, ``v`` (heads, seq, head_dim) and
     the compressed summaries ``ck``, ``cv`` (heads, n_blocks, head_dim), one appended per ``compress_stride``
