@@ -43,6 +43,7 @@ from attnzoo.mechanisms import (
     mechanism_class,
     shapes_only,
 )
+from attnzoo.mechanisms.capabilities import PADDED_SIDES
 from attnzoo.state import DecodingState, map_tensors, select_batch
 
 HEADS = 2
@@ -1246,6 +1247,84 @@ def check_case_no_lookahead(mechanism: Mechanism, case: Case) -> None:
     no_lookahead(m, qkv, case.mask(), case.cut, what, seed=case.seed, cross=case.cross)
 
 
+# -- a sequence padded into a batch --------------------------------------------------------------------------
+# The same sequence padded or alone: only rounding differs (chunk or block boundaries may move with padding).
+PADDED_ALONE = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def padded_alone_lengths(mechanism: Mechanism) -> Optional[Tuple[int, int]]:
+    """(real length, padding) both legal alone and together: the padding a multiple of ``length_multiple``,
+    the padded row within ``max_length``. Without a multiple: 7 real positions (a partial block for most block
+    sizes) and 5 padded ones (shifting most block grids off their boundaries). None if no padding fits."""
+    multiple = mechanism.capabilities.length_multiple or 1
+    limit = mechanism.max_length
+    pad = multiple * -(-5 // multiple)
+    n = multiple * -(-7 // multiple)
+    if limit is not None and n + pad > limit:
+        pad = multiple
+        n = (limit - pad) // multiple * multiple
+    return (n, pad) if n >= 1 else None
+
+
+def _garbage(x: Tensor, padded: Tensor, seed: int) -> Tensor:
+    """``x`` with its padded positions (``padded``: (batch, seq) bool) holding huge values, and NaN at every
+    other padded position."""
+    generator = torch.Generator().manual_seed(seed)
+    huge = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(x.dtype) * 1e6
+    huge[:, :, 1::2] = float("nan")
+    return torch.where(padded[:, None, :, None], huge, x)
+
+
+def check_padded_like_alone(mechanism: Mechanism) -> None:
+    """A sequence padded on the right, or on the left, gives at its real positions the output it gives alone
+    (float64, causal and not as declared), whatever the padded positions of q, k and v hold (huge values,
+    NaN): its output does not depend on the batch it is padded into. Against the sequence alone on the sides
+    ``Capabilities.padding_invariance`` promises; on every side, the garbage against zeros in the padding
+    (what a padded position holds never reaches a real one). One batch: the sequence padded on the right, the
+    same padded on the left, and a longer sequence with no padding. The forward and ``reference()`` alike."""
+    caps = mechanism.capabilities
+    if not caps.key_padding:
+        return
+    lengths = padded_alone_lengths(mechanism)
+    if lengths is None:
+        return
+    n, pad = lengths
+    m = as_dtype(mechanism, torch.float64)
+    generator = torch.Generator().manual_seed(31)
+    draw = lambda length: torch.randn(1, m.heads, length, m.head_dim, generator=generator,  # noqa: E731
+                                      dtype=torch.float64)
+    alone, other = [draw(n) for _ in range(3)], [draw(n + pad) for _ in range(3)]
+    sides = {"right": slice(0, n), "left": slice(pad, n + pad)}  # the sequence's positions in rows 0 and 1
+    mask = torch.ones(3, n + pad, dtype=torch.bool)
+    for row, real in enumerate(sides.values()):
+        mask[row, real] = False
+    mask[2] = False
+    zeros = []
+    for x, y in zip(alone, other):
+        padded = x.new_zeros(2, m.heads, n + pad, m.head_dim)
+        for row, real in enumerate(sides.values()):
+            padded[row, :, real] = x[0]
+        zeros.append(torch.cat([padded, y]))
+    garbage = [_garbage(x, mask, seed=40 + i) for i, x in enumerate(zeros)]
+    promised = PADDED_SIDES[caps.padding_invariance]
+    for causal, (label, run) in itertools.product([False, True] if caps.causal else [False],
+                                                  [("forward", m), ("reference()", m.reference)]):
+        with torch.no_grad():
+            expected, expected_other = run(*alone, causal=causal), run(*other, causal=causal)
+            out = run(*garbage, causal=causal, key_padding_mask=mask)
+            clean = run(*zeros, causal=causal, key_padding_mask=mask)
+        where = f"{type(mechanism).__name__} {label} causal={causal}"
+        assert_close(out[2:], expected_other, f"{where}: a sequence of {n + pad} beside padded ones differs from it "
+                     f"alone", **PADDED_ALONE)
+        for row, (side, real) in enumerate(sides.items()):
+            what = f"{where}: a sequence of {n} padded by {pad} on the {side} (huge values and NaN in the padding)"
+            actual = out[row : row + 1, :, real]
+            assert_close(actual, clean[row : row + 1, :, real], f"{what}: differs from it with zeros in the padding",
+                         **PADDED_ALONE)
+            if side in promised:
+                assert_close(actual, expected, f"{what}: differs from the sequence alone (padding_invariance="
+                             f"{caps.padding_invariance!r} promises the {side})", **PADDED_ALONE)
+
 # -- training hooks ------------------------------------------------------------------------------------------
 def _training_forward(mechanism: Mechanism, dtype: torch.dtype, seed: int, copy_of: Optional[Mechanism] = None
                       ) -> Tuple[Mechanism, Qkv]:
@@ -1420,6 +1499,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_deterministic,
     check_output_depends_on_values,
     check_key_padding,
+    check_padded_like_alone,
     check_no_lookahead,
     check_batch_independence,
     check_traced_matches_eager,

@@ -152,6 +152,33 @@ class MixesBatch(GoodToy):
         return super().attend(q, k + 0.1 * k.mean(0, keepdim=True), v, causal, key_padding_mask, cross)
 
 
+class AnchorsBlocksAtTheRow(GoodToy):
+    """Scales its output per block of 3 positions counted from the padded row's start: padding on the left
+    moves the grid (right padding does not), yet it declares padding_invariance="either"."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        out = super().attend(q, k, v, causal, key_padding_mask, cross)
+        grid = torch.arange(q.shape[2], device=q.device) // 3 % 2
+        return out * (1.0 + 0.5 * grid.to(out.dtype)).view(1, 1, -1, 1)
+
+
+class ScalesByRowLength(GoodToy):
+    """Scales its logits by the padded row's length: padding on either side changes every output."""
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q * math.sqrt(8.0 / k.shape[2]), k, v, causal, key_padding_mask, cross)
+
+
+class ReadsTheRowsFirstPosition(GoodToy):
+    """Adds the value at the row's first position, padded or not; declares no padding invariance at all,
+    which never excuses what a padded position holds reaching a real one."""
+
+    capabilities = replace(CAPS, padding_invariance="neither")
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v, causal, key_padding_mask, cross) + 1e-3 * v[:, :, :1]
+
+
 def _masked_softmax(q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor]):
     """Textbook masked softmax: rows with no visible key come out as 0/0."""
     logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -442,6 +469,12 @@ BROKEN = [
     (checks.check_output_depends_on_values, IgnoresValues, {}, r"replacing every value"),
     (checks.check_key_padding, IgnoresPadding, {}, r"padded keys/values holding other values changed the output"),
     (checks.check_key_padding, MasksWeightsOnly, {}, r"padded keys/values holding NaN changed the output"),
+    (checks.check_padded_like_alone, AnchorsBlocksAtTheRow, {},
+     r"padded by 5 on the left .*differs from the sequence alone \(padding_invariance='either'"),
+    (checks.check_padded_like_alone, ScalesByRowLength, {},
+     r"padded by 5 on the right .*differs from the sequence alone"),
+    (checks.check_padded_like_alone, ReadsTheRowsFirstPosition, {},
+     r"padded by 5 on the left .*differs from it with zeros in the padding"),
     (checks.check_no_lookahead, PeeksAtFuture, {}, r"changing the future"),
     (checks.check_batch_independence, MixesBatch, {}, r"batch element"),
     (checks.check_traced_matches_eager, BranchesOnMaskValues, {}, r"traced with no fully padded row, run with one"),
@@ -494,6 +527,35 @@ def test_value_width_check_rejects_a_grouped_state_laid_out_for_head_dim_values(
     with pytest.raises(AssertionError, match=r"one key/value head, step by step: declares any_value_width=True"):
         checks.check_value_width(toy(GroupedStateForHeadDimValues, heads=2))
     checks.check_value_width(toy(GoodToy, heads=2))
+
+
+@pytest.mark.parametrize("cls, declared", [(AnchorsBlocksAtTheRow, "right"), (ScalesByRowLength, "neither")],
+                         ids=lambda x: getattr(x, "__name__", x))
+def test_padding_check_holds_a_mechanism_to_its_declared_sides(cls, declared):
+    """Declaring the sides a mechanism is invariant to is what the padding check reads: the toys that fail it
+    pass once they declare what they do."""
+
+    class Declared(cls):
+        capabilities = replace(CAPS, padding_invariance=declared)
+
+    checks.check_padded_like_alone(toy(Declared, heads=1))
+
+
+def test_padding_check_reads_the_reference_too(monkeypatch):
+    """A reference that lets a padded value's NaN through (times zero, still NaN) fails the padding check,
+    though the fast path is sound."""
+    from attnzoo.mechanisms import softmax as softmax_module
+
+    sound = softmax_module.softmax_attention_reference
+
+    def leaky(q, k, v, causal, key_padding_mask, *, quiet, scale):
+        out = sound(q, k, v, causal, key_padding_mask, quiet=quiet, scale=scale)
+        return out + 0.0 * v.sum(2, keepdim=True)
+
+    checks.check_padded_like_alone(toy(GoodToy, heads=1))
+    monkeypatch.setattr(softmax_module, "softmax_attention_reference", leaky)
+    with pytest.raises(AssertionError, match=r"reference\(\) causal=False: .* padded by 5 on the right .*non-finite"):
+        checks.check_padded_like_alone(toy(GoodToy, heads=1))
 
 
 def test_every_instance_check_has_a_broken_toy():

@@ -321,3 +321,26 @@ def test_bad_feature_map_and_shapes():
         linear_attention(q, k, v, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="head_dim"):
         linear_attention(q, k[..., :4], v)
+
+
+@pytest.mark.parametrize("decayed", [False, True])
+def test_references_keep_what_padded_keys_hold_out_of_real_rows(decayed):
+    """The quadratic references zero the padded keys' features and values before weighting them: a zero
+    weight times a padded NaN would otherwise still be NaN in every row (kernel and shrunk references)."""
+    from attnzoo.functional import shrunk_kernel_attention_reference
+
+    phi_q, phi_k, v = (x.abs() for x in qkv(6, 6))
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, :2] = True
+    mask[1, -1] = True
+    nan_k = phi_k.masked_fill(mask[:, None, :, None], math.nan)
+    nan_v = v.masked_fill(mask[:, None, :, None], math.nan)
+    log_decay = torch.full((2, 3, 6), -0.3, dtype=torch.float64) if decayed else None
+    clean = kernel_attention_reference(phi_q, phi_k, v, True, mask, log_decay=log_decay)
+    dirty = kernel_attention_reference(phi_q, nan_k, nan_v, True, mask, log_decay=log_decay)
+    torch.testing.assert_close(dirty[0, :, 2:], clean[0, :, 2:], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dirty[1], clean[1], rtol=1e-12, atol=1e-12)
+    second_half = torch.arange(8) >= 4
+    clean = shrunk_kernel_attention_reference(phi_q, phi_k, v, second_half, mask)
+    dirty = shrunk_kernel_attention_reference(phi_q, nan_k, nan_v, second_half, mask)
+    torch.testing.assert_close(dirty, clean, rtol=1e-12, atol=1e-12)

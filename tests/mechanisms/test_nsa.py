@@ -191,3 +191,43 @@ def test_nsa_attention_ignores_what_padded_gates_hold():
     noisy = nsa_attention(q, k, v, gates.masked_fill(padding[:, None, :, None], math.nan), blocks,
                           key_padding_mask=padding)
     torch.testing.assert_close(noisy[:, :, :6], clean[:, :, :6], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sequence_classifies_alike_in_any_padded_batch(causal):
+    """A sequence's pooled classifier logits (and its outputs at every position) do not depend on the batch it
+    is padded into: alone, padded on the right beside a longer sequence, padded on the left beside another.
+    The block grid is the sequence's own, so trailing padding completes no partial block and leading padding
+    shifts no boundary; the padded positions' garbage (huge, NaN) reaches nothing. Fast path and reference."""
+    torch.manual_seed(0)
+    mechanism = build_mechanism("nsa", 2, 8, compress_block=8, compress_stride=4, select_block=8, top_k=3,
+                                window=6).double()
+    generator = torch.Generator().manual_seed(5)
+    draw = lambda length: [torch.randn(1, 2, length, 8, generator=generator, dtype=torch.float64)  # noqa: E731
+                           for _ in range(3)]
+    head = torch.randn(2 * 8, 3, generator=generator, dtype=torch.float64)  # a classifier over pooled outputs
+
+    def logits(out):
+        return out.mean(2).flatten(1) @ head
+
+    sequence = draw(21)  # 2 whole compressed blocks of 8 at stride 4, then a partial one
+    alone = mechanism(*sequence, causal=causal)
+    for pad, left in ((11, False), (13, True), (3, True)):
+        other = draw(21 + pad)
+        real = slice(pad, pad + 21) if left else slice(0, 21)
+        mask = torch.ones(2, 21 + pad, dtype=torch.bool)
+        mask[0, real] = False
+        mask[1] = False
+        batch = []
+        for x, y in zip(sequence, other):
+            row = torch.full((1, 2, 21 + pad, 8), 1e6, dtype=torch.float64)
+            row[:, :, ::2] = math.nan
+            row[:, :, real] = x
+            batch.append(torch.cat([row, y]))
+        for run in (mechanism, mechanism.reference):
+            out = run(*batch, causal=causal, key_padding_mask=mask)
+            expected = alone if run is mechanism else mechanism.reference(*sequence, causal=causal)
+            torch.testing.assert_close(out[:1, :, real], expected, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(logits(out[:1, :, real]), logits(expected), rtol=1e-10, atol=1e-10)
+            assert out[:1, :, mask[0]].abs().max() == 0  # padded positions output zeros
+            torch.testing.assert_close(out[1:], run(*(y for y in other), causal=causal), rtol=1e-10, atol=1e-10)

@@ -5,7 +5,7 @@ gates per head and position,
 
 * Compressed: the keys and values are cut into blocks of ``compress_block`` (l) positions every
   ``compress_stride`` (d) positions (overlapping when d < l); each block is summarised by the mean of its
-  (unpadded) keys, resp. values, followed by a learned linear map (``k_weight``, ``v_weight``, (dim, dim),
+  keys, resp. values, followed by a learned linear map (``k_weight``, ``v_weight``, (dim, dim),
   shared by the heads). The paper's learned MLP with an intra-block position encoding is replaced by mean +
   linear (fla's reference pools by the mean alone). Causally, query t sees block i once the block is complete,
   ``i * d + l - 1 <= t``; only whole blocks exist (a tail shorter than l has no summary).
@@ -23,6 +23,13 @@ gates per head and position,
   fixed sparse patterns.
 
 Gates: ``(batch, heads, seq, 3)`` in [0, 1], given explicitly (the mechanism computes them from the queries).
+
+Padding: a padded position is not part of the sequence. Blocks, the window and causal order are counted over
+each row's unpadded positions (the i-th unpadded position is position i), so a sequence's output at its
+positions is what it gives alone, however much padding it has on either side (or inside). The fast path
+moves each row's unpadded positions to its front (one gather, a stable sort of the mask), runs on that
+right-padded row, where a compressed block with a padded position and a selectable block with no unpadded
+position are left out, and moves the outputs back. Padded positions output zeros.
 
 Nothing N x N: the compressed scores are (N, N / d), the selected branch gathers ``top_k * l'`` keys per query
 in chunks of queries, the window O(N * window).
@@ -109,8 +116,10 @@ def compress(
     x: Tensor, weight: Tensor, blocks: NSABlocks, key_padding_mask: Optional[Tensor]
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Block summaries of x (batch, heads, seq, dim), padded positions already zeroed: the mean of each whole
-    block's unpadded rows times ``weight^T`` (dim, dim). Returns ((batch, heads, n_blocks, dim) in x's dtype,
-    (batch, n_blocks) bool: the block holds an unpadded row, or None without padding)."""
+    block's rows times ``weight^T`` (dim, dim). Returns ((batch, heads, n_blocks, dim) in x's dtype,
+    (batch, n_blocks) bool: every row of the block is unpadded, or None without padding). Rows padded on the
+    right (as :func:`nsa_attention_unchecked` lays them out), a block reaching into the padding is a partial
+    block of the sequence: it has no summary, as it would not alone."""
     l, d = blocks.compress_block, blocks.compress_stride
     n = compressed_blocks(x.shape[2], blocks)
     dtype = working_dtype(x.dtype)
@@ -122,8 +131,7 @@ def compress(
     count = torch.full((), float(l), dtype=dtype, device=x.device)
     if key_padding_mask is not None:
         kept = (~key_padding_mask[:, : (n - 1) * d + l]).to(dtype).unfold(1, l, d).sum(-1)  # (batch, n)
-        valid = kept > 0
-        count = kept.clamp_min(1.0)[:, None, :, None]
+        valid = kept == l
     return ((sums / count) @ weight.to(dtype).t()).to(x.dtype), valid
 
 
@@ -213,11 +221,34 @@ def nsa_attention_unchecked(
 ) -> Tensor:
     """:func:`nsa_attention` on checked inputs (the mechanism's path). ``plan``: a block plan of the window's
     :class:`~attnzoo.functional.blocksparse.LocalPattern` for this length and causality, to reuse."""
+    order = None
+    if key_padding_mask is not None:
+        # Each row's unpadded positions first, in order: blocks and the window then start at the sequence's
+        # first position and end at its last, wherever the padding was (a grid anchored at the padded row
+        # would move with the padding). Always sorted, never branched on the mask's values.
+        order = torch.sort(key_padding_mask.to(torch.uint8), dim=1, stable=True).indices
+        key_padding_mask = key_padding_mask.gather(1, order)
+        q, k, v, gates = (_gather_positions(x, order) for x in (q, k, v, gates))
+        q = zero_padded(q, key_padding_mask)  # a padded query's NaN stays out of every row's arithmetic
+        gates = gates.masked_fill(key_padding_mask[:, None, :, None], 0.0)  # padded positions output zeros
     k0, v0 = zero_padded(k, key_padding_mask), zero_padded(v, key_padding_mask)
     ck, valid = compress(k0, k_weight, blocks, key_padding_mask)
     cv, _ = compress(v0, v_weight, blocks, key_padding_mask)
     positions = torch.arange(q.shape[2], device=q.device)
-    return nsa_branches(q, k0, v0, ck, cv, valid, gates, blocks, positions, causal, key_padding_mask, scale, plan)
+    out = nsa_branches(q, k0, v0, ck, cv, valid, gates, blocks, positions, causal, key_padding_mask, scale, plan)
+    if order is None:
+        return out
+    return out.gather(2, _position_index(torch.argsort(order, dim=1), out))
+
+
+def _position_index(order: Tensor, x: Tensor) -> Tensor:
+    """``order`` (batch, seq) expanded to index dim 2 of x (batch, heads, seq, width)."""
+    return order[:, None, :, None].expand(x.shape[0], x.shape[1], -1, x.shape[3])
+
+
+def _gather_positions(x: Tensor, order: Tensor) -> Tensor:
+    """x (batch, heads, seq, width) with its positions in ``order`` (batch, seq)."""
+    return x.gather(2, _position_index(order, x))
 
 
 def window_attention(
@@ -280,9 +311,12 @@ def ranked_blocks(scores: Tensor, candidate: Tensor, forced: Tensor, top_k: int)
 
 
 def select(
-    probabilities: Tensor, blocks: NSABlocks, k_len: int, positions: Tensor, causal: bool
+    probabilities: Tensor, blocks: NSABlocks, k_len: int, positions: Tensor, causal: bool,
+    key_padding_mask: Optional[Tensor] = None,
 ) -> Tensor:
-    """(batch, heads, seq_q, min(top_k, n)) the selectable blocks each query reads (-1: none)."""
+    """(batch, heads, seq_q, min(top_k, n)) the selectable blocks each query reads (-1: none). Keys padded on
+    the right (``key_padding_mask`` (batch, k_len)): a block with no unpadded key is no candidate (it does not
+    exist for the sequence alone; scoring 0, it would otherwise rank above earlier unscored blocks)."""
     batch, heads, q_len, n_compressed = probabilities.shape
     n = -(-k_len // blocks.select_block)
     overlap = block_overlap(n_compressed, n, blocks, probabilities.device).to(probabilities.dtype)
@@ -292,6 +326,9 @@ def select(
     block = torch.arange(n, device=probabilities.device).view(1, -1)
     own = (positions // blocks.select_block).view(-1, 1)
     candidate = block <= own if causal else torch.ones_like(block, dtype=torch.bool)
+    if key_padding_mask is not None:
+        exists = ~key_padding_mask[:, :: blocks.select_block]  # (batch, n): the block's first key is unpadded
+        candidate = candidate & exists.view(batch, 1, 1, 1, n)
     forced = block == own
     if blocks.top_k >= 2:
         forced = forced | (block == 0)
@@ -313,7 +350,7 @@ def nsa_branches(
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     q, k0, v0, ck, cv = (x.to(dtype) for x in (q, k0, v0, ck, cv))
     compressed, probabilities = _compressed_branch(q, ck, cv, valid, blocks, positions, causal, scale)
-    chosen = select(probabilities, blocks, k0.shape[2], positions, causal)
+    chosen = select(probabilities, blocks, k0.shape[2], positions, causal, key_padding_mask)
     selected = selected_blocks_attention_unchecked(q, k0, v0, chosen, blocks.select_block, positions, causal,
                                                    key_padding_mask, scale)
     local = window_attention(q, k0, v0, blocks.window, positions, causal, key_padding_mask, scale, plan)
@@ -337,7 +374,9 @@ def nsa_attention_reference(
 ) -> Tensor:
     """:func:`nsa_attention` in float64 from the definitions: each compressed block averaged on its own, the
     selection as a dense (seq, seq) mask over key positions, the window as its dense mask; every branch a
-    masked softmax over all N keys. Quadratic: for tests."""
+    masked softmax over all N keys. Padding by rank: the unpadded positions of a row, numbered 0, 1, ... in
+    order, are the sequence; blocks and the window are over those numbers; padded positions output zeros.
+    Quadratic: for tests."""
     q, k, v, gates = q.double(), k.double(), v.double(), gates.double()
     batch, heads, length, _ = q.shape
     k_weight = torch.eye(k.shape[3], dtype=k.dtype, device=k.device) if k_weight is None else k_weight.double()
@@ -345,48 +384,53 @@ def nsa_attention_reference(
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     padded = torch.zeros(batch, length, dtype=torch.bool, device=q.device) if key_padding_mask is None \
         else key_padding_mask
-    k, v = zero_padded(k, padded), zero_padded(v, padded)
+    real = ~padded
+    q, k, v = zero_padded(q, padded), zero_padded(k, padded), zero_padded(v, padded)
+    gates = gates.masked_fill(padded[:, None, :, None], 0.0)
+    rank = real.long().cumsum(1) - 1  # (batch, seq): a position's place in its sequence (meaningless if padded)
     i = torch.arange(length, device=q.device)
     l, d, chosen_size = blocks.compress_block, blocks.compress_stride, blocks.select_block
-    starts = list(range(0, length - l + 1, d))
-    member = torch.stack([(i >= s) & (i < s + l) for s in starts]) if starts \
-        else torch.zeros(0, length, dtype=torch.bool, device=q.device)  # (n_compressed, seq)
-    unpadded = (~padded).double()  # (batch, seq)
-    counts = unpadded @ member.double().t()  # (batch, n_compressed)
-    weights = member.double().unsqueeze(0) * unpadded.unsqueeze(1) / counts.clamp_min(1.0).unsqueeze(-1)
+    starts = torch.arange(0, max(length - l + 1, 0), d, device=q.device)  # (n_compressed,)
+    n_compressed = starts.numel()
+    # (batch, n_compressed, seq): the unpadded positions whose rank lies in the block; a whole block has l.
+    member = real[:, None, :] & (rank[:, None, :] >= starts[None, :, None]) & (rank[:, None, :] < starts[None, :, None] + l)
+    whole = member.sum(-1) == l  # (batch, n_compressed)
+    weights = member.double() / l
     ck = torch.einsum("bcn,bhnd->bhcd", weights, k) @ k_weight.t()
     cv = torch.einsum("bcn,bhnd->bhcd", weights, v) @ v_weight.t()
     later = i[None, :] > i[:, None]  # key after query
-    if causal:  # a block is seen once every position of it is at or before the query
-        allowed = ((member & ~later.unsqueeze(1)).sum(-1) == l).unsqueeze(0)  # (1, seq, n_compressed)
-    else:
-        allowed = member.new_ones(1, 1, len(starts))
-    allowed = (allowed & (counts > 0).unsqueeze(1)).unsqueeze(1)  # (batch, 1, seq, n_compressed)
-    if starts:
+    allowed = whole[:, None, :].expand(batch, length, n_compressed)  # (batch, seq, n_compressed)
+    if causal:  # a block is seen once its last position is at or before the query
+        allowed = allowed & (starts[None, None, :] + l - 1 <= rank[:, :, None])
+    allowed = allowed.unsqueeze(1)
+    if n_compressed:
         probabilities = masked_softmax_reference(q @ ck.transpose(-1, -2) * scale, allowed)
     else:
         probabilities = q.new_zeros(batch, heads, length, 0)
     compressed = probabilities @ cv
 
     n = -(-length // chosen_size)
-    selectable = torch.stack([i // chosen_size == j for j in range(n)])  # (n, seq)
-    overlap = (member.double() @ selectable.double().t() > 0).double()
-    scores = (probabilities @ overlap).view(batch, heads // blocks.selection_group, blocks.selection_group, length, n)
-    scores = scores.sum(2, keepdim=True)
-    first_key = torch.arange(n, device=q.device) * chosen_size
-    candidate = first_key[None, :] <= i[:, None] if causal else torch.ones(length, n, dtype=torch.bool, device=q.device)
-    forced = selectable.t().clone()  # (seq, n): the query's own block
+    j = torch.arange(n, device=q.device)
+    own = rank // chosen_size  # (batch, seq): the block of each position
+    selectable = real[:, None, :] & (own[:, None, :] == j[None, :, None])  # (batch, n, seq)
+    overlap = (torch.einsum("bcn,bjn->bcj", member.double(), selectable.double()) > 0).double()
+    scores = torch.einsum("bhic,bcj->bhij", probabilities, overlap)
+    scores = scores.view(batch, heads // blocks.selection_group, blocks.selection_group, length, n).sum(2, keepdim=True)
+    exists = selectable.any(-1)  # (batch, n): blocks of the sequence
+    candidate = exists[:, None, :] & ((j[None, None, :] <= own[:, :, None]) if causal else True)  # (batch, seq, n)
+    forced = j[None, None, :] == own[:, :, None]  # the query's own block
     if blocks.top_k >= 2:
-        forced[:, 0] = True
+        forced = forced | (j == 0)
     if blocks.top_k >= 3:  # the block before the query's own
-        forced = forced | ((i[:, None] >= first_key + chosen_size) & (i[:, None] < first_key + 2 * chosen_size))
-    chosen = ranked_blocks(scores, candidate, forced, blocks.top_k)
+        forced = forced | (j[None, None, :] == own[:, :, None] - 1)
+    chosen = ranked_blocks(scores, candidate[:, None, None], forced[:, None, None], blocks.top_k)
     chosen = chosen.expand(-1, -1, blocks.selection_group, -1, -1).reshape(batch, heads, length, -1)
     picked = torch.zeros(batch, heads, length, n + 1, dtype=torch.bool, device=q.device)
     picked.scatter_(-1, torch.where(chosen >= 0, chosen, n), True)
-    visible = ~padded[:, None, None, :] & (~later if causal else torch.ones_like(later))
+    key_block = own.clamp_min(0)[:, None, None, :].expand(batch, heads, length, length)
+    visible = real[:, None, None, :] & (~later if causal else torch.ones_like(later))
     logits = q @ k.transpose(-1, -2) * scale
-    selected = masked_softmax_reference(logits, picked[..., :n][..., i // chosen_size] & visible) @ v
-    near = (i[:, None] - i[None, :]).abs() < blocks.window
-    local = masked_softmax_reference(logits, near & visible) @ v
+    selected = masked_softmax_reference(logits, picked[..., :n].gather(-1, key_block) & visible) @ v
+    near = (rank[:, :, None] - rank[:, None, :]).abs() < blocks.window  # (batch, seq, seq), by rank
+    local = masked_softmax_reference(logits, near[:, None] & visible) @ v
     return gates[..., 0:1] * compressed + gates[..., 1:2] * selected + gates[..., 2:3] * local

@@ -34,6 +34,7 @@ from .._dtypes import working_dtype
 from .linear.checks import _check_features
 from .linear.inputs import _prepare_keys
 from .linear.normalize import denominator_floor, normalize_output
+from .masks import zero_padded
 
 
 def _check_halves(second_half: Tensor, nb_features: int) -> None:
@@ -134,6 +135,8 @@ def shrunk_kernel_attention_reference(
     """Quadratic float64 form of :func:`shrunk_kernel_attention`: the (seq_q, seq_kv) weight matrices of each
     half, masked and normalised row by row. Returns float64."""
     phi_q, phi_k, v = phi_q.double(), phi_k.double(), v.double()
+    # A zero weight times a padded key's NaN or inf is still NaN: the padded keys and values are zeroed first.
+    phi_k, v = zero_padded(phi_k, key_padding_mask), zero_padded(v, key_padding_mask)
     keep = torch.ones(phi_k.shape[:3], dtype=torch.float64, device=phi_k.device)
     if key_padding_mask is not None:
         keep = keep.masked_fill(key_padding_mask[:, None, :], 0.0)

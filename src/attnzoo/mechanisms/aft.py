@@ -3,6 +3,7 @@ of the keys plus learned position biases, gated by the sigmoid of the query. No 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar, Dict, Optional, Tuple
 
 import torch
@@ -21,6 +22,7 @@ from ..functional.aft import (
     local_position_bias,
 )
 from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .capabilities import PADDED_RIGHT
 from .registry import register
 
 VARIANTS = ("simple", "full", "local")
@@ -109,6 +111,8 @@ class AttentionFreeTransformer(Mechanism):
         width = self.max_seq_len if self.variant == "full" else 2 * self.band_radius - 1
         self.position_bias = nn.Parameter(torch.randn(heads, self.max_seq_len, width) * POSITION_BIAS_INIT_STD)
         self.capabilities = self.capabilities.narrowed(f"variant={self.variant!r}", cross=False, recurrent_step=False)
+        # Its biases are learned per position counted from the row's start: padding on the left moves them.
+        self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
 
     @property
     def band_radius(self) -> int:

@@ -49,6 +49,22 @@ PACKINGS = {
 }
 """How a mechanism honours ``cu_seqlens`` (:attr:`Capabilities.packing`): each document attends only within
 itself, giving exactly what it gives that document alone."""
+PADDED_EITHER_SIDE = "either"
+PADDED_RIGHT = "right"
+PADDED_NEITHER = "neither"
+PADDING_INVARIANCE = {
+    PADDED_EITHER_SIDE: "a sequence padded on the right or on the left gives at its positions what it gives alone",
+    PADDED_RIGHT: "a sequence padded on the right gives at its positions what it gives alone; padded on the left "
+                  "it may not: its maths reads positions counted from the row's start (a learned table or "
+                  "projection over positions, a block or chunk grid, or tokens chosen by position)",
+    PADDED_NEITHER: "a sequence's output may change with how long the padded row is, on either side (segments, "
+                    "buckets, clusters, blocks or random draws made over the whole row, or a transform of it)",
+}
+"""Where a sequence may be padded, in a batch with a ``key_padding_mask``, without changing its output at its
+own positions (:attr:`Capabilities.padding_invariance`)."""
+PADDED_SIDES = {PADDED_EITHER_SIDE: ("right", "left"), PADDED_RIGHT: ("right",), PADDED_NEITHER: ()}
+"""The sides (``"right"``: after the sequence, ``"left"``: before it) each :data:`PADDING_INVARIANCE` value
+promises."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,14 @@ class Capabilities:
         linear_recurrence: its causal form is a linear-attention recurrence with a constant-size state, whose
             terms (features, decays) :meth:`Mechanism.linear_terms` gives: what sequence parallelism splits
             across ranks.
+        padding_invariance: one of :data:`PADDING_INVARIANCE`, for a mechanism taking ``key_padding_mask``:
+            on which sides a sequence may be padded (the padded positions of q, k and v holding anything)
+            and still give at its positions, to rounding, the output it gives alone, i.e. whether its output
+            depends on the batch it is padded into: ``"either"`` (the default), ``"right"`` (its maths counts
+            positions from the row's start) or ``"neither"``. A promise the conformance suite holds it to: a
+            class declares the most its options allow, an instance whose options make it depend on positions
+            in the row (or on the row's length) declares the weaker value. Whatever it declares, what padded
+            positions hold never reaches an unpadded one.
     """
 
     causal: bool
@@ -145,6 +169,7 @@ class Capabilities:
     attention_weights: bool = False
     causal_rows: bool = False
     linear_recurrence: bool = False
+    padding_invariance: str = PADDED_EITHER_SIDE
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -159,6 +184,9 @@ class Capabilities:
             value = getattr(self, role)
             if value is not None and (not isinstance(value, str) or not value.isidentifier()):
                 raise ValueError(f"{role} must name an option (an identifier) or be None, got {value!r}")
+        if self.padding_invariance not in PADDING_INVARIANCE:
+            raise ValueError(f"padding_invariance must be one of {', '.join(PADDING_INVARIANCE)}, "
+                             f"got {self.padding_invariance!r}")
 
     @property
     def packed(self) -> bool:

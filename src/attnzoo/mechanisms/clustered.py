@@ -19,6 +19,7 @@ from ..functional.clustered import (
     clustered_attention_unchecked,
 )
 from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism, seeded_generator
+from .capabilities import PADDED_NEITHER
 from .registry import register
 
 
@@ -52,6 +53,8 @@ class ClusteredAttention(Mechanism):
 
     name = "clustered"
     capabilities = Capabilities(
+        # The cluster count and the first centroids (evenly spaced queries) follow the padded row's length.
+        padding_invariance=PADDED_NEITHER,
         causal=False,
         cross=True,
         key_padding=True,

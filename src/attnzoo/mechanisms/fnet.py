@@ -11,6 +11,7 @@ from .._validation import check_bool
 from ..functional.fnet import fourier_mixing_reference, fourier_mixing_unchecked
 from ..functional.ties import tied_to_unused
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .capabilities import PADDED_NEITHER
 from .registry import register
 
 
@@ -36,6 +37,8 @@ class FNetMixing(Mechanism):
 
     name = "fnet"
     capabilities = Capabilities(
+        # The Fourier transform runs over the whole padded row: its length sets every frequency.
+        padding_invariance=PADDED_NEITHER,
         causal=False,
         cross=False,
         key_padding=True,

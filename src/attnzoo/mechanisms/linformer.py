@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .._validation import check_choice, check_positive_int
 from ..functional.linformer import linformer_attention_reference, linformer_attention_unchecked
 from .base import APPROXIMATE, NO_GROUPED_KV, Capabilities, Mechanism, UnsupportedOptionError
+from .capabilities import PADDED_RIGHT
 from .registry import register
 
 SHARING = ("none", "headwise", "kv")
@@ -96,6 +97,8 @@ class LinformerAttention(Mechanism):
 
     name = "linformer"
     capabilities = Capabilities(
+        # Its projections are learned over positions counted from the row's start.
+        padding_invariance=PADDED_RIGHT,
         causal=False,
         cross=True,
         key_padding=True,

@@ -4,6 +4,7 @@ of a batch (:mod:`attnzoo.functional.longformer`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from ..functional.longformer import (
     window_plan,
 )
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, CallInput, Capabilities, Mechanism
+from .capabilities import PADDED_NEITHER, PADDED_RIGHT
 from .registry import register
 from .plan_cache import last_plan
 from .sparse_checks import check_block_size
@@ -118,6 +120,12 @@ class LongformerAttention(Mechanism):
         self.global_indices = () if global_indices is None else check_indices("global_indices", global_indices)
         self.global_projections = check_bool("global_projections", global_projections)
         self.block_size = check_block_size(block_size)
+        # Global positions are counted in the row: from its start (global_tokens, indices >= 0), moved by padding
+        # on the left, or from its end (indices < 0), moved by padding on either side.
+        if any(index < 0 for index in self.global_indices):
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_NEITHER)
+        elif self.global_tokens or self.global_indices:
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
         if self.global_projections:
             # Per query head maps of the keys and values: grouped keys and values are repeated for them, and
             # the value map is (head_dim x head_dim).

@@ -18,6 +18,7 @@ from .._dtypes import working_dtype
 from .._validation import check_positive_int
 from ..functional.mixed_chunk import mixed_chunk_attention_reference, mixed_chunk_attention_unchecked
 from .base import OWN, PACKED_SPLIT, Capabilities, StateLayout
+from .capabilities import PADDED_RIGHT
 from .registry import register
 from .gau import ScaleOffsetForms
 
@@ -46,6 +47,8 @@ class MixedChunkAttention(ScaleOffsetForms):
 
     name = "flash_gau"
     capabilities = Capabilities(
+        # Its chunk grid starts at the row's start: padding on the left moves every chunk boundary.
+        padding_invariance=PADDED_RIGHT,
         causal=True,
         cross=False,
         key_padding=True,

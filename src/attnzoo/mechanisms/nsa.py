@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..functional.blocksparse import BlockPlan, LocalPattern, blocksparse_plan
+from ..functional.blocksparse import BlockPlan, LocalPattern, blocksparse_plan, default_block
 from ..functional.nsa import (
     NSABlocks,
     compress,
@@ -18,6 +18,7 @@ from ..functional.nsa import (
     nsa_branches,
 )
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .plan_cache import last_plan
 from .registry import register
 
 
@@ -44,6 +45,9 @@ class NativeSparseAttention(Mechanism):
             of a key/value group); must divide heads.
 
     Self-attention only (the blocks pair positions of one sequence). Grouped keys and values are repeated.
+    With a key padding mask, blocks, the window and causal order are counted over each sequence's unpadded
+    positions, so a sequence's output does not depend on the padding of the batch it is in; padded positions
+    output zeros.
     Decoding state (growing: each step concatenates its key and value, an O(N) copy, where softmax's cache grows
     in blocks and writes in place): the keys and values ``k``, ``v`` (heads, seq, head_dim) and
     the compressed summaries ``ck``, ``cv`` (heads, n_blocks, head_dim), one appended per ``compress_stride``
@@ -91,13 +95,9 @@ class NativeSparseAttention(Mechanism):
 
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
         """The window's block plan, the last one kept while the length, causality and device stay."""
-        key = (length, causal, device)
-        cached = getattr(self, "_last_plan", None)
-        if cached is None or cached[0] != key:
-            pattern = LocalPattern(self.blocks.window, min(self.blocks.window, 64))
-            cached = (key, blocksparse_plan(pattern, length, causal, device))
-            self._last_plan = cached
-        return cached[1]
+        pattern = LocalPattern(self.blocks.window, default_block(self.blocks.window))
+        return last_plan(self, "_plan", (length, causal, device),
+                         lambda: blocksparse_plan(pattern, length, causal, device))
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool

@@ -17,6 +17,7 @@ from ..functional.nystrom import (
     nystrom_attention_unchecked,
 )
 from .base import APPROXIMATE, PACKED_SPLIT, Capabilities, Mechanism
+from .capabilities import PADDED_NEITHER
 from .registry import register
 
 
@@ -40,6 +41,8 @@ class NystromAttention(Mechanism):
 
     name = "nystrom"
     capabilities = Capabilities(
+        # The landmarks are means of segments of the padded row, whose length sets the segments.
+        padding_invariance=PADDED_NEITHER,
         causal=False,
         cross=True,
         key_padding=True,

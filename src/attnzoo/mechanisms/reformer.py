@@ -20,6 +20,7 @@ from ..functional.lsh import (
 )
 from ..functional.ties import tied_to_unused
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .capabilities import PADDED_NEITHER
 from .registry import register
 
 
@@ -63,6 +64,8 @@ class ReformerAttention(Mechanism):
 
     name = "reformer"
     capabilities = Capabilities(
+        # Padded positions take their place in the sorted buckets, moving the chunk boundaries.
+        padding_invariance=PADDED_NEITHER,
         causal=True,
         cross=False,
         key_padding=True,

@@ -18,6 +18,7 @@ from ..functional.sinkhorn import (
     sinkhorn_attention_unchecked,
 )
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .capabilities import PADDED_NEITHER
 from .registry import register
 
 
@@ -55,6 +56,8 @@ class SinkhornAttention(Mechanism):
 
     name = "sinkhorn"
     capabilities = Capabilities(
+        # Its block grid starts at the row's start and the sorting normalises over every block of the row.
+        padding_invariance=PADDED_NEITHER,
         causal=True,
         cross=False,
         key_padding=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -31,6 +32,7 @@ from ..functional.softmax import (
     softmax_attention_unchecked,
 )
 from .base import EXACT, NATIVE_KV, OWN, PACKED_NATIVE, REPEAT_KV, Capabilities, Mechanism, StateLayout
+from .capabilities import PADDED_RIGHT
 from .registry import register
 
 @register
@@ -95,6 +97,9 @@ class SoftmaxAttention(Mechanism):
             # Its weights would need the window's pattern: not offered.
             self.capabilities = self.capabilities.narrowed(f"window={self.window}", kind=OWN, cross=False,
                                                            grouped_kv=REPEAT_KV, attention_weights=False)
+        if self.sink_tokens:
+            # The sinks are the row's first positions, padding on the left included.
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool

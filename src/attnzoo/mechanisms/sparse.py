@@ -6,6 +6,7 @@ positions beside it (:mod:`.longformer`, imported here so that the family regist
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -36,6 +37,7 @@ from ..functional.blocksparse import (
     window_cache_step,
 )
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout
+from .capabilities import PADDED_NEITHER, PADDED_RIGHT
 from .registry import register
 from .longformer import LongformerAttention  # noqa: F401 - registered with the family, importable from here
 from .plan_cache import last_plan
@@ -139,6 +141,9 @@ class LocalAttention(BlockSparseAttention):
         self.window = check_positive_int("window", window)
         self.block_size = check_block_size(block_size)
         self.sink_tokens = check_sink_tokens(sink_tokens, self.window)
+        if self.sink_tokens:
+            # The sinks are the row's first positions, padding on the left included.
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
 
     def pattern(self) -> BlockPattern:
         if self.sink_tokens:
@@ -266,6 +271,9 @@ class StridedAttention(BlockSparseAttention):
         if self.pattern_name == "fixed" and self.summary > self.stride:
             raise ValueError(f"summary must be <= stride ({self.stride}) for pattern='fixed', got {summary}")
         self.block_size = check_block_size(block_size)
+        if self.pattern_name == "fixed":
+            # Its stride-long blocks and their summary positions are counted from the row's start.
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
 
     def pattern(self) -> BlockPattern:
         if self.pattern_name == "strided":
@@ -312,6 +320,8 @@ class BigBirdAttention(BlockSparseAttention):
         kind=OWN,
         complexity="time O(N b (2w + 1 + g + r)), memory alike",
         summary="window, global and random blocks (Zaheer et al. 2020)",
+        # Its blocks (global ones first) are counted from the row's start: padding on the left moves them.
+        padding_invariance=PADDED_RIGHT,
         packing=PACKED_NATIVE,
         grouped_kv=NATIVE_KV,
         dot_product_logits=True,
@@ -345,6 +355,9 @@ class BigBirdAttention(BlockSparseAttention):
         generator = torch.Generator().manual_seed(self.seed)
         table = torch.randint(0, 1 << 30, (rows, self.random_blocks), generator=generator)
         self.register_buffer("random_table", table)
+        if self.random_blocks:
+            # Each block row's random blocks are drawn among the padded row's blocks: its length changes them.
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_NEITHER)
 
     @property
     def max_length(self) -> Optional[int]:

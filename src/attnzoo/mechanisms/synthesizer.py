@@ -26,6 +26,7 @@ from ..functional.synthesizer import (
 )
 from ..functional.ties import tied_to_unused
 from .base import NO_GROUPED_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism
+from .capabilities import PADDED_RIGHT
 from .registry import register
 
 RANDOM_MODES = ("random", "factorized_random")
@@ -87,6 +88,8 @@ class SynthesizerAttention(Mechanism):
 
     name = "synthesizer"
     capabilities = Capabilities(
+        # Its attention weights are learned (or drawn) per position counted from the row's start.
+        padding_invariance=PADDED_RIGHT,
         causal=True,
         cross=False,
         key_padding=True,

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..masks import allowed_mask
+from ..masks import allowed_mask, zero_padded
 from .normalize import SIGNED_DENOMINATOR_EPS, normalize_output
 from .protocol import FeatureMapArg, resolve_features
 
@@ -27,6 +27,8 @@ def kernel_attention_reference(
     """Obviously-correct quadratic form of :func:`kernel_attention` in float64: the (seq_q, seq_kv) weight
     matrix ``(phi_q phi_k^T) * decay`` with masked entries zeroed. Returns float64."""
     phi_q, phi_k, v = phi_q.double(), phi_k.double(), v.double()
+    # A zero weight times a padded key's NaN or inf is still NaN: the padded keys and values are zeroed first.
+    phi_k, v = zero_padded(phi_k, key_padding_mask), zero_padded(v, key_padding_mask)
     batch, _, q_len, _ = phi_q.shape
     k_len = phi_k.shape[2]
     weights = phi_q @ phi_k.transpose(-1, -2)
