@@ -531,7 +531,7 @@ class Mechanism(nn.Module):
                 raise ValueError(f"{where}: state tensor {key!r} is on {tensor.device}, the inputs on {q_t.device}")
 
     # -- training hooks --------------------------------------------------------------------------------------
-    # What a training loop asks of every mechanism in its model (attnzoo.training.hooks walks them): none names
+    # What a training loop asks of every mechanism in its model (attnzoo.mechanisms.hooks walks them): none names
     # a mechanism, so one with training-time state trains without a line changed in the loop.
     def auxiliary_loss(self) -> Optional[Tensor]:
         """The loss term this mechanism's latest training-mode forward asks the training loop to add to the
