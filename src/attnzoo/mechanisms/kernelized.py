@@ -54,7 +54,8 @@ from .registry import register
 class KernelizedMechanism(Mechanism):
     """Shared wiring of the kernelized family: subclasses say how to get features and (optionally) decays.
 
-    Subclasses implement :meth:`features` and may override :meth:`log_decay` and :meth:`key_weight`. The
+    Subclasses implement :meth:`features` and may override :meth:`log_decay`, or ``_keys`` to weight each key
+    by a gate as well (returning the weighted key features and the log decays, as gated ``rfa`` does). The
     parallel, chunked-causal, prefill and step paths then all follow from the same functions of
     :mod:`attnzoo.functional.linear`, so step equals parallel by construction.
 
