@@ -135,10 +135,6 @@ def test_autocast_matches_float32(name, options, one_thread):
 # The decoding inputs a model hands a mechanism under autocast: bfloat16 (its projections' output) or float32.
 DECODING_INPUTS = (torch.float32, torch.bfloat16)
 # Known not to hold yet, by (mechanism, input dtype): strict, so a fix shows up as an unexpected pass.
-DECODING_XFAIL = {
-    ("nsa", torch.float32): "nsa's compressed keys and values come from an autocast matmul (bfloat16) where its "
-                            "state layout declares the inputs' dtype",
-}
 
 
 def check_decoding_state_under_autocast(mechanism: Mechanism, dtype: torch.dtype) -> None:
@@ -176,9 +172,7 @@ def check_decoding_state_under_autocast(mechanism: Mechanism, dtype: torch.dtype
 
 
 DECODING = [
-    pytest.param(name, options, dtype, id=f"{name_id}-{str(dtype).split('.')[-1]}",
-                 marks=[pytest.mark.xfail(strict=True, reason=DECODING_XFAIL[name, dtype])]
-                 if (name, dtype) in DECODING_XFAIL else [])
+    pytest.param(name, options, dtype, id=f"{name_id}-{str(dtype).split('.')[-1]}")
     for (name, options), name_id in zip(VARIANTS, [
         n + ("" if o is None else "-" + "-".join(f"{k}={v}" for k, v in o.items())) for n, o in VARIANTS])
     if mechanism_class(name).capabilities.recurrent_step

@@ -12,7 +12,7 @@ import pytest
 
 import attnzoo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = attnzoo.available()
 
 
