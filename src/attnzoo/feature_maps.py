@@ -15,8 +15,10 @@ Three entry points per map:
   map needs no rescaling.
 
 Random-feature maps keep their projection in a registered buffer (saved in the ``state_dict``, so a reloaded
-model gives identical outputs) and change it only through an explicit :meth:`RandomFeatureMap.redraw` or
-:meth:`RandomFeatureMap.maybe_redraw` call, never as a side effect of a forward pass.
+model gives identical outputs) and change it only when asked, never as a side effect of a forward pass: by the
+training hook :meth:`RandomFeatureMap.after_optimizer_step` (every ``redraw_interval`` optimiser steps, seeded by
+the run's seed and the step), which the mechanisms holding a map pass on to it, or at once by
+:meth:`RandomFeatureMap.redraw`.
 """
 
 from __future__ import annotations
@@ -87,8 +89,8 @@ class RandomFeatureMap(FeatureMap):
         orthogonal: block-orthogonal rows (lower variance) instead of iid Gaussian rows.
         input_scale: inputs are multiplied by it before projecting; ``head_dim ** -0.25`` on both queries and
             keys turns the kernel ``exp(q . k)`` into the softmax kernel ``exp(q . k / sqrt(head_dim))``.
-        redraw_interval: with :meth:`maybe_redraw`, draw a new projection every that many calls made in
-            training mode (None: only explicit :meth:`redraw` calls change it).
+        redraw_interval: draw a new projection every that many optimiser steps taken in training mode
+            (:meth:`after_optimizer_step`); None: only explicit :meth:`redraw` calls change it.
         generator: RNG for the initial projection (the global RNG when None).
     """
 
@@ -127,29 +129,20 @@ class RandomFeatureMap(FeatureMap):
         self.calls_since_redraw.zero_()
 
     @torch.no_grad()
-    def maybe_redraw(self, generator: Optional[torch.Generator] = None) -> bool:
-        """Count one training step and redraw when ``redraw_interval`` of them have passed.
-
-        Call it explicitly from the training loop (e.g. once per optimiser step). It does nothing in eval mode
-        or without a ``redraw_interval``. Returns whether a redraw happened.
-        """
+    def after_optimizer_step(self, step: int, seed: int) -> bool:
+        """The training hook of a mechanism holding this map (it delegates here), after optimiser step ``step``
+        of a run seeded ``seed`` (ints >= 0): count the step and, once ``redraw_interval`` of them have passed,
+        redraw from :func:`redraw_generator` of ``(seed, step)``. Nothing in eval mode or without a
+        ``redraw_interval``. Returns whether it redrew."""
+        step = check_number("step", step, integer=True, minimum=0)
+        seed = check_number("seed", seed, integer=True, minimum=0)
         if self.redraw_interval is None or not self.training:
             return False
         self.calls_since_redraw += 1
         if int(self.calls_since_redraw) >= self.redraw_interval:
-            self.redraw(generator)
+            self.redraw(redraw_generator(seed, step))
             return True
         return False
-
-    def after_optimizer_step(self, step: int, seed: int) -> bool:
-        """The training hook of a mechanism holding this map (it delegates here): :meth:`maybe_redraw`, drawing
-        any new projection from :func:`redraw_generator` of ``(seed, step)`` (ints >= 0). Returns whether it
-        redrew."""
-        step = check_number("step", step, integer=True, minimum=0)
-        seed = check_number("seed", seed, integer=True, minimum=0)
-        if self.redraw_interval is None:
-            return False
-        return self.maybe_redraw(redraw_generator(seed, step))
 
     def check_input(self, x: Tensor) -> None:
         check_floating("x", x)
@@ -187,24 +180,6 @@ def redraw_generator(seed: int, step: int) -> torch.Generator:
     replicas of a data-parallel run, whose global generators differ (dropout), all draw the same projection
     without communicating."""
     return torch.Generator().manual_seed((seed * 1_000_003 + step + 15_485_863) % 2**63)
-
-
-def redraw_random_features(model: nn.Module, seed: int, step: int) -> int:
-    """Count one training step on every :class:`RandomFeatureMap` in ``model`` that has a ``redraw_interval``
-    (:meth:`RandomFeatureMap.maybe_redraw`); the ones due draw their new projection, in module order, from one
-    generator, :func:`redraw_generator` of ``(seed, step)``. Returns how many redrew.
-
-    For a model trained by hand. ``attnzoo.training`` reaches the maps through the training hooks of the
-    mechanisms holding them instead (:meth:`RandomFeatureMap.after_optimizer_step`), each mechanism with a
-    seed of its own."""
-    generator: Optional[torch.Generator] = None
-    redrawn = 0
-    for module in model.modules():
-        if isinstance(module, RandomFeatureMap) and module.redraw_interval is not None:
-            if generator is None:
-                generator = redraw_generator(seed, step)
-            redrawn += int(module.maybe_redraw(generator))
-    return redrawn
 
 
 def _key_scale(log_features: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:

@@ -1043,6 +1043,27 @@ def check_matches_reference(mechanism: Mechanism) -> None:
                 )
 
 
+# float64 inputs on a float32 module against its own reference: float64 rounding only.
+FLOAT64_INPUTS = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def check_float64_inputs_on_float32_module(mechanism: Mechanism) -> None:
+    """float64 inputs on a module whose parameters and buffers are float32: the output is float64 and equals
+    the module's own ``reference`` (float64 from the same float32 values) to float64 rounding, in every
+    declared variant. What it catches: a parameter used in its own float32 arithmetic on the way (a learned
+    scalar computed in float32), which leaves a float32 rounding error in a float64 result."""
+    m = as_dtype(mechanism, torch.float32)
+    for variant in variants(mechanism):
+        qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=19)
+        what = f"{type(mechanism).__name__} float32 module, float64 inputs, {variant.describe()}"
+        out = call(m, qkv, variant.causal, mask, variant.cross)
+        if out.dtype != torch.float64:
+            raise AssertionError(f"{what}: output dtype {out.dtype}, expected the input dtype torch.float64")
+        with torch.no_grad():
+            expected = m.reference(*qkv, variant.causal, mask, cross=variant.cross)
+        assert_close(out, expected, f"{what}: differs from its own float64 reference()", **FLOAT64_INPUTS)
+
+
 def check_value_width(mechanism: Mechanism) -> None:
     """v with another head dim than q and k (capability ``any_value_width``; a mechanism without it is held to
     refusing such v by :func:`check_unsupported_options`): the output has v's width in every declared variant,
@@ -1504,6 +1525,7 @@ INSTANCE_CHECKS: Tuple[Callable[[Mechanism], None], ...] = (
     check_batch_independence,
     check_traced_matches_eager,
     check_matches_reference,
+    check_float64_inputs_on_float32_module,
     check_value_width,
     check_logit_scale,
     check_attention_weights,

@@ -24,7 +24,7 @@ from torch import Tensor
 
 import attnzoo
 from attnzoo.functional import allowed_mask
-from attnzoo.mechanisms import APPROXIMATE, EXACT, OWN, Mechanism, SoftmaxAttention, mechanism_class
+from attnzoo.mechanisms import APPROXIMATE, EXACT, OWN, GauAttention, Mechanism, SoftmaxAttention, mechanism_class
 
 from . import checks
 
@@ -129,6 +129,60 @@ def test_autocast_matches_float32(name, options, one_thread):
     mechanism = checks.build(name, options=options)
     check_autocast_matches_float32(mechanism)
     check_autocast_with_bfloat16_inputs(mechanism)
+
+
+# -- decoding under autocast ------------------------------------------------------------------------------------
+# The decoding inputs a model hands a mechanism under autocast: bfloat16 (its projections' output) or float32.
+DECODING_INPUTS = (torch.float32, torch.bfloat16)
+# Known not to hold yet, by (mechanism, input dtype): strict, so a fix shows up as an unexpected pass.
+
+
+def check_decoding_state_under_autocast(mechanism: Mechanism, dtype: torch.dtype) -> None:
+    """``prefill`` then ``step``, and ``step`` from the start, under bfloat16 autocast on inputs of ``dtype``:
+    every state each call returns is laid out as :meth:`Mechanism.state_layout` declares for that dtype (the
+    layout :meth:`Mechanism.check_state` holds the next step to), and every output is finite. A state whose
+    declared working dtype (float32) came out in autocast's bfloat16 is refused by the next step."""
+    if not mechanism.capabilities.recurrent_step:
+        return
+    m = checks.as_dtype(mechanism, torch.float32)
+    n = checks.fit(m, LENGTH)
+    q, k, v = checks.random_qkv(m, 2, n, n, dtype, seed=6, scale=SCALE)
+    name = type(mechanism).__name__
+    for prefix in sorted({0, 1, n // 2}):
+        start = f"prefill({prefix} positions)" if prefix else "step from the start"
+        what = f"{name} under bfloat16 autocast, {dtype} inputs, {start}"
+        call = "prefill"
+        try:
+            with torch.autocast("cpu", AUTOCAST):
+                state = None
+                if prefix:
+                    out, state = m.prefill(q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix])
+                    checks.assert_finite(out, f"{what}: prefill output")
+                    m.check_state(state, q[:, :, :1])
+                for t in range(prefix, n):
+                    call = f"step at position {t}"
+                    out, state = m.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+                    checks.assert_finite(out, f"{what}: {call} output")
+                    m.check_state(state, q[:, :, :1])
+        except AssertionError:
+            raise
+        except Exception as error:
+            raise AssertionError(f"{what}: {call} raised, or gave a state the next step refuses: "
+                                 f"{type(error).__name__}: {error}") from error
+
+
+DECODING = [
+    pytest.param(name, options, dtype, id=f"{name_id}-{str(dtype).split('.')[-1]}")
+    for (name, options), name_id in zip(VARIANTS, [
+        n + ("" if o is None else "-" + "-".join(f"{k}={v}" for k, v in o.items())) for n, o in VARIANTS])
+    if mechanism_class(name).capabilities.recurrent_step
+    for dtype in DECODING_INPUTS
+]
+
+
+@pytest.mark.parametrize("name, options, dtype", DECODING)
+def test_decoding_state_under_autocast(name, options, dtype, one_thread):
+    check_decoding_state_under_autocast(checks.build(name, options=options), dtype)
 
 
 # -- the gated blocks in a model ---------------------------------------------------------------------------------
@@ -259,3 +313,21 @@ def test_the_model_check_can_fail():
 
     with pytest.raises(AssertionError, match=r"gradient of 0\.weight: \d+ non-finite"):
         check_model_autocast(model, nan_under_autocast, "nan")
+
+
+class StateInAutocastDtype(GauAttention):
+    """gau whose prefill passes its values through a matmul: under autocast they come out bfloat16, where its
+    layout declares float32 (the working dtype)."""
+
+    name = "state-in-autocast-dtype"
+
+    def attend_prefill(self, q, k, v):
+        out, tensors = super().attend_prefill(q, k, v)
+        eye = torch.eye(tensors["v"].shape[-1], dtype=tensors["v"].dtype)
+        return out, {**tensors, "v": tensors["v"] @ eye}
+
+
+def test_the_decoding_state_check_can_fail():
+    mechanism = StateInAutocastDtype(checks.HEADS, checks.HEAD_DIM)
+    with pytest.raises(AssertionError, match=r"prefill\(1 positions\).*state tensor 'v' is torch.bfloat16"):
+        check_decoding_state_under_autocast(mechanism, torch.bfloat16)

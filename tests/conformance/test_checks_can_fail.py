@@ -407,6 +407,20 @@ class StepUnchecked(HookedToy):
         self.update_after_step(step, seed)
 
 
+class LearnedGainInItsOwnDtype(GoodToy):
+    """A learned output gain exp(g) computed in its parameter's dtype: float32 rounding in a float64 result."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__(heads, head_dim)
+        self.gain = torch.nn.Parameter(torch.tensor(0.1))
+
+    def attend(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend(q, k, v, causal, key_padding_mask, cross) * torch.exp(self.gain)
+
+    def reference(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
+        return super().reference(q, k, v, causal, key_padding_mask, cross=cross) * torch.exp(self.gain.double())
+
+
 class RefusesWithoutSayingWhy(GoodToy):
     def data_parallel_reasons(self):
         return [""]
@@ -481,6 +495,8 @@ BROKEN = [
     (checks.check_matches_reference, GoodToy, {"scale": 1.0}, r"reference differs from softmax_attention_reference"),
     (checks.check_matches_reference, DriftsFromReference, {}, r"differs from its own float64 reference"),
     (checks.check_matches_reference, NaNOnEmptyRows, {}, r"non-finite"),
+    (checks.check_float64_inputs_on_float32_module, LearnedGainInItsOwnDtype, {},
+     r"float32 module, float64 inputs.*differs from its own float64 reference"),
     (checks.check_gradients_finite, NaNGradientOnEmptyRows, {}, r"gradient of v: .* non-finite"),
     (checks.check_gradcheck, WrongGradient, {}, r"gradcheck failed"),
     (checks.check_gradients_match_reference, WrongGradient, {}, r"gradient of q against reference"),

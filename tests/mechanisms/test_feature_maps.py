@@ -211,23 +211,36 @@ def test_redraw_interval_counts_explicit_training_steps_only():
     features = FavorPositiveFeatures(8, 16, redraw_interval=2, generator=seeded(0))
     start = features.projection.clone()
     features.eval()
-    assert not features.maybe_redraw(seeded(1)) and not features.maybe_redraw(seeded(1))
+    assert not features.after_optimizer_step(0, 1) and not features.after_optimizer_step(1, 1)
     assert torch.equal(features.projection, start)
     features.train()
-    assert not features.maybe_redraw(seeded(1))
+    assert not features.after_optimizer_step(2, 1)
     assert torch.equal(features.projection, start)
-    assert features.maybe_redraw(seeded(1))
+    assert features.after_optimizer_step(3, 1)
     assert not torch.equal(features.projection, start)
     # Without an interval nothing is ever redrawn implicitly.
     fixed = FavorPositiveFeatures(8, 16, generator=seeded(0))
-    assert not fixed.maybe_redraw()
+    assert not fixed.after_optimizer_step(0, 1)
+
+
+def test_redraws_have_one_way_in():
+    """Scheduled redraws go through the training hook alone (per mechanism, or hooks.after_optimizer_step over
+    a model); the model-wide helper and the generator-taking step counters that duplicated it are gone."""
+    import attnzoo.feature_maps
+    import attnzoo.training.checkpoint
+    from attnzoo.mechanisms import PerformerAttention
+
+    assert not hasattr(attnzoo.feature_maps, "redraw_random_features")
+    assert not hasattr(attnzoo.feature_maps.RandomFeatureMap, "maybe_redraw")
+    assert not any(hasattr(PerformerAttention, name) for name in ("maybe_redraw_features", "redraw_features"))
+    assert not hasattr(attnzoo.training.checkpoint, "latest_step")
 
 
 def test_the_training_hook_redraws_from_the_generator_of_seed_and_step():
     features = FavorPositiveFeatures(8, 16, redraw_interval=1, generator=seeded(0))
     twin = FavorPositiveFeatures(8, 16, redraw_interval=1, generator=seeded(0))
     assert features.after_optimizer_step(3, 7)
-    assert twin.maybe_redraw(redraw_generator(7, 3))
+    twin.redraw(redraw_generator(7, 3))
     assert torch.equal(features.projection, twin.projection)
     assert not FavorPositiveFeatures(8, 16, generator=seeded(0)).after_optimizer_step(3, 7)  # no interval
     features.eval()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from attnzoo.feature_maps import redraw_generator
 from attnzoo.functional import softmax_attention_reference
 from attnzoo.mechanisms import UnsupportedOptionError, available, build_mechanism, capabilities, mechanism_class
 
@@ -195,17 +196,21 @@ def test_performer_redraw_is_explicit_seeded_and_saved():
     q, k, v = qkv()
     out = mechanism(q, k, v, causal=True)
     mechanism.eval()
-    for _ in range(5):
-        assert not mechanism.maybe_redraw_features()
+    for step in range(5):
+        mechanism.after_optimizer_step(step, 1)
         torch.testing.assert_close(mechanism(q, k, v, causal=True), out, atol=0, rtol=0)
     mechanism.train()
-    results = [mechanism.maybe_redraw_features(torch.Generator().manual_seed(1)) for _ in range(3)]
+    initial = mechanism.feature_map.projection.clone()
+    results = []
+    for step in range(3):
+        mechanism.after_optimizer_step(step, 1)
+        results.append(not torch.equal(mechanism.feature_map.projection, initial))
     assert results == [False, False, True]
     redrawn = mechanism(q, k, v, causal=True)
     assert not torch.allclose(redrawn, out)
-    # Seeded: the same generator seed reproduces the same projection.
+    # Seeded: the generator of the same (seed, step) reproduces the same projection.
     other = build("performer", seed=5)
-    other.redraw_features(torch.Generator().manual_seed(1))
+    other.feature_map.redraw(redraw_generator(1, 2))
     torch.testing.assert_close(other(q, k, v, causal=True), redrawn, atol=0, rtol=0)
     # Saved and reloaded: identical outputs.
     buffer = io.BytesIO()

@@ -65,3 +65,13 @@ def test_attnzoo_train_with_precision_bfloat16(mechanism, capsys, tmp_path, one_
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["precision"] == "bfloat16"
     assert math.isfinite(result["test"]["loss"])
+
+
+def test_a_seq2seq_model_decoding_with_flash_gau_in_bfloat16(one_thread):
+    """Evaluation decodes token by token under autocast: flash_gau's prefill gave its linear state in bfloat16
+    (an autocast matmul) where its state layout declares float32, and the next step refused it."""
+    task_options = dict(train_size=16, validation_size=4, test_size=4, length=6)
+    config = TrainConfig("copy", task_options=task_options, mechanism="flash_gau",
+                         mechanism_options={"chunk_size": 4}, **{**TINY, "steps": 2, "eval_interval": 2})
+    result = train(config, None, progress=False)
+    assert math.isfinite(result.test["loss"]) and 0 <= result.test["exact_match"] <= 1, result.test

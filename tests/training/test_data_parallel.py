@@ -24,11 +24,12 @@ import torch
 
 from attnzoo.cli import main
 from attnzoo.feature_maps import RandomFeatureMap
+from attnzoo.mechanisms import hooks
 from attnzoo.models import LanguageModel
 from attnzoo.tasks import IGNORE_INDEX, load
 import attnzoo.parallel.data
 from attnzoo.parallel import DataParallel, launched_by_torchrun, mechanism_reasons
-from attnzoo.training import TrainConfig, build_model, data_parallel_reasons, find_checkpoint, hooks, train
+from attnzoo.training import TrainConfig, build_model, data_parallel_reasons, find_checkpoint, train
 from attnzoo.training.loop import loss_and_tally
 
 from data_parallel_runs import ROOT, TIMEOUT_S, job, run_ranks, weights

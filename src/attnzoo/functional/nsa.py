@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from .._dtypes import working_dtype
+from ._autocast import without_autocast
 from .._validation import (
     check_bool,
     check_floating,
@@ -112,6 +113,7 @@ def compressed_blocks(length: int, blocks: NSABlocks) -> int:
     return (length - blocks.compress_block) // blocks.compress_stride + 1
 
 
+@without_autocast  # sums in its working dtype, returned in x's: a decoding state's declared dtype, autocast or not
 def compress(
     x: Tensor, weight: Tensor, blocks: NSABlocks, key_padding_mask: Optional[Tensor]
 ) -> Tuple[Tensor, Optional[Tensor]]:

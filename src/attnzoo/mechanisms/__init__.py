@@ -27,13 +27,16 @@ from . import clustered, reformer, sparse  # noqa: E402,F401
 # Gated and quantized linear-time designs.
 from .gau import GauAttention  # noqa: E402
 from .mixed_chunk import MixedChunkAttention  # noqa: E402
-from .vq import VQAttention, auxiliary_loss, update_codebooks  # noqa: E402
+from .vq import VQAttention, update_codebooks  # noqa: E402
 # The delta rule.
 from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
 from .ssd import StateSpaceDualityAttention  # noqa: E402  (Mamba-2's SSD)
 from . import differential, forgetting  # noqa: E402,F401 - the softmax family: a forget gate, two maps' difference
 # Hybrids of the linear and the blockwise sparse cores.
 from . import based, nsa  # noqa: E402,F401
+# The training hooks over a whole model (a training loop's, or one written by hand).
+from . import hooks  # noqa: E402
+from .hooks import after_optimizer_step, auxiliary_loss  # noqa: E402
 
 __all__ = [
     "APPROXIMATE",
@@ -65,6 +68,8 @@ __all__ = [
     "GauAttention",
     "MixedChunkAttention",
     "VQAttention",
+    "after_optimizer_step",
     "auxiliary_loss",
+    "hooks",
     "update_codebooks",
 ]

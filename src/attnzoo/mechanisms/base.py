@@ -566,7 +566,7 @@ class Mechanism(nn.Module):
                             self.value_width(value_width))
 
     # -- training hooks --------------------------------------------------------------------------------------
-    # What a training loop asks of every mechanism in its model (attnzoo.training.hooks walks them): none names
+    # What a training loop asks of every mechanism in its model (attnzoo.mechanisms.hooks walks them): none names
     # a mechanism, so one with training-time state trains without a line changed in the loop.
     def auxiliary_loss(self) -> Optional[Tensor]:
         """The loss term this mechanism's latest training-mode forward asks the training loop to add to the

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .._validation import check_position_mask
 from .capabilities import CallInput, UnsupportedOptionError
+from .catalog import REGISTERED
 
 
 def declared_call_inputs(name: str, declared: Tuple[CallInput, ...], given: Dict[str, Any]) -> Dict[str, Any]:
@@ -20,9 +21,7 @@ def declared_call_inputs(name: str, declared: Tuple[CallInput, ...], given: Dict
     TypeError for a name no registered mechanism takes (a misspelt argument)."""
     names = {spec.name for spec in declared}
     for unknown in sorted(set(given) - names):
-        from .registry import available, mechanism_class  # the registry imports the mechanisms, which import this
-
-        takes = [n for n in available() if unknown in {spec.name for spec in mechanism_class(n).call_inputs}]
+        takes = sorted(n for n, cls in REGISTERED.items() if unknown in {spec.name for spec in cls.call_inputs})
         if not takes:
             raise TypeError(f"{name}: unexpected argument {unknown!r}: not an argument of the contract, nor a "
                             f"per-call input of any registered mechanism")

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._dtypes import working_dtype
 from .._validation import check_number
 from ..functional.differential import (
     check_even_head_dim,
@@ -71,29 +72,30 @@ class DifferentialAttention(Mechanism):
             nn.Parameter(torch.randn(half) * 0.1) for _ in range(4)
         )
 
-    def lambda_(self) -> Tensor:
-        """The current lambda, a 0-d tensor with a gradient path to its four vectors."""
-        return reparametrised_lambda(self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2, self.lambda_init)
+    def lambda_(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """The current lambda, a 0-d tensor with a gradient path to its four vectors, computed in ``dtype`` (the
+        vectors' own when None): the working dtype of the inputs it weights, so that float64 inputs on a float32
+        module get no float32 rounding of lambda."""
+        vectors = (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+        return reparametrised_lambda(*(p if dtype is None else p.to(dtype) for p in vectors), self.lambda_init)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
-        return differential_attention_unchecked(q, k, v, self.lambda_(), self.lambda_init, causal, key_padding_mask,
-                                                self.scale)
+        return differential_attention_unchecked(q, k, v, self.lambda_(working_dtype(q.dtype)), self.lambda_init,
+                                                causal, key_padding_mask, self.scale)
 
     def attend_packed(self, q: Tensor, k: Tensor, v: Tensor, causal: bool, spans: List[Tuple[int, int]]) -> Tensor:
-        return packed_differential_attention_unchecked(q, k, v, self.lambda_(), self.lambda_init, spans, causal,
-                                                       self.scale)
+        return packed_differential_attention_unchecked(q, k, v, self.lambda_(working_dtype(q.dtype)), self.lambda_init,
+                                                       spans, causal, self.scale)
 
     def attend_reference(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Two quadratic float64 softmax maps, their lambda-weighted difference and the RMS norm, lambda computed
         in float64 from this instance's vectors."""
-        lambda_ = reparametrised_lambda(*(p.double() for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2,
-                                                               self.lambda_k2)), self.lambda_init)
-        return differential_attention_reference(q, k, v, lambda_, self.lambda_init, causal, key_padding_mask,
-                                                scale=self.scale)
+        return differential_attention_reference(q, k, v, self.lambda_(torch.float64), self.lambda_init, causal,
+                                                key_padding_mask, scale=self.scale)
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(

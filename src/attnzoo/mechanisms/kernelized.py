@@ -55,7 +55,8 @@ from .registry import register
 class KernelizedMechanism(Mechanism):
     """Shared wiring of the kernelized family: subclasses say how to get features and (optionally) decays.
 
-    Subclasses implement :meth:`features` and may override :meth:`log_decay` and :meth:`key_weight`. The
+    Subclasses implement :meth:`features` and may override :meth:`log_decay`, or ``_keys`` to weight each key
+    by a gate as well (returning the weighted key features and the log decays, as gated ``rfa`` does). The
     parallel, chunked-causal, prefill and step paths then all follow from the same functions of
     :mod:`attnzoo.functional.linear`, so step equals parallel by construction.
 
@@ -230,16 +231,6 @@ class _RandomFeatureMechanism(_FeatureMapMechanism):
     def feature_dim(self) -> int:
         return self.feature_map.nb_features
 
-    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
-        """Draw a new random projection now (seeded by ``generator``, else the global RNG)."""
-        self.feature_map.redraw(generator)
-
-    def maybe_redraw_features(self, generator: Optional[torch.Generator] = None) -> bool:
-        """Count one training step; redraw every ``redraw_interval`` of them (training mode only).
-
-        Call it from the training loop, e.g. after each optimiser step. Returns whether a redraw happened."""
-        return self.feature_map.maybe_redraw(generator)
-
     def update_after_step(self, step: int, seed: int) -> None:
         """The training hook: count the step on the feature map, which redraws every ``redraw_interval`` steps
         from a generator seeded by ``(seed, step)``
@@ -256,9 +247,9 @@ class PerformerAttention(_RandomFeatureMechanism):
         orthogonal: block-orthogonal projections (lower variance than iid Gaussian ones).
         symmetric: antithetic pairs ``exp(w.x), exp(-w.x)`` (the paper's hyperbolic features), using
             ``nb_features / 2`` projections: lower error at the same cost. ``nb_features`` must then be even.
-        redraw_interval: redraw the projection every that many training steps (:meth:`after_optimizer_step`,
-            which a training loop calls, or :meth:`maybe_redraw_features` calls) in training mode; None
-            redraws only on :meth:`redraw_features`.
+        redraw_interval: redraw the projection every that many optimiser steps taken in training mode (the
+            training hook :meth:`after_optimizer_step`, which a training loop calls); None: only an explicit
+            ``feature_map.redraw(generator)`` changes it.
         seed: seed of the initial projection (the global RNG when None).
         chunk_size: chunk length of the causal path.
         shrinkage: shrink each output row towards the mean of the values by the noise of the estimate,

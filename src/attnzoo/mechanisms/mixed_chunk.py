@@ -16,11 +16,20 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from .._validation import check_positive_int
+from ..functional._autocast import without_autocast
 from ..functional.mixed_chunk import mixed_chunk_attention_reference, mixed_chunk_attention_unchecked
 from .base import OWN, PACKED_SPLIT, Capabilities, StateLayout
 from .capabilities import PADDED_RIGHT
 from .registry import register
 from .gau import ScaleOffsetForms
+
+
+@without_autocast
+def _linear_state(k_lin: Tensor, v: Tensor) -> Tensor:
+    """``sum_j k_lin_j v_j^T`` over the positions of (batch, heads, seq, d) ``k_lin`` and (.., seq, e) ``v`` in
+    their dtype, the working dtype that :meth:`MixedChunkAttention.state_layout` declares, also under autocast
+    (whose matmul would give bfloat16 and the next step would refuse the state)."""
+    return torch.matmul(k_lin.transpose(-1, -2), v)
 
 
 @register
@@ -125,7 +134,7 @@ class MixedChunkAttention(ScaleOffsetForms):
         quadratic = self._chunk_step(f["q_quad"], keys, values, seen)
         summed = length - slot  # keys in the chunks before this one
         linear = torch.matmul(f["q_lin"], kv) / (max(summed, 1) * dim ** 0.5)
-        chunk_kv = chunk_kv + torch.matmul(f["k_lin"].transpose(-1, -2), v_t)
+        chunk_kv = chunk_kv + _linear_state(f["k_lin"], v_t)
         state = {"kv": kv, "chunk_kv": chunk_kv, "k": keys, "v": values}
         return (quadratic + linear).to(q_t.dtype), state
 
@@ -145,8 +154,8 @@ class MixedChunkAttention(ScaleOffsetForms):
         batch, heads, length, dim = k.shape
         c = self.chunk_size
         start = (length - 1) // c * c  # the last chunk, complete or not, is the state's current chunk
-        kv = torch.matmul(f["k_lin"][:, :, :start].transpose(-1, -2), v[:, :, :start])
-        chunk_kv = torch.matmul(f["k_lin"][:, :, start:].transpose(-1, -2), v[:, :, start:])
+        kv = _linear_state(f["k_lin"][:, :, :start], v[:, :, :start])
+        chunk_kv = _linear_state(f["k_lin"][:, :, start:], v[:, :, start:])
         keys = f["k_quad"].new_zeros(batch, heads, c, dim)
         values = v.new_zeros(batch, heads, c, v.shape[3])
         keys[:, :, : length - start] = f["k_quad"][:, :, start:]

@@ -11,8 +11,9 @@ from typing import Any, Dict, List, Tuple, Type
 
 from .base import Mechanism
 from .capabilities import Capabilities
+from .catalog import REGISTERED
 
-_REGISTRY: Dict[str, Type[Mechanism]] = {}
+_REGISTRY: Dict[str, Type[Mechanism]] = REGISTERED  # one store (.catalog), read below the registry too
 
 
 def register(cls: Type[Mechanism]) -> Type[Mechanism]:

@@ -20,8 +20,8 @@ The maths is in :mod:`attnzoo.functional.vq`. This module holds the codebook and
   update restarts at a recorded key: the codebook is initialised from the data.
 * **Commitment loss.** A training-mode forward sets ``beta * mean |k - sg(codeword)|^2`` over its unpadded
   keys (``commitment`` = beta), the auxiliary loss that keeps keys near their codewords, which the training
-  hook :meth:`VQAttention.auxiliary_loss` hands to the training loop once; :func:`auxiliary_loss` sums (and
-  clears) it over a model, for a loop written by hand.
+  hook :meth:`VQAttention.auxiliary_loss` hands to the training loop once; :func:`attnzoo.mechanisms.hooks.
+  auxiliary_loss` sums (and takes) every mechanism's over a model, for a loop written by hand too.
 * **Packed rows** (``cu_seqlens``): each document runs alone (equal lengths batched), and a training-mode
   forward records the statistics of the whole row once (counts, key sums, commitment loss, key sample), equal
   to those of the same documents as one padded batch.
@@ -274,25 +274,6 @@ class VQAttention(Mechanism):
 
 
 # -- what a training loop calls ------------------------------------------------------------------------------
-def auxiliary_loss(model: nn.Module, *, clear: bool = True) -> Tensor:
-    """The sum of the commitment losses that the ``vq`` mechanisms in ``model`` set in their latest
-    training-mode forward (zero when there are none), for a training loop to add to its loss::
-
-        loss = task_loss + auxiliary_loss(model)
-
-    ``clear`` (True) forgets them afterwards, so that no graph is kept alive past the step and a loss is
-    never added twice."""
-    total: Optional[Tensor] = None
-    for module in model.modules():
-        if isinstance(module, VQAttention) and module.commitment_loss is not None:
-            loss = module.auxiliary_loss() if clear else module.commitment_loss
-            total = loss if total is None else total + loss
-    if total is None:
-        parameter = next(model.parameters(), None)
-        return torch.zeros((), device=None if parameter is None else parameter.device)
-    return total
-
-
 def update_codebooks(model: nn.Module) -> int:
     """Apply :meth:`VQAttention.update_codebook` to every ``vq`` mechanism in ``model`` (after the optimizer
     step); returns how many there were."""
@@ -302,4 +283,4 @@ def update_codebooks(model: nn.Module) -> int:
     return len(found)
 
 
-__all__ = ["VQAttention", "auxiliary_loss", "update_codebooks"]
+__all__ = ["VQAttention", "update_codebooks"]

@@ -87,7 +87,9 @@ def deal_files(
 
 
 def windows(stream: bytes, seq_len: int) -> Split:
-    """Non-overlapping windows of ``seq_len + 1`` bytes: inputs ``window[:, :-1]``, targets ``window[:, 1:]``."""
+    """Non-overlapping windows of ``seq_len + 1`` bytes: inputs ``window[:, :-1]``, targets ``window[:, 1:]``;
+    ``seq_len`` an int >= 1."""
+    seq_len = check_positive_int("seq_len", seq_len)
     count = len(stream) // (seq_len + 1)
     array = np.frombuffer(stream, dtype=np.uint8)[: count * (seq_len + 1)].reshape(count, seq_len + 1)
     cut = torch.from_numpy(array.astype(np.int64))

@@ -106,11 +106,31 @@ def sample_expression(
             return None
 
 
+def check_expression_options(
+    min_length: object, max_length: object, max_depth: object, max_args: object
+) -> Tuple[int, int, int, int]:
+    """The expression options, checked (errors name the option) and returned: ``min_length`` an int >= 0,
+    ``max_length`` an int >= ``min_length + 2`` (``min_length < L < max_length`` leaves a length to draw only
+    then), ``max_depth`` an int >= 1, ``max_args`` an int >= 2."""
+    min_length = check_number("min_length", min_length, integer=True, minimum=0)
+    max_length = check_number("max_length", max_length, integer=True, minimum=min_length + 2)
+    max_depth = check_positive_int("max_depth", max_depth)
+    max_args = check_number("max_args", max_args, integer=True, minimum=2)
+    return min_length, max_length, max_depth, max_args
+
+
 def generate_listops(
     count: int, *, min_length: int, max_length: int, max_depth: int, max_args: int, rng: random.Random
 ) -> Tuple[List[List[int]], List[int], List[int]]:
     """``count`` distinct expressions with ``min_length < len < max_length`` tokens: (token lists, values,
-    depths), in the order drawn. Raises ValueError if the options cannot produce that many."""
+    depths), in the order drawn. ``count`` is an int >= 1, the options as :func:`check_expression_options`
+    takes them, ``rng`` a ``random.Random``; anything else is refused naming the argument, before anything is
+    drawn. Raises ValueError if the options cannot produce that many."""
+    count = check_positive_int("count", count)
+    min_length, max_length, max_depth, max_args = check_expression_options(min_length, max_length, max_depth,
+                                                                           max_args)
+    if not isinstance(rng, random.Random):
+        raise TypeError(f"rng must be a random.Random (random.Random(seed)), got {rng!r} ({type(rng).__name__})")
     seen = set()
     expressions, values, depths = [], [], []
     for _ in range(MAX_ATTEMPTS_PER_SEQUENCE * count):
@@ -173,11 +193,8 @@ class ListOps(Task):
     ) -> None:
         self.seed = self._check_seed(seed)
         self._set_split_sizes(train_size, validation_size, test_size)
-        self.min_length = check_number("min_length", min_length, integer=True, minimum=0)
-        # min_length < L < max_length leaves a length to draw only if max_length >= min_length + 2.
-        self.max_length = check_number("max_length", max_length, integer=True, minimum=self.min_length + 2)
-        self.max_depth = check_positive_int("max_depth", max_depth)
-        self.max_args = check_number("max_args", max_args, integer=True, minimum=2)
+        self.min_length, self.max_length, self.max_depth, self.max_args = check_expression_options(
+            min_length, max_length, max_depth, max_args)
 
         self.vocab_size = len(VOCAB)
         self.seq_len = self.max_length

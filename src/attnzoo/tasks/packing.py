@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .._validation import check_positive_int
 from .base import IGNORE_INDEX, Split
 
 
@@ -57,6 +58,7 @@ def pack_documents(tokens: Tensor, lengths: Sequence[int], seq_len: int) -> Pack
     Returns:
         A :class:`PackedSplit` of ``total // seq_len`` rows.
     """
+    seq_len = check_positive_int("seq_len", seq_len)
     if tokens.dim() != 1 or sum(lengths) != tokens.numel() or min(lengths, default=1) < 1:
         raise ValueError(f"lengths must be >= 1 and sum to the {tokens.numel()} tokens, got {len(lengths)} lengths "
                          f"summing to {sum(lengths)}")

@@ -17,7 +17,7 @@ Token ids: keys ``0..num_keys-1``, values ``num_keys..num_keys+num_values-1`` (v
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -26,10 +26,31 @@ from .._validation import check_bool, check_number, check_positive_int
 from .base import IGNORE_INDEX, Split, Task, register
 
 
+def check_recall_options(
+    num_pairs: object, num_queries: object, num_keys: object, num_values: object
+) -> Tuple[int, int, int, int]:
+    """The sequence options, checked (errors name the option) and returned: ``num_pairs`` an int >= 1,
+    ``num_queries`` an int from 1 to ``num_pairs`` (None: ``num_pairs``, every pair asked about), ``num_keys``
+    an int >= ``num_pairs`` (the keys of a sequence are distinct), ``num_values`` an int >= 2."""
+    num_pairs = check_positive_int("num_pairs", num_pairs)
+    queries = check_number("num_queries", num_queries, integer=True, minimum=1, maximum=num_pairs, optional=True)
+    num_keys = check_number("num_keys", num_keys, integer=True, minimum=num_pairs)
+    num_values = check_number("num_values", num_values, integer=True, minimum=2)
+    return num_pairs, num_pairs if queries is None else queries, num_keys, num_values
+
+
 def generate_recall(
     count: int, *, num_pairs: int, num_queries: int, num_keys: int, num_values: int, rng: np.random.Generator
 ) -> Split:
-    """``count`` recall sequences drawn from ``rng`` (see the module docstring)."""
+    """``count`` recall sequences drawn from ``rng`` (see the module docstring). ``count`` is an int >= 1, the
+    options as :func:`check_recall_options` takes them, ``rng`` a ``numpy.random.Generator``; anything else is
+    refused naming the argument, before anything is drawn."""
+    count = check_positive_int("count", count)
+    num_pairs, num_queries, num_keys, num_values = check_recall_options(num_pairs, num_queries, num_keys,
+                                                                        num_values)
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator (np.random.default_rng(seed)), got {rng!r} "
+                        f"({type(rng).__name__})")
     # The first num_pairs of a random permutation of the keys: distinct keys, uniformly.
     keys = rng.random((count, num_keys)).argsort(axis=1)[:, :num_pairs]
     values = rng.integers(0, num_values, (count, num_pairs))
@@ -68,13 +89,9 @@ class Recall(Task):
     ) -> None:
         self.seed = self._check_seed(seed)
         self._set_split_sizes(train_size, validation_size, test_size)
-        self.num_pairs = check_positive_int("num_pairs", num_pairs)
-        # None asks about every pair; the resolved count is kept, so options() rebuilds the same data.
-        queries = check_number("num_queries", num_queries, integer=True, minimum=1, maximum=self.num_pairs,
-                               optional=True)
-        self.num_queries = self.num_pairs if queries is None else queries
-        self.num_keys = check_number("num_keys", num_keys, integer=True, minimum=self.num_pairs)
-        self.num_values = check_number("num_values", num_values, integer=True, minimum=2)
+        # num_queries=None asks about every pair; the resolved count is kept, so options() rebuilds the same data.
+        self.num_pairs, self.num_queries, self.num_keys, self.num_values = check_recall_options(
+            num_pairs, num_queries, num_keys, num_values)
         self.causal = check_bool("causal", causal)
 
         self.vocab_size = self.num_keys + self.num_values

@@ -8,7 +8,7 @@
 ``train`` itself leaves the process's allocator alone, so a script that wants the same speed calls it too.
 
 What a mechanism adds to training (an auxiliary loss, an update after each optimiser step) and whether it can
-train data-parallel, it declares in the mechanism contract; :mod:`attnzoo.training.hooks` asks every mechanism of
+train data-parallel, it declares in the mechanism contract; :mod:`attnzoo.mechanisms.hooks` asks every mechanism of
 a model, so nothing here names one.
 """
 

@@ -207,14 +207,6 @@ def load_state(checkpoint: Path) -> Dict[str, Any]:
         raise CheckpointError(f"{checkpoint / STATE}: unreadable ({type(error).__name__}: {error})") from None
 
 
-def latest_step(output: Union[str, Path]) -> Optional[int]:
-    """The step of the latest checkpoint under ``output``, or None if there is none."""
-    try:
-        return int(json.loads((Path(output) / CHECKPOINTS / LATEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
 # -- runs stopped at any moment ----------------------------------------------------------------------------------
 def read_run(output: Union[str, Path]) -> Optional[Dict[str, Any]]:
     """The config a run recorded in ``output/run.json`` when it started (without the format field), or None if

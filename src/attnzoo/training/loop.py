@@ -9,7 +9,7 @@ therefore ends with exactly the parameters of one that was never interrupted.
 A run is cut in three: :func:`_start` builds (or resumes) it, :func:`_train_step` takes one optimiser step, and
 :func:`_evaluate_and_save` evaluates and writes a checkpoint. What the mechanisms add to training (an auxiliary
 loss, an update after each optimiser step) comes through the training hooks of the mechanism contract
-(:mod:`attnzoo.training.hooks`); whether the run spans several processes, through :mod:`attnzoo.training.ranks`.
+(:mod:`attnzoo.mechanisms.hooks`); whether the run spans several processes, through :mod:`attnzoo.training.ranks`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from torch import Tensor, nn
 
 from .. import tasks as task_registry
 from .._validation import check_device
+from ..mechanisms import hooks
 from ..parallel.data import DataParallel
 from ..tasks import Split, Task
-from . import hooks
 from .checkpoint import (
     CheckpointError,
     begin_run,

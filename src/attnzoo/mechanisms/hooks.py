@@ -1,9 +1,10 @@
-"""The training hooks of the mechanism contract, over a whole model: what the training loop asks of every
+"""The training hooks of the mechanism contract, over a whole model: what a training loop asks of every
 mechanism in it (:meth:`attnzoo.Mechanism.auxiliary_loss`, :meth:`~attnzoo.Mechanism.after_optimizer_step`).
 
-The loop calls these and nothing mechanism-specific, so a mechanism with training-time state (a commitment
-loss, a codebook's EMA, random features redrawn every few steps) trains without a line changed here. Whether
-a model can train data-parallel is asked the same way (:func:`attnzoo.parallel.data.mechanism_reasons`).
+``attnzoo.training``'s loop calls these and nothing mechanism-specific, so a mechanism with training-time state
+(a commitment loss, a codebook's EMA, random features redrawn every few steps) trains without a line changed
+there; a model trained by hand calls the same two functions. Whether a model can train data-parallel is asked
+the same way (:func:`attnzoo.parallel.data.mechanism_reasons`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import List, Optional
 from torch import Tensor, nn
 
 from .._validation import check_number
-from ..mechanisms.base import Mechanism
+from .base import Mechanism
 
 _SEED_STRIDE = 1_000_003  # a prime: the seeds of a run's mechanisms differ from each other's and other runs'
 
@@ -25,7 +26,12 @@ def mechanisms(model: nn.Module) -> List[Mechanism]:
 
 def auxiliary_loss(model: nn.Module) -> Optional[Tensor]:
     """The sum, in module order, of the auxiliary losses the mechanisms of ``model`` set in its latest
-    training-mode forward (each taken, so never added twice); None when none has one."""
+    training-mode forward (each taken, so never added twice: no graph outlives its step); None when none has
+    one. A training loop adds it to the task loss::
+
+        extra = auxiliary_loss(model)
+        loss = task_loss if extra is None else task_loss + extra
+    """
     total: Optional[Tensor] = None
     for mechanism in mechanisms(model):
         loss = mechanism.auxiliary_loss()
