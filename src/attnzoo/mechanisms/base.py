@@ -8,15 +8,12 @@ It declares what it can do once, in a :class:`Capabilities`; the registry, the c
 
 from __future__ import annotations
 
-import functools
 from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from .._validation import (
-    check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv,
-)
+from .._validation import check_bool, check_key_padding_mask, check_number, check_positive_int, check_qkv
 from ..functional.grouped import query_groups, repeat_kv
 from ..functional.packing import attend_per_document, check_cu_seqlens
 from ..functional.state_scan import LinearTerms
@@ -47,8 +44,6 @@ from .capabilities import (  # noqa: F401 - the contract's declarations, importa
 State = Optional[DecodingState]
 """A mechanism's decoding state: a :class:`~attnzoo.state.DecodingState`, or None before the first step.
 Passed in and returned explicitly; never stored on the module."""
-
-
 
 
 class Mechanism(nn.Module):
