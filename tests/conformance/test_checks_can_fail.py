@@ -410,6 +410,8 @@ class StepUnchecked(HookedToy):
 class LearnedGainInItsOwnDtype(GoodToy):
     """A learned output gain exp(g) computed in its parameter's dtype: float32 rounding in a float64 result."""
 
+    capabilities = replace(CAPS, scale_option=None, window_option=None, quiet_option=None)  # takes no option
+
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__(heads, head_dim)
         self.gain = torch.nn.Parameter(torch.tensor(0.1))
@@ -417,8 +419,8 @@ class LearnedGainInItsOwnDtype(GoodToy):
     def attend(self, q, k, v, causal, key_padding_mask, cross):
         return super().attend(q, k, v, causal, key_padding_mask, cross) * torch.exp(self.gain)
 
-    def reference(self, q, k, v, causal=False, key_padding_mask=None, *, cross=False):
-        return super().reference(q, k, v, causal, key_padding_mask, cross=cross) * torch.exp(self.gain.double())
+    def attend_reference(self, q, k, v, causal, key_padding_mask, cross):
+        return super().attend_reference(q, k, v, causal, key_padding_mask, cross) * torch.exp(self.gain.double())
 
 
 class RefusesWithoutSayingWhy(GoodToy):
