@@ -162,6 +162,19 @@ def test_the_mechanism_is_chosen_per_model(tmp_path):
     assert (near[:, 8:] - far[:, 8:]).abs().max() > 1e-3
 
 
+def test_packed_rows_and_padding_give_each_sequence_its_own_logits(tmp_path):
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    model, _ = pretrained.load(tmp_path, tokenizer=False)
+    first, second = torch.randint(0, 96, (1, 7)), torch.randint(0, 96, (1, 5))
+    with torch.no_grad():
+        alone = [model(first), model(second)]
+        packed = model(torch.cat([first, second], dim=1), cu_seqlens=torch.tensor([0, 7, 12]))
+        padded = model(torch.cat([second, torch.zeros(1, 2, dtype=torch.long)], dim=1),
+                       padding_mask=torch.tensor([[False] * 5 + [True] * 2]))
+    assert torch.allclose(packed[:, :7], alone[0], atol=1e-5) and torch.allclose(packed[:, 7:], alone[1], atol=1e-5)
+    assert torch.allclose(padded[:, :5], alone[1], atol=1e-5)
+
+
 # -- refusals, each one line naming what is wrong ------------------------------------------------------------
 def _one_line(error: pytest.ExceptionInfo) -> str:
     message = str(error.value)
