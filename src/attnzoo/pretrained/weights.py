@@ -83,7 +83,8 @@ def load_gguf_weights(model: CausalLM, file: GGUFFile) -> None:
         names["output.weight"] = ("head.weight", lambda tensor: tensor)
     for index in range(model.config.depth):
         names.update(_layer_names(model, index, file.architecture))
-    fused = {f"layers.{index}.feed_forward.in_proj.weight": (f"blk.{index}.ffn_gate.weight", f"blk.{index}.ffn_up.weight")
+    fused = {f"layers.{index}.feed_forward.in_proj.weight": (f"blk.{index}.ffn_gate.weight",
+                                                              f"blk.{index}.ffn_up.weight")
              for index in range(model.config.depth)}
     wanted = set(names) | {name for pair in fused.values() for name in pair}
     unused = [name for name in file.tensor_names() if name not in wanted]
