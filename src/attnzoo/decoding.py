@@ -1,4 +1,5 @@
-"""Autoregressive decoding for :class:`LanguageModel` and :class:`Seq2SeqTransformer`, and one-pass
+"""Autoregressive decoding for :class:`LanguageModel` (or any :class:`CausalLanguageModel`, such as the
+pretrained :class:`attnzoo.pretrained.CausalLM`) and :class:`Seq2SeqTransformer`, and one-pass
 non-autoregressive decoding (:func:`nat_decode`) for a Seq2SeqTransformer built for it.
 
 Every decoder runs the model's incremental path: one ``prefill`` over the prompt, then one ``step`` per new
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Protocol, Tuple, Union, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -33,18 +34,37 @@ from .models.seq2seq import Seq2SeqTransformer
 from .models.stacks import DecoderState
 from .state import select_batch
 
-Model = Union[LanguageModel, Seq2SeqTransformer]
+
+
+@runtime_checkable
+class CausalLanguageModel(Protocol):
+    """What the decoders need of a decoder-only model: its vocabulary, ``prefill`` over a prompt and ``step``
+    by one token, as :class:`LanguageModel` has them. Declared rather than a class checked, so that a model
+    built elsewhere (the pretrained models of :mod:`attnzoo.pretrained`) decodes here without this module
+    importing it."""
+
+    vocab_size: int
+
+    def prefill(self, tokens: Tensor) -> Tuple[Tensor, Any]:
+        """A prompt (batch, seq) -> its logits (batch, seq, vocab) and the decoding state."""
+
+    def step(self, token_t: Tensor, state: Any) -> Tuple[Tensor, Any]:
+        """One token per sequence (batch,) -> the next logits (batch, vocab) and the state."""
+
+
+Model = Union[LanguageModel, CausalLanguageModel, Seq2SeqTransformer]
 Step = Callable[[Tensor, Any], Tuple[Tensor, Any]]
 """One decoding step: (token_t (batch,), state) -> (logits (batch, vocab), state)."""
 
 
 # -- argument checks -----------------------------------------------------------------------------------------
 def _vocab_size(model: Model) -> int:
-    if isinstance(model, LanguageModel):
-        return model.vocab_size
-    if isinstance(model, Seq2SeqTransformer):
+    if isinstance(model, Seq2SeqTransformer):  # before the protocol: it has a prefill and a step too
         return model.output_vocab_size  # the extended vocabulary when the model can copy
-    raise TypeError(f"model must be a LanguageModel or a Seq2SeqTransformer, got {type(model).__name__}")
+    if isinstance(model, (LanguageModel, CausalLanguageModel)):
+        return model.vocab_size
+    raise TypeError(f"model must be a LanguageModel, a Seq2SeqTransformer or a causal language model with "
+                    f"vocab_size, prefill and step, got {type(model).__name__}")
 
 
 def _check_eos(eos_id: Optional[int], vocab_size: int) -> None:
@@ -76,9 +96,10 @@ def _start(
     check_tokens("prompt", prompt, vocab_size)
     _check_eos(eos_id, vocab_size)
     monotonic = check_monotonic(model, monotonic)
-    if isinstance(model, LanguageModel):
+    if not isinstance(model, Seq2SeqTransformer):
         if source is not None or source_padding_mask is not None:
-            raise ValueError("source / source_padding_mask are for a Seq2SeqTransformer; a LanguageModel takes none")
+            raise ValueError(f"source / source_padding_mask are for a Seq2SeqTransformer; a {type(model).__name__} "
+                             f"takes none")
         logits, state = model.prefill(prompt)
         return logits[:, -1], state, model.step
     else:

@@ -49,21 +49,37 @@ class LearnedPositionalEmbedding(nn.Module):
         return x + self.embedding.weight[start:end].to(x.dtype)
 
 
+ROTARY_PAIRS = ("interleaved", "halves")
+"""How :class:`RotaryEmbedding` pairs the channels it rotates together."""
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al. 2021), applied to queries and keys of each head.
 
-    Rotates pairs (x[2i], x[2i+1]) by angle ``position * base^(-2i/rotary_dim)``; dims beyond ``rotary_dim``
-    pass through unchanged.
+    Rotates pairs of channels by angle ``position * base^(-2i/rotary_dim)``; dims beyond ``rotary_dim`` pass
+    through unchanged. ``pairs`` says which channels pair up: ``"interleaved"`` (the default, RoFormer's and
+    llama.cpp's "normal" rotary): (x[2i], x[2i+1]); ``"halves"`` (GPT-NeoX's, and transformers' ``rotate_half``,
+    the layout of most Hugging Face checkpoints): (x[i], x[i + rotary_dim/2]). The two differ only by a
+    permutation of the channels, which leaves query-key products unchanged up to rounding; a pretrained model
+    is reproduced to the bit only in the layout it was computed in.
+
+    The frequencies are ``1 / base^(2i/rotary_dim)`` in float32, computed the way Llama's reference and
+    transformers compute them, so that the angles are theirs to the bit.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0, *,
+                 pairs: str = "interleaved") -> None:
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim % 2 or rotary_dim > head_dim or rotary_dim < 2:
             raise ValueError(f"rotary_dim must be even and in [2, head_dim={head_dim}], got {rotary_dim}")
+        if pairs not in ROTARY_PAIRS:
+            raise ValueError(f"pairs must be one of {', '.join(map(repr, ROTARY_PAIRS))}, got {pairs!r}")
         self.rotary_dim = rotary_dim
+        self.pairs = pairs
         self.register_buffer(
-            "inv_freq", base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim), persistent=False
+            "inv_freq", 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim),
+            persistent=False,
         )
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
@@ -72,6 +88,13 @@ class RotaryEmbedding(nn.Module):
         angles = positions[:, None] * self.inv_freq[None, :]  # (seq, rotary_dim/2)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         rotated, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        even, odd = rotated[..., 0::2], rotated[..., 1::2]
-        out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+        if self.pairs == "halves":
+            first, second = rotated[..., : self.rotary_dim // 2], rotated[..., self.rotary_dim // 2 :]
+            out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+        else:
+            even, odd = rotated[..., 0::2], rotated[..., 1::2]
+            out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
         return torch.cat([out, passthrough], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"rotary_dim={self.rotary_dim}, pairs={self.pairs!r}"

@@ -22,6 +22,7 @@ LAYERS = [
     {"tasks"},  # training data; imports only _validation (test_tasks_import_only_validation)
     {"models"},
     {"decoding"},
+    {"pretrained"},  # pretrained models from GGUF files, on the models' parts; decodes with decoding's
     {"dropin"},  # torch.nn swapping (swap.py) and Hugging Face (hf.py)
     {"training"},
     {"bench"},  # the kernel benchmark behind attnzoo compare

@@ -1,0 +1,20 @@
+"""The tokenizer stored in a GGUF file, through transformers.
+
+transformers rebuilds a fast tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata (vocabulary, merges,
+special tokens, chat template) with ``AutoTokenizer.from_pretrained(folder, gguf_file=name)``: the simplest
+route that handles every tokenizer kind llama.cpp stores (BPE and SentencePiece alike), read from the file
+itself, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .extras import require
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer of the GGUF file at ``path`` (a transformers ``PreTrainedTokenizerFast``)."""
+    transformers = require("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
