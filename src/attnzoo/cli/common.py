@@ -197,6 +197,29 @@ def int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# -- flags declared by a config's fields ----------------------------------------------------------------------
+def add_declared_flags(parser: argparse.ArgumentParser, config_class: type, command: str) -> None:
+    """A flag for every field of ``config_class`` declared (:func:`attnzoo.training.settings.setting`) as one
+    of ``command``: ``--name-with-dashes``, its values read as the field's type (or one of its choices; a
+    yes/no field is a switch, on when given), its help the field's help and default. Every flag defaults to
+    None, "not given", so that the config's own default applies and --resume can tell what was given."""
+    from ..training.settings import default_of, flag_of, settings_of, value_type
+
+    for item, declared in settings_of(config_class):
+        if not declared.flag or command not in declared.commands:
+            continue
+        kind = value_type(config_class, item)
+        default = default_of(item)  # None: the help says what not giving the flag means
+        help_text = declared.help if default is None else f"{declared.help} (default {default})"
+        if kind is bool:
+            parser.add_argument(flag_of(item.name), dest=item.name, action="store_const", const=True,
+                                help=declared.help)
+        elif declared.choices is not None:
+            parser.add_argument(flag_of(item.name), dest=item.name, choices=declared.choices, help=help_text)
+        else:
+            parser.add_argument(flag_of(item.name), dest=item.name, type=kind, help=help_text)
+
+
 # -- mechanisms of your own ------------------------------------------------------------------------------------
 def add_import_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--import", dest="imports", action="append", metavar="MODULE_OR_PATH",

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,6 +21,7 @@ from ..models.config import BLOCKS
 from .common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
+    add_declared_flags,
     add_import_option,
     check_mechanism,
     check_output_dir,
@@ -36,20 +36,6 @@ from .common import (
 
 IMPORTS_JSON = "imports.json"  # in a run directory: the --import modules its mechanism needs
 
-# Command-line option -> TrainConfig field, for every training setting (all default to None: "not given").
-TRAIN_OPTIONS = {
-    "--dim": "dim", "--depth": "depth", "--heads": "heads", "--kv-heads": "kv_heads", "--ff-dim": "ff_dim",
-    "--dropout": "dropout",
-    "--positional": "positional", "--pooling": "pooling", "--batch-size": "batch_size", "--steps": "steps",
-    "--lr": "lr", "--warmup-steps": "warmup_steps", "--min-lr-ratio": "min_lr_ratio",
-    "--weight-decay": "weight_decay", "--grad-clip": "grad_clip", "--precision": "precision", "--seed": "seed",
-    "--eval-interval": "eval_interval", "--eval-batches": "eval_batches",
-    "--label-smoothing": "label_smoothing", "--scheduled-sampling": "scheduled_sampling",
-    "--sampling-decay": "sampling_decay", "--sampling-k": "sampling_k",
-    "--sampling-min-teacher": "sampling_min_teacher", "--guide-loss": "guide_loss", "--guide-width": "guide_width",
-    "--decoding": "decoding", "--length-mode": "length_mode", "--length-loss": "length_loss",
-    "--block": "block",
-}
 # Command-line option -> DecoderSettings / MonotonicInference field: the decoder of a seq2seq task's decoded
 # metrics, chosen at train and eval time alike and never part of the training config.
 DECODER_OPTIONS = {
@@ -57,32 +43,29 @@ DECODER_OPTIONS = {
     "--top-k": "top_k", "--top-p": "top_p", "--sampling-seed": "seed", "--monotonic-ahead": "ahead",
     "--monotonic-behind": "behind",
 }
-# Switches: on when given (store_const True), otherwise None ("not given").
-TRAIN_FLAGS = {"--copy-mechanism": "copy_mechanism", "--token-shift": "token_shift", "--pack": "pack",
-               "--group-by-length": "group_by_length"}
-OPTION_OF_FIELD = {field: option for option, field in {**TRAIN_OPTIONS, **TRAIN_FLAGS}.items()}
-OPTION_OF_FIELD.update(task="TASK", mechanism="--mechanism", mechanism_options="--set",
-                       task_options="--task-options", block_options="--block-options")
-NUMERIC_OPTIONS = {"--dropout": float, "--lr": float, "--min-lr-ratio": float, "--weight-decay": float,
-                   "--grad-clip": float, "--label-smoothing": float, "--sampling-k": float,
-                   "--sampling-min-teacher": float, "--guide-loss": float, "--guide-width": float,
-                   "--length-loss": float}
+# The TrainConfig fields whose command-line form is written by hand (not one flag of the field's own name).
+HAND_WRITTEN = {"task": "TASK", "mechanism": "--mechanism", "mechanism_options": "--set",
+                "task_options": "--task-options", "block_options": "--block-options"}
 
 
-def _choices() -> Dict[str, Tuple[str, ...]]:
-    """The options with a fixed set of values, read from where each is defined."""
-    from ..training.config import POOLINGS, POSITIONALS, PRECISIONS, SAMPLING_DECAYS, SCHEDULED_SAMPLING
+def _flag_fields() -> List[str]:
+    """The TrainConfig fields that are flags of attnzoo train, each declared in the config with its help."""
+    from ..training import TrainConfig
+    from ..training.settings import settings_of
 
-    return {"--positional": POSITIONALS, "--pooling": POOLINGS, "--precision": PRECISIONS,
-            "--scheduled-sampling": SCHEDULED_SAMPLING, "--sampling-decay": SAMPLING_DECAYS,
-            "--decoding": ("autoregressive", "non-autoregressive"), "--length-mode": ("predicted", "max"),
-            "--block": tuple(BLOCKS)}
+    return [item.name for item, declared in settings_of(TrainConfig) if declared.flag and "train" in declared.commands]
+
+
+def option_of_field() -> Dict[str, str]:
+    """TrainConfig field -> how the command line spells it, for messages."""
+    from ..training.settings import flag_of
+
+    return {**{name: flag_of(name) for name in _flag_fields()}, **HAND_WRITTEN}
 
 
 def _given_settings(args: argparse.Namespace) -> Dict[str, Any]:
     """The TrainConfig fields the command line set explicitly."""
-    given = {field: getattr(args, field) for field in (*TRAIN_OPTIONS.values(), *TRAIN_FLAGS.values())
-             if getattr(args, field) is not None}
+    given = {field: getattr(args, field) for field in _flag_fields() if getattr(args, field) is not None}
     if args.task is not None:
         given["task"] = args.task
     if args.mechanism is not None:
@@ -214,7 +197,8 @@ def _resume_settings(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[D
         raise ValueError(f"--resume {args.resume}: its saved config does not describe a training run")
     run = Path(args.resume) if checkpoint is None else checkpoint.parent.parent  # OUTPUT/checkpoints/step-N
     imports = _import_for_run(run, saved, args.imports, "--resume")
-    conflicts = [f"{OPTION_OF_FIELD.get(key, key)} {value!r} (the checkpoint has {saved.get(key)!r})"
+    spelled = option_of_field()
+    conflicts = [f"{spelled.get(key, key)} {value!r} (the checkpoint has {saved.get(key)!r})"
                  for key, value in given.items() if saved.get(key) != value]
     if conflicts:
         raise ValueError(f"--resume {args.resume} continues the run as it was configured; these differ: "
@@ -349,7 +333,7 @@ def _print_result(result: Any, decoding: Any, output: str, as_json: bool) -> Non
 
 def name_option(message: str) -> str:
     """Put the command-line spelling on a TrainConfig field named at the start of an error message."""
-    for field, option in sorted(OPTION_OF_FIELD.items(), key=lambda item: -len(item[0])):
+    for field, option in sorted(option_of_field().items(), key=lambda item: -len(item[0])):
         if message.startswith(field + " "):
             return option + message[len(field):]
     return message
@@ -419,7 +403,6 @@ def _add_model_options(train: argparse.ArgumentParser) -> None:
     """TASK, the mechanism and its options, and every TrainConfig setting (each defaults to "not given")."""
     from ..training import TrainConfig
 
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
     train.add_argument("task", nargs="?", metavar="TASK", help="the task (listed below)")
     train.add_argument("--mechanism", help="attention mechanism (default softmax; attnzoo list names them)")
     train.add_argument("--set", dest="settings", action="append", type=setting, metavar="OPTION=VALUE",
@@ -435,26 +418,7 @@ def _add_model_options(train: argparse.ArgumentParser) -> None:
                             "chunk_size) as JSON or KEY=VALUE,... (repeatable)")
     train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
-    choices = _choices()
-    for option, field in TRAIN_OPTIONS.items():
-        default = defaults[field]
-        if option in choices:
-            train.add_argument(option, dest=field, choices=choices[option], help=f"default {default}")
-        else:
-            train.add_argument(option, dest=field, type=NUMERIC_OPTIONS.get(option, int), help=f"default {default}")
-    train.add_argument("--copy-mechanism", dest="copy_mechanism", action="store_const", const=True,
-                       help="seq2seq: a pointer-generator output that can copy source tokens (See et al. 2017)")
-    train.add_argument("--token-shift", dest="token_shift", action="store_const", const=True,
-                       help="half of each position's embedding features come from the token before it "
-                            "(RWKV's token shift); not for seq2seq tasks")
-    train.add_argument("--pack", dest="pack", action="store_const", const=True,
-                       help="packed batches: a batch's documents back to back in one row, no padding, the loss "
-                            "masked at document boundaries (bytes: its files; listops: its sequences); recorded "
-                            "in the run's config, so --resume and attnzoo eval pack too")
-    train.add_argument("--group-by-length", dest="group_by_length", action="store_const", const=True,
-                       help="batches of examples of similar length, each cut to its longest example (g2p, "
-                            "listops: less padding to compute); refused for a model whose outputs depend on "
-                            "the padded length")
+    add_declared_flags(train, TrainConfig, "train")
 
 
 def add_train_command(commands: Any) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 from ..training import TrainConfig
+from ..training.settings import flag_of
 
 CELL_JSON = "cell.json"
 # Rows kept on disk and not run again; failures and timeouts are tried again by the next run.
@@ -57,9 +58,9 @@ def train_command(config: TrainConfig, cell: Path, resume: bool, threads: Option
             if key.endswith("options") or key in ("task", "mechanism") or value == getattr(defaults, key):
                 continue
             if isinstance(value, bool):  # a yes/no field is a flag (--copy-mechanism), given only when True
-                command += ["--" + key.replace("_", "-")] if value else []
+                command += [flag_of(key)] if value else []
                 continue
-            command += ["--" + key.replace("_", "-"), str(value)]
+            command += [flag_of(key), str(value)]
     if threads:
         command += ["--threads", str(threads)]
     if device is not None:

@@ -16,8 +16,10 @@ attention (``"flash_gau"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Sequence
+import inspect
+from dataclasses import MISSING, dataclass, field
+from dataclasses import fields as dataclass_fields
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
@@ -360,3 +362,56 @@ def check_model_config(config: object) -> ModelConfig:
         raise TypeError(f"config must be a ModelConfig, e.g. ModelConfig(vocab_size=256), got "
                         f"{type(config).__name__}")
     return config
+
+
+# -- the token models' constructors ----------------------------------------------------------------------------
+BY_POSITION = ("vocab_size", "dim", "heads", "depth")
+"""The ModelConfig fields a token model's constructor also takes by position (every other one by name)."""
+
+
+def takes_model_config(init: Callable[..., None]) -> Any:
+    """Make a token model's ``__init__(self, config, <its own arguments>)`` take a :class:`ModelConfig`, or that
+    config's fields as arguments: ``Model(config, ...)`` or ``Model(vocab_size, ..., dim=64, kv_heads=1)``.
+
+    The fields are not listed again in the model: the signature (what ``help`` and ``inspect`` show, and what
+    a call is bound against) is made from the config's fields and defaults and the model's own arguments:
+    ``(vocab_size, <own positional>, dim, heads, depth, *, <every other field>, <own keyword-only>)``. An
+    unknown, missing or repeated argument is Python's own TypeError; a ModelConfig given with fields beside it
+    is refused, naming them.
+    """
+    parameter = inspect.Parameter
+    own = list(inspect.signature(init).parameters.values())[2:]  # after self and config
+    own_positional = [item for item in own if item.kind is parameter.POSITIONAL_OR_KEYWORD]
+    own_keywords = [item for item in own if item.kind is parameter.KEYWORD_ONLY]
+    defaults = {item.name: item.default for item in dataclass_fields(ModelConfig) if item.init}
+
+    def made(name: str, kind: Any) -> inspect.Parameter:
+        default = defaults[name]
+        return parameter(name, kind, default=parameter.empty if default is MISSING else default)
+
+    positional = parameter.POSITIONAL_OR_KEYWORD
+    signature = inspect.Signature(
+        [parameter("self", positional), made("vocab_size", positional), *own_positional]
+        + [made(name, positional) for name in BY_POSITION[1:]]
+        + [made(name, parameter.KEYWORD_ONLY) for name in defaults if name not in BY_POSITION]
+        + own_keywords)
+    own_names = [item.name for item in own]
+
+    def constructor(self: Any, *arguments: Any, **keywords: Any) -> None:
+        try:
+            given = signature.bind(self, *arguments, **keywords).arguments
+        except TypeError as error:  # an unknown, missing or repeated argument, said as Python says it
+            raise TypeError(f"{type(self).__name__}(): {error}") from None
+        given.pop("self")
+        own_given = {name: given.pop(name) for name in own_names if name in given}
+        config = given.pop("vocab_size")
+        if not isinstance(config, ModelConfig):
+            config = ModelConfig(config, **given)
+        elif given:
+            raise TypeError(f"{type(self).__name__}: give a ModelConfig or its fields, not both (got "
+                            f"{', '.join(given)} beside the config)")
+        init(self, config, **own_given)
+
+    constructor.__signature__ = signature  # type: ignore[attr-defined]
+    constructor.__doc__, constructor.__qualname__ = init.__doc__, init.__qualname__
+    return constructor

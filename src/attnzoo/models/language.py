@@ -2,21 +2,22 @@
 tagger, each built from one :class:`~attnzoo.models.config.ModelConfig`.
 
 They run: token embedding -> positional encoding -> a stack of layers -> final norm (pre-norm only) -> head.
-``Model.from_config(config, ...)`` builds one from a config; the keyword constructors take the config's fields
-as arguments and make the config, so both check every option in one place. Padding masks are (batch, seq) bool
-tensors, True marking padding.
+``Model(config, ...)`` builds one from a config (``Model.from_config(config, ...)`` too); ``Model(vocab_size, ...,
+dim=..., kv_heads=...)`` takes the config's fields instead and makes the config, so both check every option in
+one place. The fields are listed once, in ModelConfig: :func:`~attnzoo.models.config.takes_model_config` makes
+the constructors' signatures from it. Padding masks are (batch, seq) bool tensors, True marking padding.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_choice, check_positive_int
-from .config import ModelConfig, check_model_config
+from .config import ModelConfig, check_model_config, takes_model_config
 from .embeddings import TokenEmbedding
 from ..mechanisms.base import UnsupportedOptionError
 from .inputs import check_padding_mask, check_tokens, packed_spans
@@ -25,17 +26,6 @@ from .reversible import decoder_class, encoder_class
 from .stacks import DecoderState, packed_options
 
 POOLING_KINDS = ("mean", "cls")
-
-TokenModelT = TypeVar("TokenModelT", bound=nn.Module)
-
-
-def _blank(cls: Type[TokenModelT]) -> TokenModelT:
-    """An instance of ``cls`` with only ``nn.Module``'s own set-up done, for ``from_config`` to build on; it
-    skips the keyword constructor, whose only work is to make the config that ``from_config`` is given."""
-    model = cls.__new__(cls)
-    nn.Module.__init__(model)
-    return model
-
 
 def _embedding(config: ModelConfig, max_length: Optional[int]) -> TokenEmbedding:
     return TokenEmbedding(config.vocab_size, config.dim, config.positional, max_length, config.dropout,
@@ -63,57 +53,26 @@ class LanguageModel(nn.Module):
         kv_heads: key/value heads of every self-attention, dividing ``heads`` (grouped-query attention; the
             decoding state of a native mechanism then holds kv_heads); ``heads`` when None.
 
-    ``LanguageModel.from_config(config)`` builds one from a :class:`ModelConfig`; ``model.config`` is its config.
+    ``LanguageModel(config)`` (or ``LanguageModel.from_config(config)``) builds one from a :class:`ModelConfig`;
+    ``model.config`` is its config.
 
     Decoding: ``logits, state = model.prefill(prompt)`` then ``logits_t, state = model.step(token_t, state)``;
     see :mod:`attnzoo.decoding` for greedy, sampling and beam search.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        dim: int = 128,
-        heads: int = 4,
-        depth: int = 2,
-        *,
-        ff_dim: Optional[int] = None,
-        activation: str = "gelu",
-        norm_first: bool = True,
-        dropout: float = 0.0,
-        positional: str = "sinusoidal",
-        max_length: Optional[int] = None,
-        self_attention: str = "softmax",
-        self_attention_options: Optional[Dict[str, Any]] = None,
-        layer_norm_eps: float = 1e-5,
-        ff_chunks: int = 1,
-        reversible: bool = False,
-        block: str = "attention",
-        block_options: Optional[Dict[str, Any]] = None,
-        token_shift: bool = False,
-        kv_heads: Optional[int] = None,
-    ) -> None:
+    @takes_model_config
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self._build(ModelConfig(
-            vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
-            dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
-            self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
-            reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
-            kv_heads=kv_heads,
-        ))
-
-    @classmethod
-    def from_config(cls, config: ModelConfig) -> "LanguageModel":
-        """The language model of ``config``."""
-        model = _blank(cls)
-        model._build(check_model_config(config))
-        return model
-
-    def _build(self, config: ModelConfig) -> None:
-        self.config = config
+        self.config = check_model_config(config)
         self.vocab_size = config.vocab_size
         self.embedding = _embedding(config, config.max_length)
         self.decoder = decoder_class(config.reversible).from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "LanguageModel":
+        """The language model of ``config`` (the same as ``LanguageModel(config)``)."""
+        return cls(check_model_config(config))
 
     def forward(
         self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
@@ -158,54 +117,15 @@ class SequenceClassifier(nn.Module):
     learned classification vector (at position 0) and reads its final vector. With ``positional="learned"``,
     ``max_length`` counts the tokens only. Other arguments as for :class:`LanguageModel` (``reversible``: a
     :class:`~attnzoo.models.reversible.ReversibleEncoder`; ``block``: bidirectional gated units).
-    ``SequenceClassifier.from_config(config, num_classes, pooling=...)`` builds one from a :class:`ModelConfig`.
+    ``SequenceClassifier(config, num_classes, pooling=...)`` builds one from a :class:`ModelConfig`.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        num_classes: int,
-        dim: int = 128,
-        heads: int = 4,
-        depth: int = 2,
-        *,
-        pooling: str = "mean",
-        ff_dim: Optional[int] = None,
-        activation: str = "gelu",
-        norm_first: bool = True,
-        dropout: float = 0.0,
-        positional: str = "sinusoidal",
-        max_length: Optional[int] = None,
-        self_attention: str = "softmax",
-        self_attention_options: Optional[Dict[str, Any]] = None,
-        layer_norm_eps: float = 1e-5,
-        ff_chunks: int = 1,
-        reversible: bool = False,
-        block: str = "attention",
-        block_options: Optional[Dict[str, Any]] = None,
-        token_shift: bool = False,
-        kv_heads: Optional[int] = None,
-    ) -> None:
+    @takes_model_config
+    def __init__(self, config: ModelConfig, num_classes: int, *, pooling: str = "mean") -> None:
         super().__init__()
-        check_positive_int("num_classes", num_classes)
-        self._build(ModelConfig(
-            vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
-            dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
-            self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
-            reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
-            kv_heads=kv_heads,
-        ), num_classes, pooling)
-
-    @classmethod
-    def from_config(cls, config: ModelConfig, num_classes: int, *, pooling: str = "mean") -> "SequenceClassifier":
-        """The classifier of ``config`` into ``num_classes`` classes, pooling its positions by ``pooling``."""
-        model = _blank(cls)
-        model._build(check_model_config(config), check_positive_int("num_classes", num_classes), pooling)
-        return model
-
-    def _build(self, config: ModelConfig, num_classes: int, pooling: str) -> None:
-        self.config = config
+        self.config = check_model_config(config)
         self.vocab_size = config.vocab_size
+        check_positive_int("num_classes", num_classes)
         self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
         use_cls = pooling == "cls"
         if use_cls and config.block == "mamba2":
@@ -218,6 +138,11 @@ class SequenceClassifier(nn.Module):
         self.cls = nn.Parameter(torch.randn(1, 1, config.dim) * 0.02) if use_cls else None
         self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, num_classes)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, num_classes: int, *, pooling: str = "mean") -> "SequenceClassifier":
+        """The classifier of ``config`` into ``num_classes`` classes, pooling its positions by ``pooling``."""
+        return cls(check_model_config(config), num_classes, pooling=pooling)
 
     def forward(
         self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None
@@ -270,63 +195,27 @@ class SequenceTagger(nn.Module):
     position t depend on tokens 0..t only; it needs a mechanism with causal support. Padded positions are
     masked as keys and their own logits are meaningless (leave them out of the loss). Used for per-position
     tasks such as associative recall. Arguments as for :class:`SequenceClassifier`, without pooling, plus
-    ``causal``; ``SequenceTagger.from_config(config, num_classes, causal=...)`` builds one from a
+    ``causal``; ``SequenceTagger(config, num_classes, causal=...)`` builds one from a
     :class:`ModelConfig`. ``model.causal`` says which it is; ``model.encoder`` is its stack either way.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        num_classes: int,
-        dim: int = 128,
-        heads: int = 4,
-        depth: int = 2,
-        *,
-        ff_dim: Optional[int] = None,
-        activation: str = "gelu",
-        norm_first: bool = True,
-        dropout: float = 0.0,
-        positional: str = "sinusoidal",
-        max_length: Optional[int] = None,
-        self_attention: str = "softmax",
-        self_attention_options: Optional[Dict[str, Any]] = None,
-        layer_norm_eps: float = 1e-5,
-        ff_chunks: int = 1,
-        reversible: bool = False,
-        block: str = "attention",
-        block_options: Optional[Dict[str, Any]] = None,
-        token_shift: bool = False,
-        kv_heads: Optional[int] = None,
-        causal: bool = False,
-    ) -> None:
+    @takes_model_config
+    def __init__(self, config: ModelConfig, num_classes: int, *, causal: bool = False) -> None:
         super().__init__()
-        check_positive_int("num_classes", num_classes)
-        check_bool("causal", causal)
-        self._build(ModelConfig(
-            vocab_size, dim, heads, depth, ff_dim=ff_dim, activation=activation, norm_first=norm_first,
-            dropout=dropout, positional=positional, max_length=max_length, self_attention=self_attention,
-            self_attention_options=self_attention_options, layer_norm_eps=layer_norm_eps, ff_chunks=ff_chunks,
-            reversible=reversible, block=block, block_options=block_options, token_shift=token_shift,
-            kv_heads=kv_heads,
-        ), num_classes, causal)
-
-    @classmethod
-    def from_config(cls, config: ModelConfig, num_classes: int, *, causal: bool = False) -> "SequenceTagger":
-        """The tagger of ``config`` into ``num_classes`` labels per position; causal if ``causal``."""
-        model = _blank(cls)
-        model._build(check_model_config(config), check_positive_int("num_classes", num_classes),
-                     check_bool("causal", causal))
-        return model
-
-    def _build(self, config: ModelConfig, num_classes: int, causal: bool) -> None:
-        self.config = config
+        self.config = check_model_config(config)
         self.vocab_size = config.vocab_size
-        self.causal = causal
+        check_positive_int("num_classes", num_classes)
+        self.causal = check_bool("causal", causal)
         self.embedding = _embedding(config, config.max_length)  # token_shift reads backwards: causal-safe
         # A causal tagger is a decoder-only stack without memory: the same layers, with causal self-attention.
         stack_class = decoder_class(config.reversible) if causal else encoder_class(config.reversible)
         self.encoder = stack_class.from_config(config.block_config, config.depth)
         self.head = nn.Linear(config.dim, num_classes)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, num_classes: int, *, causal: bool = False) -> "SequenceTagger":
+        """The tagger of ``config`` into ``num_classes`` labels per position; causal if ``causal``."""
+        return cls(check_model_config(config), num_classes, causal=causal)
 
     def forward(
         self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None

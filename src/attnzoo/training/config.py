@@ -7,12 +7,25 @@ A :class:`TrainConfig` is written into every checkpoint (``config.json``) and is
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Optional
 
-from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..models.config import BLOCKS
+from ..models.nat import DECODING_MODES, LENGTH_MODES
 from .nat import check_decoding_settings
+from .settings import (
+    boolean,
+    check_declared,
+    needs_padding,
+    needs_seq2seq,
+    nonempty_name,
+    not_seq2seq,
+    number,
+    option_dict,
+    positive_int,
+    probability,
+    setting,
+)
 from .seq2seq import (
     DEFAULT_GUIDE_WIDTH,
     SAMPLING_DECAYS,
@@ -27,157 +40,183 @@ POOLINGS = ("mean", "cls")
 POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
 
 
+# -- the rules between fields, each declared by the field it concerns (``agrees``) -----------------------------
+def _gated_block_keeps_default_attention(config: "TrainConfig") -> None:
+    if config.block != "attention" and (config.mechanism != "softmax" or config.mechanism_options):
+        raise ValueError(f"block {config.block!r} replaces every attention by a gated unit with its own attention: "
+                         f"leave mechanism and mechanism_options at their defaults")
+
+
+def _block_options_need_a_gated_block(config: "TrainConfig") -> None:
+    if config.block == "attention" and config.block_options:
+        raise ValueError("block_options given but block is 'attention': they are options of a gated unit "
+                         f"(block {' or '.join(BLOCKS[1:])})")
+
+
+def _heads_divide_dim(config: "TrainConfig") -> None:
+    if config.dim % config.heads:
+        raise ValueError(f"dim must be a multiple of heads, got dim={config.dim} and heads={config.heads}")
+
+
+def _kv_heads_divide_heads(config: "TrainConfig") -> None:
+    if config.kv_heads is not None and config.heads % config.kv_heads:
+        raise ValueError(f"kv_heads must divide heads, got kv_heads={config.kv_heads} and heads={config.heads}")
+
+
+def _length_groups_not_with_pack(config: "TrainConfig") -> None:
+    if config.pack and config.group_by_length:
+        raise ValueError("group_by_length cannot be combined with pack: packing already leaves no padding")
+
+
+def _sampling_k_fits_the_decay(config: "TrainConfig") -> None:
+    check_sampling_k(config.sampling_decay, config.sampling_k)
+
+
+def _copy_fits_the_loss_and_decoding(config: "TrainConfig") -> None:
+    if config.copy_mechanism and config.label_smoothing > 0:
+        # Smoothing spreads mass over every output, but the extended ids a source does not hold have
+        # probability 0 under the copy mixture: their log is -inf.
+        raise ValueError(f"label_smoothing {config.label_smoothing!r} cannot be combined with copy_mechanism "
+                         "(the mixture gives some outputs probability 0); use 0")
+    if config.copy_mechanism and config.decoding != "autoregressive":
+        raise ValueError(f"copy_mechanism is built for autoregressive decoding; decoding is {config.decoding!r}")
+
+
+def _decoding_settings_fit(config: "TrainConfig") -> None:
+    check_decoding_settings(config.decoding, config.length_mode, config.length_loss, config.scheduled_sampling,
+                            config.guide_loss)
+
+
+TOKEN_MODELS = "classify, tag and lm tasks"
+
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Settings of one training run.
 
-    Args:
-        task, task_options: a task of :mod:`attnzoo.tasks` and the options it is built with (its data ``seed``
-            among them; the task's own default otherwise).
-        mechanism, mechanism_options: the attention of every self-attention slot and its options. A mechanism
-            whose option must equal the sequence length (``length_option``) gets the task's length by default.
-        block, block_options: "attention" (attention + feed-forward layers), or "gau" / "flash" (every layer a
-            gated attention unit, with ``block_options`` such as ``chunk_size``; ``mechanism`` stays softmax).
-        dim, depth, heads, ff_dim, dropout, positional, pooling: the model (pooling for classification only).
-        kv_heads: key/value heads of the self-attention (grouped-query attention), dividing ``heads``; None: heads.
-        token_shift: half of each position's embedding features come from the token before it
-            (:class:`~attnzoo.models.TokenEmbedding`); not for seq2seq tasks.
-        batch_size, steps: sequences per step and optimiser steps in all.
-        lr, warmup_steps, min_lr_ratio: AdamW's peak learning rate, reached linearly over ``warmup_steps``
-            (None: a tenth of ``steps``), then cosine decay down to ``min_lr_ratio * lr`` at the last step.
-        weight_decay: AdamW's decoupled decay, applied to matrices only (not to biases, norms or embeddings).
-        grad_clip: the largest gradient norm (0 switches clipping off).
-        precision: "float32", or "bfloat16" for autocast (mixed precision) on the run's device, in training and
-            in every evaluation and decoding of the run.
-        seed: weights, dropout and the order of the training examples.
-        eval_interval: steps between evaluations on the validation split (and checkpoints).
-        eval_batches: batches per evaluation (None: the whole split).
-        label_smoothing: the share of each target's probability spread evenly over all classes in the
-            training loss (0: plain cross-entropy; evaluation always reports the plain loss).
-        scheduled_sampling: seq2seq tasks only: "none" (teacher forcing), "token" (per-token, Bengio et al.
-            2015) or "two-pass" (Mihaylova & Martins 2019); see :mod:`attnzoo.training.seq2seq`.
-        sampling_decay, sampling_k, sampling_min_teacher: how the probability of feeding the gold token decays
-            over the steps: "linear" ``1 - step/k``, "exponential" ``k**step`` or "inverse-sigmoid"
-            ``k / (k + exp(step/k))``, never below ``sampling_min_teacher``; ``sampling_k=None`` fits the
-            schedule to ``steps`` (linear reaches 0, exponential 0.01 at the end; inverse sigmoid 1/2 halfway).
-        guide_loss, guide_width: seq2seq tasks only: the weight (>= 0; 0 switches it off) of the diagonal guide
-            loss on the cross-attention (Tachibana et al. 2018) and its width g (> 0).
-        pack: train (and evaluate) on packed batches (:mod:`attnzoo.training.packing`): a batch's documents
-            back to back in one row with no padding, each attending only within itself, the loss masked at
-            document boundaries; for the tasks whose :meth:`~attnzoo.tasks.Task.packing_refusal` is None
-            (``bytes``, ``listops``) and mechanisms that take packed batches.
-        group_by_length: train on batches of examples of similar length, each cut to its longest example
-            (:mod:`attnzoo.training.length_groups`): for tasks whose examples are padded (g2p, listops), and
-            models whose outputs do not depend on the padded length (checked when training starts). Not with
-            ``pack``, which removes the padding another way.
-        copy_mechanism: seq2seq tasks only: a pointer-generator output (See et al. 2017) that can copy source
-            tokens (:mod:`attnzoo.models.pointer`); the loss is the NLL of its mixed distribution. Not with
-            ``label_smoothing``.
-        decoding, length_mode, length_loss: seq2seq tasks only: "autoregressive" (the default) or
-            "non-autoregressive" (one parallel pass, :mod:`attnzoo.training.nat`); for the latter, where the
-            output length comes from, "predicted" (None: the default) or "max", and the weight of the length
-            head's loss (None: 0.1). Both stay None in autoregressive mode.
+    Each field is declared once, by :func:`~attnzoo.training.settings.setting`: its default, its meaning
+    (``help``, also the help of its ``attnzoo train`` flag), the check of its value, the rule it has with other
+    fields (``agrees``) and the tasks it fits (``fits_task``). Making the config checks every field, and
+    :func:`~attnzoo.training.build_model` asks every setting whether it fits the task; errors name the field.
+    A field that :class:`~attnzoo.models.ModelConfig` has under the same name reaches the token models as is.
     """
 
-    task: str
-    task_options: Dict[str, Any] = field(default_factory=dict)
-    mechanism: str = "softmax"
-    mechanism_options: Dict[str, Any] = field(default_factory=dict)
-    block: str = "attention"
-    block_options: Dict[str, Any] = field(default_factory=dict)
-    dim: int = 64
-    depth: int = 2
-    heads: int = 4
-    kv_heads: Optional[int] = None
-    ff_dim: Optional[int] = None
-    dropout: float = 0.0
-    positional: str = "sinusoidal"
-    pooling: str = "mean"
-    token_shift: bool = False
-    pack: bool = False
-    group_by_length: bool = False
-    batch_size: int = 32
-    steps: int = 500
-    lr: float = 1e-3
-    warmup_steps: Optional[int] = None
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    precision: str = "float32"
-    seed: int = 0
-    eval_interval: int = 100
-    eval_batches: Optional[int] = None
-    label_smoothing: float = 0.0
-    scheduled_sampling: str = "none"
-    sampling_decay: str = "linear"
-    sampling_k: Optional[float] = None
-    sampling_min_teacher: float = 0.0
-    guide_loss: float = 0.0
-    guide_width: float = DEFAULT_GUIDE_WIDTH
-    copy_mechanism: bool = False
-    decoding: str = "autoregressive"
-    length_mode: Optional[str] = None
-    length_loss: Optional[float] = None
+    task: str = setting(help="a task of attnzoo.tasks", check=nonempty_name("a task name"), flag=False)
+    task_options: Dict[str, Any] = setting(
+        default_factory=dict, check=option_dict, flag=False,
+        help="the options the task is built with (its data seed among them; the task's own default otherwise)")
+    mechanism: str = setting(
+        "softmax", check=nonempty_name("a mechanism name"), flag=False,
+        help="the attention of every self-attention slot")
+    mechanism_options: Dict[str, Any] = setting(
+        default_factory=dict, check=option_dict, flag=False,
+        help="the mechanism's options; one that must equal the sequence length (its length_option) gets the "
+             "task's length by default")
+    block: str = setting(
+        "attention", choices=BLOCKS, agrees=_gated_block_keeps_default_attention,
+        fits_task=not_seq2seq(f"gated units (block options exist for {TOKEN_MODELS})"),
+        help="what a layer is: attention + feed-forward, or a gated attention unit (gau, flash_gau) or a Mamba-2 "
+             "block in their place (mechanism stays softmax)")
+    block_options: Dict[str, Any] = setting(
+        default_factory=dict, check=option_dict, agrees=_block_options_need_a_gated_block, flag=False,
+        help="options of a gated or Mamba-2 block (chunk_size, state_dim, ...)")
+    dim: int = setting(64, check=positive_int, help="model width")
+    depth: int = setting(2, check=positive_int, help="layers (on each side of a seq2seq model)")
+    heads: int = setting(4, check=positive_int, agrees=_heads_divide_dim, help="attention heads, dividing dim")
+    kv_heads: Optional[int] = setting(
+        None, check=number(integer=True, minimum=1, optional=True), agrees=_kv_heads_divide_heads,
+        help="key/value heads of the self-attention, dividing heads (grouped-query attention); None: heads")
+    ff_dim: Optional[int] = setting(
+        None, check=number(integer=True, minimum=1, optional=True),
+        help="feed-forward hidden width; None: 4 * dim")
+    dropout: float = setting(0.0, check=probability, help="dropout probability")
+    positional: str = setting("sinusoidal", choices=POSITIONALS, help="position encoding")
+    pooling: str = setting("mean", choices=POOLINGS, help="how a classifier pools its positions")
+    token_shift: bool = setting(
+        False, check=boolean, fits_task=not_seq2seq(f"token shift (it exists for {TOKEN_MODELS})"),
+        help="half of each position's embedding features come from the token before it (RWKV's token shift); "
+             "not for seq2seq tasks")
+    pack: bool = setting(
+        False, check=boolean,
+        help="packed batches (attnzoo.training.packing): a batch's documents back to back in one row, no padding, "
+             "the loss masked at document boundaries (bytes: its files; listops: its sequences), each attending "
+             "only within itself; for tasks and mechanisms that take packed batches; recorded in the run's "
+             "config, so --resume and attnzoo eval pack too")
+    group_by_length: bool = setting(
+        False, check=boolean, agrees=_length_groups_not_with_pack, fits_task=needs_padding,
+        help="batches of examples of similar length, each cut to its longest example (g2p, listops: less padding "
+             "to compute; attnzoo.training.length_groups); refused for a model whose outputs depend on the "
+             "padded length, and with pack")
+    batch_size: int = setting(32, check=positive_int, help="sequences per step")
+    steps: int = setting(500, check=positive_int, help="optimiser steps in all")
+    lr: float = setting(
+        1e-3, check=number(minimum=0.0, exclusive_minimum=True),
+        help="AdamW's peak learning rate, reached linearly over the warm-up, then cosine decay")
+    warmup_steps: Optional[int] = setting(
+        None, check=number(integer=True, minimum=0, optional=True),
+        help="steps of linear warm-up; None: a tenth of steps")
+    min_lr_ratio: float = setting(
+        0.1, check=number(minimum=0.0, maximum=1.0), help="the learning rate of the last step, as a share of lr")
+    weight_decay: float = setting(
+        0.01, check=number(minimum=0.0),
+        help="AdamW's decoupled decay, applied to matrices only (not to biases, norms or embeddings)")
+    grad_clip: float = setting(1.0, check=number(minimum=0.0),
+                               help="the largest gradient norm (0 switches clipping off)")
+    precision: str = setting(
+        "float32", choices=PRECISIONS,
+        help="bfloat16: autocast (mixed precision) on the run's device, in training and in every evaluation and "
+             "decoding of the run")
+    seed: int = setting(
+        0, check=number(integer=True, minimum=0),
+        help="the seed of the weights, dropout and the order of the training examples")
+    eval_interval: int = setting(
+        100, check=positive_int, help="steps between evaluations on the validation split (and checkpoints)")
+    eval_batches: Optional[int] = setting(
+        None, check=number(integer=True, minimum=1, optional=True),
+        help="batches per evaluation; None: the whole split")
+    label_smoothing: float = setting(
+        0.0, check=probability,
+        help="the share of each target's probability spread evenly over all classes in the training loss "
+             "(evaluation always reports the plain loss)")
+    scheduled_sampling: str = setting(
+        "none", choices=SCHEDULED_SAMPLING, fits_task=needs_seq2seq(),
+        help="seq2seq: none (teacher forcing), token (per-token, Bengio et al. 2015) or two-pass (Mihaylova & "
+             "Martins 2019); see attnzoo.training.seq2seq")
+    sampling_decay: str = setting(
+        "linear", choices=SAMPLING_DECAYS,
+        help="how the probability of feeding the gold token decays over the steps: linear 1 - step/k, "
+             "exponential k**step or inverse-sigmoid k / (k + exp(step/k))")
+    sampling_k: Optional[float] = setting(
+        None, check=number(optional=True), agrees=_sampling_k_fits_the_decay,
+        help="k of the decay; None fits it to steps (linear reaches 0, exponential 0.01 at the end, inverse "
+             "sigmoid 1/2 halfway)")
+    sampling_min_teacher: float = setting(
+        0.0, check=number(minimum=0.0, maximum=1.0),
+        help="the least probability of feeding the gold token")
+    guide_loss: float = setting(
+        0.0, check=number(minimum=0.0), fits_task=needs_seq2seq(" (cross-attention)"),
+        help="seq2seq: the weight of the diagonal guide loss on the cross-attention (Tachibana et al. 2018); "
+             "0 switches it off")
+    guide_width: float = setting(
+        DEFAULT_GUIDE_WIDTH, check=number(minimum=0.0, exclusive_minimum=True),
+        help="the width g of the guide loss's diagonal")
+    copy_mechanism: bool = setting(
+        False, check=boolean, agrees=_copy_fits_the_loss_and_decoding,
+        fits_task=needs_seq2seq(" (a source to copy from)"),
+        help="seq2seq: a pointer-generator output that can copy source tokens (See et al. 2017, "
+             "attnzoo.models.pointer); the loss is the NLL of its mixed distribution. Not with label smoothing")
+    decoding: str = setting(
+        "autoregressive", choices=DECODING_MODES, agrees=_decoding_settings_fit, fits_task=needs_seq2seq(),
+        help="seq2seq: autoregressive, or non-autoregressive (one parallel pass, attnzoo.training.nat)")
+    length_mode: Optional[str] = setting(
+        None, choices=LENGTH_MODES,
+        help="non-autoregressive decoding: where the output length comes from; None: predicted")
+    length_loss: Optional[float] = setting(
+        None, check=number(minimum=0.0, optional=True),
+        help="non-autoregressive decoding: the weight of the length head's loss; None: 0.1")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.task, str) or not self.task:
-            raise TypeError(f"task must be a task name, got {self.task!r}")
-        if not isinstance(self.mechanism, str) or not self.mechanism:
-            raise TypeError(f"mechanism must be a mechanism name, got {self.mechanism!r}")
-        for name in ("task_options", "mechanism_options", "block_options"):
-            value = getattr(self, name)
-            if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
-                raise TypeError(f"{name} must be a dict of option names to values, got {value!r}")
-        for name in ("dim", "depth", "heads", "batch_size", "steps", "eval_interval"):
-            check_positive_int(name, getattr(self, name))
-        check_number("ff_dim", self.ff_dim, integer=True, minimum=1, optional=True)
-        check_number("eval_batches", self.eval_batches, integer=True, minimum=1, optional=True)
-        check_number("warmup_steps", self.warmup_steps, integer=True, minimum=0, optional=True)
-        check_number("seed", self.seed, integer=True, minimum=0)
-        check_probability("dropout", self.dropout)
-        check_number("lr", self.lr, minimum=0.0, exclusive_minimum=True)
-        check_number("min_lr_ratio", self.min_lr_ratio, minimum=0.0, maximum=1.0)
-        check_number("weight_decay", self.weight_decay, minimum=0.0)
-        check_number("grad_clip", self.grad_clip, minimum=0.0)
-        check_choice("precision", self.precision, PRECISIONS)
-        check_choice("pooling", self.pooling, POOLINGS)
-        check_choice("positional", self.positional, POSITIONALS)
-        check_choice("block", self.block, BLOCKS)
-        if self.block == "attention" and self.block_options:
-            raise ValueError("block_options given but block is 'attention': they are options of a gated unit "
-                             f"(block {' or '.join(BLOCKS[1:])})")
-        if self.block != "attention" and (self.mechanism != "softmax" or self.mechanism_options):
-            raise ValueError(f"block {self.block!r} replaces every attention by a gated unit with its own attention: "
-                             f"leave mechanism and mechanism_options at their defaults")
-        check_probability("label_smoothing", self.label_smoothing)
-        check_choice("scheduled_sampling", self.scheduled_sampling, SCHEDULED_SAMPLING)
-        check_choice("sampling_decay", self.sampling_decay, SAMPLING_DECAYS)
-        check_number("sampling_k", self.sampling_k, optional=True)
-        check_sampling_k(self.sampling_decay, self.sampling_k)
-        check_number("sampling_min_teacher", self.sampling_min_teacher, minimum=0.0, maximum=1.0)
-        check_number("guide_loss", self.guide_loss, minimum=0.0)
-        check_number("guide_width", self.guide_width, minimum=0.0, exclusive_minimum=True)
-        check_bool("copy_mechanism", self.copy_mechanism)
-        check_bool("token_shift", self.token_shift)
-        check_bool("pack", self.pack)
-        check_bool("group_by_length", self.group_by_length)
-        if self.pack and self.group_by_length:
-            raise ValueError("group_by_length cannot be combined with pack: packing already leaves no padding")
-        if self.copy_mechanism and self.label_smoothing > 0:
-            # Smoothing spreads mass over every output, but the extended ids a source does not hold have
-            # probability 0 under the copy mixture: their log is -inf.
-            raise ValueError(f"label_smoothing {self.label_smoothing!r} cannot be combined with copy_mechanism "
-                             "(the mixture gives some outputs probability 0); use 0")
-        check_decoding_settings(self.decoding, self.length_mode, self.length_loss, self.scheduled_sampling,
-                                self.guide_loss)
-        if self.copy_mechanism and self.decoding != "autoregressive":
-            raise ValueError(f"copy_mechanism is built for autoregressive decoding; decoding is {self.decoding!r}")
-        if self.dim % self.heads:
-            raise ValueError(f"dim must be a multiple of heads, got dim={self.dim} and heads={self.heads}")
-        check_number("kv_heads", self.kv_heads, integer=True, minimum=1, optional=True)
-        if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads must divide heads, got kv_heads={self.kv_heads} and heads={self.heads}")
+        check_declared(self)
 
     @property
     def model_label(self) -> str:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
-from ..models import LanguageModel, Seq2SeqTransformer, SequenceClassifier, SequenceTagger
+from ..models import LanguageModel, ModelConfig, Seq2SeqTransformer, SequenceClassifier, SequenceTagger
 from ..tasks import Task
 from .config import TrainConfig
+from .settings import task_refusal
 
 
 def model_length(config: TrainConfig, task: Task) -> int:
@@ -78,6 +80,36 @@ def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
     return None
 
 
+# The TrainConfig fields a token model's ModelConfig has too, under the same name and meaning: a setting
+# declared in both reaches the model with no line here.
+SHARED_WITH_MODEL = tuple(sorted({item.name for item in fields(TrainConfig)}
+                                 & {item.name for item in fields(ModelConfig) if item.init}))
+
+
+def model_config(config: TrainConfig, task: Task) -> ModelConfig:
+    """The :class:`ModelConfig` of ``config``'s model for ``task``: the shared fields as they are, the task's
+    vocabulary and length, and the mechanism in every self-attention slot (a gated or Mamba-2 block has its
+    own attention: block options instead of mechanism options)."""
+    shared = {name: getattr(config, name) for name in SHARED_WITH_MODEL}
+    attention = config.block == "attention"
+    shared.update(block_options=None if attention else dict(config.block_options))
+    return ModelConfig(vocab_size=task.vocab_size, max_length=task.seq_len, self_attention=config.mechanism,
+                       self_attention_options=mechanism_options_for(config, task) if attention else None, **shared)
+
+
+def _copy_map(config: TrainConfig, task: Task) -> Optional[torch.Tensor]:
+    """The pointer-generator's source -> target token map (None without copy_mechanism), or why the task and
+    the copy setting do not go together."""
+    if getattr(task, "extended_tokens", ()) and not config.copy_mechanism:
+        raise ValueError(f"copy_mechanism is needed: {task.name}'s answers (with these options) hold tokens "
+                         "outside its target vocabulary, which only a copy mechanism can produce")
+    copy_map = task.copy_map() if config.copy_mechanism else None
+    if copy_map is not None and not bool((copy_map >= 0).any()):
+        raise UnsupportedOptionError(f"copy_mechanism needs a task whose source and target share tokens; "
+                                     f"{task.name}'s vocabularies share none, so there is nothing to copy")
+    return copy_map
+
+
 def build_model(config: TrainConfig, task: Task) -> nn.Module:
     """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
     ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
@@ -89,65 +121,34 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     the same model.
 
     Raises :class:`~attnzoo.UnsupportedOptionError` when the mechanism cannot serve the task."""
-    if task.kind != "seq2seq" and config.scheduled_sampling != "none":
-        raise ValueError(f"scheduled_sampling {config.scheduled_sampling!r} needs a seq2seq task; {task.name} is "
-                         f"{task.kind!r}")
-    if task.kind != "seq2seq" and config.guide_loss > 0:
-        raise ValueError(f"guide_loss {config.guide_loss!r} needs a seq2seq task (cross-attention); {task.name} "
-                         f"is {task.kind!r}")
-    if task.kind != "seq2seq" and config.copy_mechanism:
-        raise ValueError(f"copy_mechanism needs a seq2seq task (a source to copy from); {task.name} is "
-                         f"{task.kind!r}")
-    if task.kind != "seq2seq" and config.decoding != "autoregressive":
-        raise ValueError(f"decoding {config.decoding!r} needs a seq2seq task; {task.name} is {task.kind!r}")
-    if getattr(task, "extended_tokens", ()) and not config.copy_mechanism:
-        raise ValueError(f"copy_mechanism is needed: {task.name}'s answers (with these options) hold tokens "
-                         "outside its target vocabulary, which only a copy mechanism can produce")
-    copy_map = task.copy_map() if config.copy_mechanism else None
-    if copy_map is not None and not bool((copy_map >= 0).any()):
-        raise UnsupportedOptionError(f"copy_mechanism needs a task whose source and target share tokens; "
-                                     f"{task.name}'s vocabularies share none, so there is nothing to copy")
-    if config.block != "attention" and task.kind == "seq2seq":
-        raise ValueError(f"block {config.block!r} cannot train on {task.name}: its model, a Seq2SeqTransformer, has "
-                         f"no gated units (block options exist for classify, tag and lm tasks)")
-    if config.token_shift and task.kind == "seq2seq":
-        raise ValueError(f"token_shift cannot train on {task.name}: its model, a Seq2SeqTransformer, has no token "
-                         f"shift (it exists for classify, tag and lm tasks)")
-    if config.group_by_length and task.pad_id is None:
-        raise ValueError(f"group_by_length needs a task whose examples are padded; every {task.name} example is "
-                         f"{task.seq_len} tokens long")
+    refused = task_refusal(config, task)  # each setting declares the tasks it fits (TrainConfig's fields)
+    if refused is not None:
+        raise ValueError(refused)
+    copy_map = _copy_map(config, task)
     refused = packing_refusal(config, task)
     if refused is not None:
         raise UnsupportedOptionError(f"pack is refused: {refused}")
     reasons = unsupported_reasons(config, task)
     if reasons:
         raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
-    common: Dict[str, Any] = dict(
-        dim=config.dim, heads=config.heads, kv_heads=config.kv_heads, depth=config.depth, ff_dim=config.ff_dim, dropout=config.dropout,
-        positional=config.positional, max_length=task.seq_len, self_attention=config.mechanism,
-        self_attention_options=mechanism_options_for(config, task),
-    )
-    if config.block != "attention":  # gated units in place of attention + feed-forward (softmax, no options)
-        common.update(block=config.block, block_options=dict(config.block_options), self_attention_options=None)
     if task.kind == "classify":
-        return SequenceClassifier(task.vocab_size, task.num_classes, pooling=config.pooling,
-                                  token_shift=config.token_shift, **common)
+        return SequenceClassifier(model_config(config, task), task.num_classes, pooling=config.pooling)
     if task.kind == "tag":
-        return SequenceTagger(task.vocab_size, task.num_classes, token_shift=config.token_shift,
-                              causal=task.needs_causal_model, **common)
+        return SequenceTagger(model_config(config, task), task.num_classes, causal=task.needs_causal_model)
     if task.kind == "lm":
-        return LanguageModel(task.vocab_size, token_shift=config.token_shift, **common)
+        return LanguageModel(model_config(config, task))
     if task.kind == "seq2seq":
         # The mechanism serves both self-attention slots; cross-attention stays exact softmax (grouped by
         # kv_heads too).
-        options = common.pop("self_attention_options")
-        mechanism = common.pop("self_attention")
-        depth = common.pop("depth")
-        common["max_length"] = max(task.seq_len, task.target_len)
+        options = mechanism_options_for(config, task)
+        common: Dict[str, Any] = dict(dim=config.dim, heads=config.heads, kv_heads=config.kv_heads,
+                                      ff_dim=config.ff_dim, dropout=config.dropout, positional=config.positional,
+                                      max_length=max(task.seq_len, task.target_len))
         if config.decoding != "autoregressive":  # the widest decoded row is the task's widest target
             common.update(decoding=config.decoding, length=config.length_mode, max_target_length=task.target_len)
-        return Seq2SeqTransformer(task.vocab_size, task.num_classes, encoder_depth=depth, decoder_depth=depth,
-                                  encoder_self_attention=mechanism, encoder_self_attention_options=options,
-                                  decoder_self_attention=mechanism, decoder_self_attention_options=options,
-                                  copy_mechanism=config.copy_mechanism, copy_map=copy_map, **common)
+        return Seq2SeqTransformer(task.vocab_size, task.num_classes, encoder_depth=config.depth,
+                                  decoder_depth=config.depth, encoder_self_attention=config.mechanism,
+                                  encoder_self_attention_options=options, decoder_self_attention=config.mechanism,
+                                  decoder_self_attention_options=options, copy_mechanism=config.copy_mechanism,
+                                  copy_map=copy_map, **common)
     raise ValueError(f"task {task.name} has an unknown kind {task.kind!r}")
