@@ -106,7 +106,8 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     except ValueError as error:  # the text windows are planned (and checked) after the tokenizer loads
         return usage_error("lm-eval", str(error))
     except KeyboardInterrupt:
-        print("attnzoo lm-eval: interrupted; nothing was written", file=sys.stderr)
+        print(f"attnzoo lm-eval: interrupted; the variants measured before are written in {output}/",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         close()
