@@ -80,14 +80,20 @@ def perplexity_table(data: Dict[str, Any]) -> List[str]:
     settings = data["settings"]
     columns = [(s, n) for s in settings["sources"] for n in settings["lengths"]]
     found = {(r["variant"], r["source"], r["length"]): r for r in rows}
-    body = []
+    body, joined = [], False
     for variant in _variants(data):
         cells = []
         for source, length in columns:
             row = found.get((variant, source, length))
-            cells.append(_failed(row) or _number(row["perplexity"]))
+            mixed = row is not None and row.get("single_document", 0) < row.get("windows", 0)
+            joined = joined or mixed
+            cells.append(_failed(row) or _number(row["perplexity"]) + ("*" if mixed else ""))
         body.append([variant] + cells)
-    return _table(["variant"] + [f"{s} {n:,}" for s, n in columns], body)
+    lines = _table(["variant"] + [f"{s} {n:,}" for s, n in columns], body)
+    if joined:
+        lines += ["", "\\* some windows join several documents (EOS between them): the split has too few documents "
+                  "of that length"]
+    return lines
 
 
 def passkey_table(data: Dict[str, Any]) -> List[str]:
@@ -166,8 +172,8 @@ def render_markdown(data: Dict[str, Any]) -> str:
             f"{machine.get('cores')} cores, {machine.get('threads')} torch threads, load average at the start "
             f"{(machine.get('load_average') or ['?'])[0]}. Took {data.get('seconds', 0) / 60:.1f} minutes.", ""]
     if data["perplexity"]:
-        text += [f"## Perplexity ({settings['windows']} window(s) per length; single-document windows: see "
-                 "lm-eval.json)", ""] + perplexity_table(data) + [""]
+        text += [f"## Perplexity ({settings['windows']} window(s) per source and length, each from the start of a "
+                 "document unless marked)", ""] + perplexity_table(data) + [""]
     if data["passkey"]:
         text += [f"## Passkey retrieval (correct / prompts; depths {', '.join(f'{d:g}' for d in settings['depths'])}"
                  f", {settings['trials']} trial(s) each, seed {settings['seed']})", ""] + passkey_table(data) + [""]
