@@ -202,60 +202,93 @@ def convert(
         "format": FORMAT, "stage": TRANSFER, "step": 0, "tensors": {}, "optimizer": {}, "history": [],
         "layer_errors": [], "kept": [], "perplexity": {}, "seconds": {},
     }
-    depth = teacher.config.depth
-    every_layer = list(range(depth))
-    evaluate = evaluation_windows is not None
-
+    job = _Job(teacher, train_windows, selection_windows, output, config, dict(source), evaluation_windows,
+               progress, on_step, state)
     if state["stage"] == TRANSFER:
-        student = build_student(teacher, layer_plan(depth, every_layer, config.target, config.target_options),
-                                config.seed)
-        if evaluate and "raw_swap" not in state["perplexity"]:
-            state["perplexity"]["teacher"] = _perplexities(teacher, evaluation_windows)
-            state["perplexity"]["raw_swap"] = _perplexities(student, evaluation_windows)
-        names = list(mechanism_state(student)) if config.transfer_steps else []
-        if state["tensors"]:
-            load_tensors(student, state["tensors"])
-        if names:
-            _train(TRANSFER, student, names, config.transfer_steps, config.transfer_lr, state,
-                   lambda tokens: sum(transfer_losses(teacher, student, tokens, every_layer, backward=True)) / depth,
-                   train_windows, config, output, progress, on_step)
-        student.requires_grad_(False)
-        state["layer_errors"] = held_out_errors(teacher, student, selection_windows, every_layer)
-        state["kept"] = layers_to_keep(state["layer_errors"], every_layer, config.keep_softmax)
-        state.update(stage=FINETUNE, step=0, tensors=mechanism_state(student), optimizer={})
-        _save_atomically(output / CHECKPOINT, state)
-
+        _transfer_stage(job)
     if state["stage"] == FINETUNE:
-        converted = [index for index in range(depth) if index not in state["kept"]]
-        plan = layer_plan(depth, converted, config.target, config.target_options)
-        student = build_student(teacher, plan, config.seed)
-        load_tensors(student, {name: tensor for name, tensor in state["tensors"].items()
-                               if ".lora_" not in name and _layer_of(name) in converted})
-        if evaluate and "transferred" not in state["perplexity"]:
-            state["perplexity"]["transferred"] = _perplexities(student, evaluation_windows)
-        lora_names = add_lora(student, attention_projection_names(converted), config.lora_rank, config.lora_alpha,
-                              config.seed)
-        load_tensors(student, {name: tensor for name, tensor in state["tensors"].items() if ".lora_" in name})
-        if config.finetune_steps:
-            reference = teacher if config.finetune_loss == "teacher_logits" else None
-
-            def step_loss(tokens: Tensor) -> float:
-                loss = finetune_loss(student, tokens, config.finetune_loss, reference)
-                loss.backward()
-                return loss.item()
-
-            _train(FINETUNE, student, lora_names, config.finetune_steps, config.finetune_lr, state, step_loss,
-                   train_windows, config, output, progress, on_step)
-        student.requires_grad_(False).eval()
-        if evaluate:
-            state["perplexity"]["converted"] = _perplexities(student, evaluation_windows)
-        state.update(stage=DONE, tensors={**mechanism_state(student), **lora_state(student)}, optimizer={})
-        save_converted(output / "model", student, plan, config, source)
-        _save_atomically(output / CHECKPOINT, state)
+        _finetune_stage(job)
     result = ConversionResult(output, list(state["kept"]), list(state["layer_errors"]), list(state["history"]),
                               dict(state["perplexity"]), dict(state["seconds"]))
     _write_results(output, result, config)
     return result
+
+
+@dataclass
+class _Job:
+    """One conversion's inputs and its running state (what the checkpoint saves)."""
+
+    teacher: CausalLM
+    train_windows: Tensor
+    selection_windows: Tensor
+    output: Path
+    config: ConversionConfig
+    source: Dict[str, Any]
+    evaluation_windows: Optional[Mapping[str, Tensor]]
+    progress: bool
+    on_step: Optional[Callable[[str, int], None]]
+    state: Dict[str, Any]
+
+    def measure(self, label: str, model: CausalLM) -> None:
+        """Record ``model``'s perplexity on the evaluation windows under ``label`` (once; kept on resume)."""
+        if self.evaluation_windows is not None and label not in self.state["perplexity"]:
+            self.state["perplexity"][label] = _perplexities(model, self.evaluation_windows)
+
+    def train(self, stage: str, student: CausalLM, names: Sequence[str], steps: int, lr: float,
+              step_loss: Callable[[Tensor], float]) -> None:
+        _train(stage, student, names, steps, lr, self.state, step_loss, self.train_windows, self.config,
+               self.output, self.progress, self.on_step)
+
+
+def _transfer_stage(job: _Job) -> None:
+    """Stage 1 on every layer, then each layer's held-out error and the layers a hybrid keeps."""
+    teacher, config, state = job.teacher, job.config, job.state
+    every_layer = list(range(teacher.config.depth))
+    student = build_student(teacher, layer_plan(len(every_layer), every_layer, config.target, config.target_options),
+                            config.seed)
+    job.measure("teacher", teacher)
+    job.measure("raw_swap", student)
+    names = list(mechanism_state(student)) if config.transfer_steps else []
+    if state["tensors"]:
+        load_tensors(student, state["tensors"])
+    if names:
+        job.train(TRANSFER, student, names, config.transfer_steps, config.transfer_lr,
+                  lambda tokens: sum(transfer_losses(teacher, student, tokens, every_layer, backward=True))
+                  / len(every_layer))
+    student.requires_grad_(False)
+    state["layer_errors"] = held_out_errors(teacher, student, job.selection_windows, every_layer)
+    state["kept"] = layers_to_keep(state["layer_errors"], every_layer, config.keep_softmax)
+    state.update(stage=FINETUNE, step=0, tensors=mechanism_state(student), optimizer={})
+    _save_atomically(job.output / CHECKPOINT, state)
+
+
+def _finetune_stage(job: _Job) -> None:
+    """Stage 2: adapters on the converted layers of the final plan; then the model is saved."""
+    teacher, config, state = job.teacher, job.config, job.state
+    depth = teacher.config.depth
+    converted = [index for index in range(depth) if index not in state["kept"]]
+    plan = layer_plan(depth, converted, config.target, config.target_options)
+    student = build_student(teacher, plan, config.seed)
+    load_tensors(student, {name: tensor for name, tensor in state["tensors"].items()
+                           if ".lora_" not in name and _layer_of(name) in converted})
+    job.measure("transferred", student)
+    lora_names = add_lora(student, attention_projection_names(converted), config.lora_rank, config.lora_alpha,
+                          config.seed)
+    load_tensors(student, {name: tensor for name, tensor in state["tensors"].items() if ".lora_" in name})
+    if config.finetune_steps:
+        reference = teacher if config.finetune_loss == "teacher_logits" else None
+
+        def step_loss(tokens: Tensor) -> float:
+            loss = finetune_loss(student, tokens, config.finetune_loss, reference)
+            loss.backward()
+            return loss.item()
+
+        job.train(FINETUNE, student, lora_names, config.finetune_steps, config.finetune_lr, step_loss)
+    student.requires_grad_(False).eval()
+    job.measure("converted", student)
+    state.update(stage=DONE, tensors={**mechanism_state(student), **lora_state(student)}, optimizer={})
+    save_converted(job.output / "model", student, plan, config, job.source)
+    _save_atomically(job.output / CHECKPOINT, state)
 
 
 def _write_results(output: Path, result: ConversionResult, config: ConversionConfig) -> None:
