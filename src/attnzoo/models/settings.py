@@ -108,14 +108,24 @@ def value_type(cls: type, item: dataclasses.Field) -> type:
 def check_declared(config: Any) -> None:
     """Check every declared field of a config: each value alone (in field order), then each rule between
     fields, so that a rule reads values already checked."""
-    items = list(settings_of(type(config)))
-    for item, declaration in items:
+    check_values(config)
+    check_rules(config)
+
+
+def check_values(config: Any) -> None:
+    """The first half of :func:`check_declared`: each declared field's value alone, in field order."""
+    for item, declaration in settings_of(type(config)):
         value = getattr(config, item.name)
         if declaration.check is not None:
             declaration.check(item.name, value)
         if declaration.choices is not None and not (value is None and default_of(item) is None):
             check_choice(item.name, value, declaration.choices)
-    for _, declaration in items:
+
+
+def check_rules(config: Any) -> None:
+    """The second half of :func:`check_declared`: each rule between fields (``agrees``), in field order; a
+    config that works out fields of its own from the checked values (a model's layers) does so in between."""
+    for _, declaration in settings_of(type(config)):
         if declaration.agrees is not None:
             declaration.agrees(config)
 
