@@ -212,3 +212,30 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path):
         assert done.returncode == 2, (flags, done.stderr)
         lines = [line for line in done.stderr.splitlines() if line.startswith("attnzoo convert: error")]
         assert len(lines) == 1 and message in lines[0], (flags, done.stderr)
+
+
+def _state_bytes(state) -> int:
+    from attnzoo.state import map_tensors
+
+    sizes = []
+    map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
+
+
+def test_a_converted_model_decodes_from_a_constant_size_state_equal_to_its_forward(teacher, tmp_path):
+    _run(teacher, tmp_path / "run", _settings(keep_softmax=0))
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    model = build_student(teacher, layer_plan(3, range(3), TARGET, TARGET_OPTIONS), seed=0)
+    conversion.add_lora(model, conversion.lora.attention_projection_names(range(3)), 8, 16.0, 0)
+    conversion.student.load_tensors(model, state["tensors"])
+    tokens = _windows(2, 20, seed=4)
+    with torch.no_grad():
+        full = model(tokens)
+        logits, decoding = model.prefill(tokens[:, :6])
+        steps, sizes = [logits[:, -1]], []
+        for position in range(6, 20):
+            logits_t, decoding = model.step(tokens[:, position], decoding)
+            steps.append(logits_t)
+            sizes.append(_state_bytes(decoding.layers))
+    torch.testing.assert_close(torch.stack(steps[:-1], 1), full[:, 5:19], rtol=1e-4, atol=1e-4)
+    assert len(set(sizes)) == 1, sizes  # the window is full after 4 tokens; from then on nothing grows
