@@ -33,6 +33,7 @@ def _table(perplexity: Dict[str, Dict[str, float]]) -> str:
 def convert_command(args: argparse.Namespace) -> int:
     from ..conversion import ConversionConfig, convert, gguf_source
     from ..conversion.data import evaluation_windows, mixed_windows
+    from .._malloc import keep_freed_memory
     from ..conversion.run import check_output
     from ..pretrained import GGUFFile, config_from_gguf, load
     from ..pretrained.loader import gguf_path, smollm2_path
@@ -65,6 +66,7 @@ def convert_command(args: argparse.Namespace) -> int:
         evaluation = evaluation_windows(tokenizer, args.eval_length, args.eval_windows) if args.eval_windows else None
     except (TypeError, ValueError, FileNotFoundError) as error:
         return usage_error("convert", _flag_named(str(error)))
+    keep_freed_memory()  # every step allocates the same large tensors: keep them off fresh mmaps
     try:
         result = convert(teacher, train, selection, Path(args.output), config, source=source,
                          evaluation_windows=evaluation, progress=not args.quiet,
