@@ -35,6 +35,7 @@ from .functional.features import (  # noqa: F401  (samplers and exp_features are
     elu_plus_one,
     exp_features,
     gaussian_projection,
+    hedgehog_features_unchecked,
     orthogonal_projection,
     relu_features,
 )
@@ -78,6 +79,49 @@ class ReluFeatureMap(FeatureMap):
 
     def forward(self, x: Tensor) -> Tensor:
         return relu_features(x)
+
+
+class HedgehogFeatureMap(FeatureMap):
+    """Hedgehog's learned feature map (Zhang et al. 2024, "The Hedgehog & the Porcupine"): per head h,
+    ``y = x W_h + b_h`` and ``phi(x) = [softmax(y), softmax(-y)]`` (2 * ``feature_dim`` features, positive; the
+    maths in :func:`attnzoo.functional.features.hedgehog_features`).
+
+    Trainable: ``weight`` (heads, head_dim, feature_dim) and ``bias`` (heads, feature_dim), the parameters
+    attention transfer fits to a softmax teacher. ``weight`` starts as the identity of each head when
+    ``feature_dim == head_dim`` (the default; Hedgehog's initialisation), else ``N(0, 1 / head_dim)`` drawn
+    from ``generator`` (the global generator when None); ``bias`` starts at zero.
+
+    Softmax features never overflow, so :meth:`key_features` needs no rescaling (``log_scale`` None). Inputs
+    must have ``heads`` heads of ``head_dim`` channels: grouped keys are repeated to the query heads first.
+    """
+
+    def __init__(self, heads: int, head_dim: int, feature_dim: Optional[int] = None, *,
+                 generator: Optional[torch.Generator] = None) -> None:
+        super().__init__()
+        self.heads = check_positive_int("heads", heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.feature_dim = head_dim if feature_dim is None else check_positive_int("feature_dim", feature_dim)
+        if self.feature_dim == head_dim:
+            weight = torch.eye(head_dim).expand(heads, head_dim, head_dim).clone()
+        else:
+            weight = torch.randn(heads, head_dim, self.feature_dim, generator=generator) / math.sqrt(head_dim)
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(torch.zeros(heads, self.feature_dim))
+
+    @property
+    def nb_features(self) -> int:
+        """Features per position: ``2 * feature_dim``."""
+        return 2 * self.feature_dim
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_floating("x", x)
+        if x.dim() != 4 or x.shape[1] != self.heads or x.shape[3] != self.head_dim:
+            raise ValueError(f"HedgehogFeatureMap: input must have shape (batch, heads={self.heads}, seq, "
+                             f"head_dim={self.head_dim}), got {tuple(x.shape)}")
+        return hedgehog_features_unchecked(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, head_dim={self.head_dim}, feature_dim={self.feature_dim}"
 
 
 class RandomFeatureMap(FeatureMap):

@@ -84,7 +84,7 @@ def test_decoders_on_softmax_match_and_generate_alike(build):
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama-gqa"])
 @pytest.mark.parametrize("mechanism,options", [("linear", {}), ("performer", {"nb_features": 16, "seed": 0}),
-                                               ("gla", {}), ("retention", {})])
+                                               ("gla", {}), ("retention", {}), ("lolcats", {"window": 3})])
 def test_other_mechanisms_generate_from_the_cache_as_without_it(build, mechanism, options):
     theirs = randomize(build())
     model = copy.deepcopy(theirs)
@@ -108,6 +108,19 @@ def test_mechanism_parameters_belong_to_the_model():
     names = [name for name in model.state_dict() if MECHANISM_ATTRIBUTE in name]
     assert "model.layers.0.self_attn.attnzoo_mechanism.gate_weight" in names
     assert all(p.dtype == torch.float64 for n, p in model.named_parameters() if MECHANISM_ATTRIBUTE in n)
+
+
+def test_lolcats_takes_the_models_scaling_and_trains_its_own_parameters():
+    """A Llama converted to lolcats: each layer's mechanism takes the module's logit scale, and its learned
+    parameters (the two Hedgehog maps, the window factor), what attention transfer trains, are the model's."""
+    model = llama()
+    use_attnzoo(model, "lolcats", window=3)
+    mechanism = getattr(model.model.layers[0].self_attn, MECHANISM_ATTRIBUTE)
+    assert mechanism.logit_scale() == model.model.layers[0].self_attn.scaling == 4 ** -0.5
+    prefix = "model.layers.1.self_attn.attnzoo_mechanism."
+    names = {name for name, _ in model.named_parameters() if name.startswith(prefix)}
+    assert names == {prefix + name for name in ("query_map.weight", "query_map.bias", "key_map.weight",
+                                                "key_map.bias", "window_factor")}
 
 
 def snapshot(model):

@@ -1,4 +1,5 @@
-"""Feature maps: samplers, FAVOR+ unbiasedness and stabilisers, seeded explicit redraws, buffers, bad input."""
+"""Feature maps: samplers, FAVOR+ unbiasedness and stabilisers, seeded explicit redraws, buffers, Hedgehog's
+learned softmax features, bad input."""
 
 import io
 import math
@@ -10,6 +11,7 @@ from attnzoo.feature_maps import (
     EluFeatureMap,
     FavorPositiveFeatures,
     FavorTrigFeatures,
+    HedgehogFeatureMap,
     ReluFeatureMap,
     exp_features,
     gaussian_projection,
@@ -18,6 +20,7 @@ from attnzoo.feature_maps import (
     resolve_feature_map,
 )
 from attnzoo.functional import linear_attention
+from attnzoo.functional.features import hedgehog_features
 
 
 def seeded(seed):
@@ -294,3 +297,70 @@ def test_favor_halves_keep_antithetic_pairs_together(symmetric):
         assert torch.equal(second[:6], second[6:])
     with pytest.raises(ValueError, match="nb_features=2"):
         FavorPositiveFeatures(8, 2, symmetric=True).second_half()
+
+
+# -- Hedgehog ---------------------------------------------------------------------------------------------------
+def _hedgehog_written_out(x, weight, bias):
+    """[softmax(y), softmax(-y)] with y = x W_h + b_h, head by head, exp over the sum of exp."""
+    heads = []
+    for h in range(x.shape[1]):
+        y = x[:, h] @ weight[h] + bias[h]
+        pos, neg = torch.exp(y), torch.exp(-y)
+        heads.append(torch.cat([pos / pos.sum(-1, keepdim=True), neg / neg.sum(-1, keepdim=True)], dim=-1))
+    return torch.stack(heads, dim=1)
+
+
+def test_hedgehog_features_are_the_two_softmaxes_of_each_heads_map():
+    g = seeded(0)
+    x = torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64)
+    weight, bias = torch.randn(3, 4, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    features = hedgehog_features(x, weight, bias)
+    torch.testing.assert_close(features, _hedgehog_written_out(x, weight, bias), rtol=1e-14, atol=1e-14)
+    assert features.shape == (2, 3, 5, 12) and bool((features > 0).all())
+    torch.testing.assert_close(features[..., :6].sum(-1), torch.ones(2, 3, 5, dtype=torch.float64))
+    torch.testing.assert_close(hedgehog_features(x, weight, None), hedgehog_features(x, weight, torch.zeros(3, 6)))
+    # Large inputs: softmax subtracts its maximum, so nothing overflows (float32, logits of 1e4).
+    huge = hedgehog_features(1e4 * x.float(), weight.float(), None)
+    assert bool(torch.isfinite(huge).all()) and huge.dtype == torch.float32
+
+
+def test_hedgehog_features_gradients():
+    """The hand-written backward (from the output alone) against finite differences, for x, W and b."""
+    g = seeded(1)
+    x = torch.randn(1, 2, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(hedgehog_features, (x, weight, bias))
+
+
+def test_hedgehog_map_starts_as_the_identity_or_a_seeded_draw():
+    square = HedgehogFeatureMap(3, 4)
+    assert square.nb_features == 8 and square.bias.shape == (3, 4)
+    torch.testing.assert_close(square.weight, torch.eye(4).expand(3, 4, 4))
+    assert not bool(square.bias.any())
+    assert {name for name, _ in square.named_parameters()} == {"weight", "bias"}
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)
+    expected = torch.cat([torch.softmax(x, -1), torch.softmax(-x, -1)], -1)
+    torch.testing.assert_close(square.double()(x), expected)
+    features, log_scale = square.double().key_features(x)
+    assert log_scale is None and torch.equal(features, square.double().query_features(x))
+    wide, again = HedgehogFeatureMap(3, 4, 6, generator=seeded(5)), HedgehogFeatureMap(3, 4, 6, generator=seeded(5))
+    assert wide.weight.shape == (3, 4, 6) and wide.nb_features == 12 and torch.equal(wide.weight, again.weight)
+    assert not torch.equal(wide.weight, HedgehogFeatureMap(3, 4, 6, generator=seeded(6)).weight)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: HedgehogFeatureMap(0, 4), "heads"),
+        (lambda: HedgehogFeatureMap(2, 4, 0), "feature_dim"),
+        (lambda: HedgehogFeatureMap(2, 4, 1.5), "feature_dim"),
+        (lambda: HedgehogFeatureMap(2, 4)(torch.randn(1, 3, 5, 4)), "heads=2"),
+        (lambda: HedgehogFeatureMap(2, 4)(torch.randn(1, 2, 5, 6)), "head_dim=4"),
+        (lambda: hedgehog_features(torch.randn(1, 2, 5, 4), torch.randn(2, 3, 6)), "weight"),
+        (lambda: hedgehog_features(torch.randn(1, 2, 5, 4), torch.randn(2, 4, 6), torch.randn(2, 5)), "bias"),
+    ],
+)
+def test_hedgehog_bad_input_names_it(call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call()

@@ -71,6 +71,33 @@ def test_prefill_and_step_equal_parallel(name, options):
     assert state.tensors["kv"].shape[:2] == (2, 3) and state.tensors["kv"].shape[-1] == 9 and state.length == 21
 
 
+def test_linear_with_hedgehog_maps():
+    """feature_map="hedgehog": a learned map for the queries and another for the keys, per query head
+    (grouped keys repeated), 2 * feature_dim features in the state, and the output the kernel formula gives."""
+    mechanism = build("linear", feature_map="hedgehog", feature_dim=5, chunk_size=4)
+    assert {name for name, _ in mechanism.named_parameters()} == {
+        "feature_map.weight", "feature_map.bias", "key_feature_map.weight", "key_feature_map.bias"}
+    assert mechanism.capabilities.grouped_kv == "repeat" and capabilities("linear").grouped_kv == "native"
+    assert mechanism.capabilities.limited_by == "feature_map='hedgehog'"
+    assert mechanism.state_layout(torch.float64)["kv"][0] == (3, 10, 9)
+    with torch.no_grad():
+        for p in mechanism.parameters():
+            p.normal_()
+    q, k, v = qkv()
+
+    def phi(x, p):
+        y = torch.einsum("bhnd,hdm->bhnm", x, p.weight) + p.bias[:, None, :]
+        return torch.cat([torch.softmax(y, -1), torch.softmax(-y, -1)], -1)
+
+    kernel = (phi(q, mechanism.feature_map) @ phi(k, mechanism.key_feature_map).transpose(-1, -2)).tril()
+    expected = kernel @ v / kernel.sum(-1, keepdim=True)
+    with torch.no_grad():
+        torch.testing.assert_close(mechanism(q, k, v, causal=True), expected, rtol=1e-12, atol=1e-12)
+    # The default width is head_dim, with both maps starting as the identity.
+    square = build("linear", feature_map="hedgehog")
+    assert square.feature_dim == 16 and torch.equal(square.key_feature_map.weight, torch.eye(8).expand(3, 8, 8))
+
+
 @pytest.mark.parametrize("name, options", CONFIGS)
 def test_padding_is_as_if_absent(name, options):
     mechanism = build(name, **options)
@@ -341,6 +368,8 @@ def test_decayed_mechanisms_reject_cross_attention(name, options):
         ("rfa", {"nb_features": -2}, "nb_features"),
         ("rfa", {"sharpness": 0.0}, "sharpness"),
         ("linear", {"feature_map": "softmax"}, "feature_map"),
+        ("linear", {"feature_dim": 4}, "feature_dim sets the projections of feature_map='hedgehog'"),
+        ("linear", {"feature_map": "hedgehog", "feature_dim": 0}, "feature_dim"),
         ("retention", {"decays": [0.5, 1.5, 0.9]}, "decays"),
         ("retention", {"decays": [0.5]}, "decays"),
         ("gla", {"gate_temperature": 0.0}, "gate_temperature"),

@@ -25,6 +25,7 @@ LAYERS = [
     {"pretrained"},  # pretrained models from GGUF files, on the models' parts; decodes with decoding's
     {"dropin"},  # torch.nn swapping (swap.py) and Hugging Face (hf.py)
     {"training"},
+    {"conversion"},  # pretrained softmax models converted to other attention (attention transfer, LoRA)
     {"bench"},  # the kernel benchmark behind attnzoo compare
     {"experiments"},  # training experiments: attnzoo lra, the seq2seq report, their cell runner
     {"cli", "__main__"},  # __main__: python -m attnzoo, the command itself

@@ -16,6 +16,7 @@ One meaning per flag across commands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -198,26 +199,40 @@ def int_list(text: str) -> List[int]:
 
 
 # -- flags declared by a config's fields ----------------------------------------------------------------------
-def add_declared_flags(parser: argparse.ArgumentParser, config_class: type, command: str) -> None:
-    """A flag for every field of ``config_class`` declared (:func:`attnzoo.training.settings.setting`) as one
-    of ``command``: ``--name-with-dashes``, its values read as the field's type (or one of its choices; a
-    yes/no field is a switch, on when given), its help the field's help and default. Every flag defaults to
-    None, "not given", so that the config's own default applies and --resume can tell what was given."""
-    from ..training.settings import default_of, flag_of, settings_of, value_type
+def add_declared_flags(parser: Any, config_class: type, command: str, prefix: str = "") -> None:
+    """A flag for every field of ``config_class`` declared (:func:`attnzoo.models.settings.setting`) as one of
+    ``command``: ``--name-with-dashes`` or the spelling it declares, its values read as the field's type (or one
+    of its choices; a yes/no field is a switch, on when given), its help the field's help and default, its
+    metavar the declared one. A field holding another config of declared fields (a decoder's
+    ``MonotonicInference``) is a switch too, followed by that config's own flags. Each flag stores in
+    ``prefix`` + the field's name and defaults to None, "not given", so that the config's own default applies
+    and --resume can tell what was given (:func:`given_flags` reads them back)."""
+    from ..models.settings import default_of, flag_spelling, flags, value_type
 
-    for item, declared in settings_of(config_class):
-        if not declared.flag or command not in declared.commands:
-            continue
+    for item, declared in flags(config_class, command):
         kind = value_type(config_class, item)
         default = default_of(item)  # None: the help says what not giving the flag means
         help_text = declared.help if default is None else f"{declared.help} (default {default})"
-        if kind is bool:
-            parser.add_argument(flag_of(item.name), dest=item.name, action="store_const", const=True,
-                                help=declared.help)
+        spelled, dest = flag_spelling(item), prefix + item.name
+        named = {} if declared.metavar is None else {"metavar": declared.metavar}
+        if kind is bool or dataclasses.is_dataclass(kind):
+            parser.add_argument(spelled, dest=dest, action="store_const", const=True, help=declared.help)
+            if dataclasses.is_dataclass(kind):
+                add_declared_flags(parser, kind, command, prefix)
         elif declared.choices is not None:
-            parser.add_argument(flag_of(item.name), dest=item.name, choices=declared.choices, help=help_text)
+            parser.add_argument(spelled, dest=dest, choices=declared.choices, help=help_text, **named)
         else:
-            parser.add_argument(flag_of(item.name), dest=item.name, type=kind, help=help_text)
+            parser.add_argument(spelled, dest=dest, type=kind, help=help_text, **named)
+
+
+def given_flags(args: argparse.Namespace, config_class: type, prefix: str = "") -> Dict[str, Any]:
+    """{field: value} for the flags of ``config_class``'s fields (:func:`add_declared_flags`) that the command
+    line gave."""
+    from ..models.settings import settings_of
+
+    given = {item.name: getattr(args, prefix + item.name, None) for item, declared in settings_of(config_class)
+             if declared.flag is not False}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 # -- mechanisms of your own ------------------------------------------------------------------------------------

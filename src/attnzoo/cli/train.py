@@ -25,6 +25,7 @@ from .common import (
     add_import_option,
     check_mechanism,
     check_output_dir,
+    given_flags,
     import_modules,
     integer_at_least,
     merged,
@@ -36,13 +37,10 @@ from .common import (
 
 IMPORTS_JSON = "imports.json"  # in a run directory: the --import modules its mechanism needs
 
-# Command-line option -> DecoderSettings / MonotonicInference field: the decoder of a seq2seq task's decoded
-# metrics, chosen at train and eval time alike and never part of the training config.
-DECODER_OPTIONS = {
-    "--beam-size": "beam_size", "--length-penalty": "length_penalty", "--sampling-temperature": "temperature",
-    "--top-k": "top_k", "--top-p": "top_p", "--sampling-seed": "seed", "--monotonic-ahead": "ahead",
-    "--monotonic-behind": "behind",
-}
+# The decoder of a seq2seq task's decoded metrics is chosen at train and eval time alike, by the flags that
+# DecoderSettings and MonotonicInference declare, and is never part of the training config. Their values are
+# stored under this prefix, apart from TrainConfig's (which has a seed of its own).
+DECODING = "decoder_"
 # The TrainConfig fields whose command-line form is written by hand (not one flag of the field's own name).
 HAND_WRITTEN = {"task": "TASK", "mechanism": "--mechanism", "mechanism_options": "--set",
                 "task_options": "--task-options", "block_options": "--block-options"}
@@ -51,16 +49,24 @@ HAND_WRITTEN = {"task": "TASK", "mechanism": "--mechanism", "mechanism_options":
 def _flag_fields() -> List[str]:
     """The TrainConfig fields that are flags of attnzoo train, each declared in the config with its help."""
     from ..training import TrainConfig
-    from ..training.settings import settings_of
+    from ..training.settings import flags
 
-    return [item.name for item, declared in settings_of(TrainConfig) if declared.flag and "train" in declared.commands]
+    return [item.name for item, _ in flags(TrainConfig, "train")]
 
 
 def option_of_field() -> Dict[str, str]:
     """TrainConfig field -> how the command line spells it, for messages."""
-    from ..training.settings import flag_of
+    from ..training import TrainConfig
 
-    return {**{name: flag_of(name) for name in _flag_fields()}, **HAND_WRITTEN}
+    return {**_spellings(TrainConfig), **HAND_WRITTEN}
+
+
+def _spellings(config_class: type) -> Dict[str, str]:
+    """Field -> its flag, for the fields of ``config_class`` that are flags."""
+    from ..training.settings import flag_spelling, settings_of
+
+    return {item.name: flag_spelling(item) for item, declared in settings_of(config_class)
+            if declared.flag is not False}
 
 
 def _given_settings(args: argparse.Namespace) -> Dict[str, Any]:
@@ -119,29 +125,13 @@ def _format_metrics(metrics: Dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in shown.items())
 
 
-def _add_decoder_options(parser: argparse.ArgumentParser) -> None:
+def _add_decoder_options(parser: argparse.ArgumentParser, command: str) -> None:
+    from ..training import DecoderSettings
+
     group = parser.add_argument_group(
         "decoding", "seq2seq tasks: the decoder of the decoded metrics (exact match, token error rate, BLEU, "
                     "ms per sentence); greedy unless one of these is given")
-    group.add_argument("--beam-size", dest="decoder_beam_size", metavar="N", type=int,
-                       help="beam search with this many beams")
-    group.add_argument("--length-penalty", dest="decoder_length_penalty", metavar="X", type=float,
-                       help="beam search: scores divided by length ** this (default 1.0)")
-    group.add_argument("--sampling-temperature", dest="decoder_temperature", metavar="T", type=float,
-                       help="sampling at this temperature (seeded: --sampling-seed)")
-    group.add_argument("--top-k", dest="decoder_top_k", metavar="K", type=int,
-                       help="sampling: keep the k likeliest tokens")
-    group.add_argument("--top-p", dest="decoder_top_p", metavar="P", type=float,
-                       help="sampling: nucleus of this probability")
-    group.add_argument("--sampling-seed", dest="decoder_seed", metavar="SEED", type=int,
-                       help="sampling: the generator's seed (default 0)")
-    group.add_argument("--monotonic-inference", action="store_true",
-                       help="hold the cross-attention to a window that moves left to right with its focus "
-                            "(any decoder)")
-    group.add_argument("--monotonic-ahead", dest="decoder_ahead", metavar="N", type=int,
-                       help="monotonic: source positions visible past the focus (default 3)")
-    group.add_argument("--monotonic-behind", dest="decoder_behind", metavar="N", type=int,
-                       help="monotonic: positions visible before the focus (default 0)")
+    add_declared_flags(group, DecoderSettings, command, prefix=DECODING)
 
 
 def _check_decoder_fits(decoding: Any, run: Dict[str, Any]) -> None:
@@ -158,31 +148,43 @@ def _check_decoder_fits(decoding: Any, run: Dict[str, Any]) -> None:
 
 def _decoder_settings(args: argparse.Namespace, task: Optional[str]) -> Any:
     """The :class:`DecoderSettings` the decoding options ask for (greedy when none is given) for a run on
-    ``task`` (None: not known yet, not checked); errors name the option."""
+    ``task`` (None: not known yet, not checked): the decoder is the one whose options are given (each option
+    declares its decoder, ``owner``); errors name the option."""
     from ..models.monotonic import MonotonicInference
     from ..tasks import task_class
     from ..training import DecoderSettings
+    from ..training.decoders import DECODER_NAMES, GREEDY
 
-    given = {field: getattr(args, "decoder_" + field) for field in DECODER_OPTIONS.values()
-             if getattr(args, "decoder_" + field) is not None}
-    window = {field: given.pop(field) for field in ("ahead", "behind") if field in given}
-    if window and not args.monotonic_inference:
-        raise ValueError("--monotonic-ahead / --monotonic-behind set the window of --monotonic-inference: give it")
-    if (given or args.monotonic_inference) and task is not None and task_class(task).kind != "seq2seq":
+    given, window = given_flags(args, DecoderSettings, DECODING), given_flags(args, MonotonicInference, DECODING)
+    monotonic = given.pop("monotonic", None)  # the switch; its window comes from MonotonicInference's own flags
+    spelled = {**_spellings(DecoderSettings), **_spellings(MonotonicInference)}
+    if window and not monotonic:
+        raise ValueError(f"{' / '.join(_spellings(MonotonicInference).values())} set the window of "
+                         f"{spelled['monotonic']}: give it")
+    if (given or monotonic) and task is not None and task_class(task).kind != "seq2seq":
         raise ValueError(f"the decoding options apply to seq2seq tasks only; {task} is {task_class(task).kind!r}")
-    beam = bool({"beam_size", "length_penalty"} & set(given))
-    if beam and len(given) > len({"beam_size", "length_penalty"} & set(given)):
-        raise ValueError("--beam-size / --length-penalty (beam search) and --sampling-temperature / --top-k / "
-                         "--top-p / --sampling-seed (sampling) choose different decoders: give one kind")
+    owners = _owners(DecoderSettings)
+    chosen = [decoder for decoder in DECODER_NAMES if decoder in {owners.get(field) for field in given}]
+    if len(chosen) > 1:
+        kinds = [f"{' / '.join(spelled[field] for field, owner in owners.items() if owner == decoder)} "
+                 f"({DECODER_NAMES[decoder]})" for decoder in chosen]
+        raise ValueError(f"{' and '.join(kinds)} choose different decoders: give one kind")
     try:
-        monotonic = MonotonicInference(**window) if args.monotonic_inference else None
-        return DecoderSettings("beam" if beam else "sample" if given else "greedy", monotonic=monotonic, **given)
+        settings = MonotonicInference(**window) if monotonic else None
+        return DecoderSettings(chosen[0] if chosen else GREEDY.decoder, monotonic=settings, **given)
     except (TypeError, ValueError) as error:
         message = str(error)
-        for option, field in DECODER_OPTIONS.items():
+        for field, option in spelled.items():
             if message.startswith(field + " "):
                 message = option + message[len(field):]
         raise ValueError(message) from None
+
+
+def _owners(config_class: type) -> Dict[str, str]:
+    """Field -> the choice it is an option of (its declared ``owner``), in declaration order."""
+    from ..training.settings import settings_of
+
+    return {item.name: declared.owner for item, declared in settings_of(config_class) if declared.owner is not None}
 
 
 def _resume_settings(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -438,7 +440,7 @@ def add_train_command(commands: Any) -> None:
                                         "tasks; a resumed run may change it)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.add_argument("--json", action="store_true", help="print the results as JSON")
-    _add_decoder_options(train)
+    _add_decoder_options(train, "train")
     train.set_defaults(run=train_command)
 
 
@@ -451,5 +453,5 @@ def add_eval_command(commands: Any) -> None:
     evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
     add_import_option(evaluate)
-    _add_decoder_options(evaluate)
+    _add_decoder_options(evaluate, "eval")
     evaluate.set_defaults(run=eval_command)

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._dtypes import working_dtype
 from .._validation import check_floating, check_positive_int
+from ._autocast import outside_autocast, without_autocast
 
 
 # -- projection samplers -------------------------------------------------------------------------------------
@@ -158,6 +160,72 @@ def relu_features(x: Tensor) -> Tensor:
     """``relu(x)`` elementwise: non-negative features."""
     check_floating("x", x)
     return F.relu(x)
+
+
+# -- Hedgehog: learned softmax features -----------------------------------------------------------------------
+class _SoftmaxPair(torch.autograd.Function):
+    """``cat[softmax(y), softmax(-y)]`` over the last dim, whose backward reads only the output: with
+    ``s = softmax(y)``, ``t = softmax(-y)`` and the gradient ``[g, h]``, the gradient of y is
+    ``s * (g - <g, s>) - t * (h - <h, t>)``. Autograd's two softmaxes, their negation and concatenation would
+    keep both halves and the concatenation, and make three more passes backward."""
+
+    @staticmethod
+    @outside_autocast
+    def forward(ctx, y: Tensor) -> Tensor:  # type: ignore[override]
+        out = torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    @outside_autocast
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        m = out.shape[-1] // 2
+        weighted = grad * out
+        pos, neg = weighted[..., :m], weighted[..., m:]
+        grad_pos = pos - out[..., :m] * pos.sum(-1, keepdim=True)
+        return grad_pos.sub_(neg).add_(out[..., m:] * neg.sum(-1, keepdim=True))
+
+
+def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Hedgehog's feature map (Zhang et al. 2024, "The Hedgehog & the Porcupine"): per head h,
+    ``y = x W_h + b_h`` and ``phi(x) = [softmax(y), softmax(-y)]`` over the features.
+
+    Positive (each half sums to 1), and safe: softmax subtracts its row maximum, so nothing overflows and no
+    rescaling is needed (the kernel ``phi(q) . phi(k)`` lies in (0, 2]).
+
+    Args:
+        x: (batch, heads, seq, head_dim).
+        weight: (heads, head_dim, feature_dim), one map per head.
+        bias: (heads, feature_dim) or None.
+
+    Returns:
+        (batch, heads, seq, 2 * feature_dim) in the working dtype of x (float32 for half precision).
+    """
+    check_floating("x", x)
+    check_floating("weight", weight)
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (batch, heads, seq, head_dim), got {tuple(x.shape)}")
+    heads, head_dim = x.shape[1], x.shape[3]
+    if weight.dim() != 3 or weight.shape[:2] != (heads, head_dim):
+        raise ValueError(f"weight must have shape (heads, head_dim, feature_dim) = ({heads}, {head_dim}, m) for x of "
+                         f"shape {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if bias is not None:
+        check_floating("bias", bias)
+        if bias.shape != (heads, weight.shape[2]):
+            raise ValueError(f"bias must have shape (heads, feature_dim) = ({heads}, {weight.shape[2]}), got "
+                             f"{tuple(bias.shape)}")
+    return hedgehog_features_unchecked(x, weight, bias)
+
+
+@without_autocast
+def hedgehog_features_unchecked(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """:func:`hedgehog_features` on checked arguments (in the working dtype under autocast too)."""
+    dtype = working_dtype(x.dtype)
+    y = x.to(dtype) @ weight.to(dtype)  # (batch, heads, seq, d) @ (heads, d, m), one map per head
+    if bias is not None:
+        y = y + bias.to(dtype).unsqueeze(-2)
+    return _SoftmaxPair.apply(y)
 
 
 # Feature functions by the names :func:`attnzoo.functional.linear_attention` accepts.

@@ -34,6 +34,8 @@ from .ssd import StateSpaceDualityAttention  # noqa: E402  (Mamba-2's SSD)
 from . import differential, forgetting  # noqa: E402,F401 - the softmax family: a forget gate, two maps' difference
 # Hybrids of the linear and the blockwise sparse cores.
 from . import based, nsa  # noqa: E402,F401
+# Conversion of pretrained softmax models: a sliding window plus learned linear attention beyond it.
+from . import lolcats  # noqa: E402,F401
 # The training hooks over a whole model (a training loop's, or one written by hand).
 from . import hooks  # noqa: E402
 from .hooks import after_optimizer_step, auxiliary_loss  # noqa: E402

@@ -21,6 +21,7 @@ from ..feature_maps import (
     FavorPositiveFeatures,
     FavorTrigFeatures,
     FeatureMap,
+    HedgehogFeatureMap,
     RandomFeatureMap,
     ReluFeatureMap,
 )
@@ -206,16 +207,21 @@ class _FeatureMapMechanism(KernelizedMechanism):
 
     feature_map: FeatureMap
 
+    def key_map(self) -> FeatureMap:
+        """The map of the keys: :attr:`feature_map`, which the queries use too, unless a subclass learns a
+        map of each."""
+        return self.feature_map
+
     def features(
         self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False
     ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        phi_k, key_log_scale = self.feature_map.key_features(k, key_padding_mask)
+        phi_k, key_log_scale = self.key_map().key_features(k, key_padding_mask)
         return self.feature_map.query_features(q), phi_k, key_log_scale
 
     def reference_features(
         self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None, cross: bool = False
     ) -> Tuple[Tensor, Tensor]:
-        return self.feature_map(q), self.feature_map(k)
+        return self.feature_map(q), self.key_map()(k)
 
     @property
     def denominator_eps(self) -> float:
@@ -381,7 +387,15 @@ class LinearAttention(_FeatureMapMechanism):
     Not an approximation of softmax attention but an attention of its own (``kind="own"``), with the positive
     kernel ``phi(q) . phi(k)``.
 
-    Options: ``feature_map`` (``"elu"`` or ``"relu"``), ``chunk_size`` (causal path).
+    Options: ``feature_map`` (``"elu"``, ``"relu"`` or ``"hedgehog"``), ``feature_dim`` (``"hedgehog"`` only),
+    ``chunk_size`` (causal path).
+
+    ``feature_map="hedgehog"`` (Zhang et al. 2024, "The Hedgehog & the Porcupine"): learned softmax features
+    ``[softmax(x W_h + b_h), softmax(-(x W_h + b_h))]``, one :class:`~attnzoo.feature_maps.HedgehogFeatureMap`
+    for the queries (``feature_map``) and one for the keys (``key_feature_map``), each of ``feature_dim``
+    projections per head (head_dim by default, starting as the identity), so ``2 * feature_dim`` features and
+    a decoding state of that many rows. The maps are per query head: grouped keys and values are repeated
+    (``grouped_kv="repeat"``).
     """
 
     name = "linear"
@@ -400,14 +414,44 @@ class LinearAttention(_FeatureMapMechanism):
     )
     # chunk_size 4: the suite's lengths (up to 11) cross several chunk boundaries of the causal path.
     test_options: ClassVar[Dict[str, object]] = {"chunk_size": 4}
-    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = ({"feature_map": "relu", "chunk_size": 4},)
+    test_variants: ClassVar[Tuple[Dict[str, object], ...]] = (
+        {"feature_map": "relu", "chunk_size": 4},
+        {"feature_map": "hedgehog", "chunk_size": 4},
+        {"feature_map": "hedgehog", "feature_dim": 3, "chunk_size": 4},
+    )
 
     def __init__(
-        self, heads: int, head_dim: int, *, feature_map: str = "elu", chunk_size: int = DEFAULT_CHUNK_SIZE
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        feature_map: str = "elu",
+        feature_dim: Optional[int] = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size)
         maps = {"elu": EluFeatureMap, "relu": ReluFeatureMap}
-        self.feature_map = maps[check_choice("feature_map", feature_map, maps)]()
+        feature_dim = check_number("feature_dim", feature_dim, integer=True, minimum=1, optional=True)
+        if check_choice("feature_map", feature_map, [*maps, "hedgehog"]) != "hedgehog":
+            if feature_dim is not None:
+                raise ValueError(f"feature_dim sets the projections of feature_map='hedgehog'; feature_map="
+                                 f"{feature_map!r} has head_dim features, got feature_dim={feature_dim}")
+            self.feature_map = maps[feature_map]()
+            return
+        self.feature_map = HedgehogFeatureMap(heads, head_dim, feature_dim)
+        self.key_feature_map = HedgehogFeatureMap(heads, head_dim, feature_dim)
+        # The learned maps are per query head: each query head's keys go through its own map.
+        self.capabilities = self.capabilities.narrowed("feature_map='hedgehog'", grouped_kv=REPEAT_KV)
+
+    def key_map(self) -> FeatureMap:
+        return getattr(self, "key_feature_map", self.feature_map)
+
+    @property
+    def feature_dim(self) -> int:
+        """Features per query and key: ``2 * feature_dim`` with Hedgehog's maps, head_dim otherwise."""
+        if isinstance(self.feature_map, HedgehogFeatureMap):
+            return self.feature_map.nb_features
+        return self.head_dim
 
 
 @register

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
 from .mamba2_options import mamba2_options
+from .settings import boolean, check_rules, check_values, number, positive_int, probability, setting
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
@@ -286,74 +287,87 @@ def check_reversible(config: BlockConfig) -> None:
         )
 
 
+# -- the rules between a token model's fields, each declared by the field it concerns (``agrees``) -------------
+def _token_shift_needs_two_features(config: "ModelConfig") -> None:
+    if config.token_shift and config.dim < 2:
+        raise ValueError(f"token_shift needs dim >= 2 (half the features are shifted), got dim={config.dim}")
+
+
+def _learned_positions_need_max_length(config: "ModelConfig") -> None:
+    if config.positional == "learned" and config.max_length is None:
+        raise ValueError("positional='learned' needs max_length (the longest sequence), got None")
+
+
+def _reversible_layers_couple(config: "ModelConfig") -> None:
+    if config.reversible:
+        check_reversible(config.block_config)
+
+
+_LAYERS = "; checked by the layers' BlockConfig"  # the help of a field passed to the layers as it is
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The options of a token model: :class:`~attnzoo.models.LanguageModel`,
     :class:`~attnzoo.models.SequenceClassifier` and :class:`~attnzoo.models.SequenceTagger` (each has
     ``from_config(config, ...)``; their keyword constructors make one of these).
 
-    Args:
-        vocab_size, dim, heads, depth: vocabulary, width, heads per layer, number of layers.
-        kv_heads: key/value heads of every self-attention, dividing ``heads`` (grouped-query attention, see
-            :class:`BlockConfig`); ``heads`` when None.
-        ff_dim, activation, norm_first, dropout, layer_norm_eps, ff_chunks, block, block_options: as for
-            :class:`BlockConfig`; ``block`` "gau" or "flash_gau" makes every layer a gated attention unit, and
-            ``depth`` then counts units.
-        positional: one of :data:`POSITIONAL_KINDS`: "sinusoidal", "learned" (needs ``max_length``), "rotary"
-            (rotates queries and keys in every self-attention) or "none".
-        max_length: the longest sequence, required by ``positional="learned"``; None: no limit.
-        self_attention, self_attention_options: mechanism name and options of every self-attention.
-        reversible: reversible stacks (:mod:`attnzoo.models.reversible`): pre-norm attention layers only.
-        token_shift: half of each position's embedding features come from the token before it (see
-            :class:`~attnzoo.models.TokenEmbedding`); needs ``dim >= 2``.
-
-    Every option is checked when the config is made, each error naming the option; :attr:`block_config` is the
-    checked :class:`BlockConfig` of the model's layers (``rotary`` when ``positional="rotary"``).
+    Each field is declared once, by :func:`~attnzoo.models.settings.setting`: its default, its meaning
+    (``help``), the check of its value and the rule it has with other fields (``agrees``). Making the config
+    checks each field alone, then makes :attr:`block_config`, the checked :class:`BlockConfig` of the model's
+    layers (``rotary`` when ``positional="rotary"``), which checks the options passed to the layers and their
+    rules, then checks the rules between fields; each error names the option.
     """
 
-    vocab_size: int
-    dim: int = 128
-    heads: int = 4
-    depth: int = 2
-    ff_dim: Optional[int] = None
-    activation: str = "gelu"
-    norm_first: bool = True
-    dropout: float = 0.0
-    positional: str = "sinusoidal"
-    max_length: Optional[int] = None
-    self_attention: str = "softmax"
-    self_attention_options: Optional[Mapping[str, Any]] = None
-    layer_norm_eps: float = 1e-5
-    ff_chunks: int = 1
-    reversible: bool = False
-    block: str = "attention"
-    block_options: Optional[Mapping[str, Any]] = None
-    token_shift: bool = False
-    kv_heads: Optional[int] = None
+    vocab_size: int = setting(check=positive_int, help="the vocabulary: token ids are in [0, vocab_size)")
+    dim: int = setting(128, check=positive_int, help="the model width")
+    heads: int = setting(4, help="attention heads per layer, dividing dim" + _LAYERS)
+    depth: int = setting(2, check=positive_int, help="layers (gated units with a gated block)")
+    ff_dim: Optional[int] = setting(None, help="the feed-forward hidden width; None: 4 * dim" + _LAYERS)
+    activation: str = setting("gelu", help="of the feed-forward network: relu, gelu or swiglu" + _LAYERS)
+    norm_first: bool = setting(True, help="pre-norm (True) or post-norm (False) residuals" + _LAYERS)
+    dropout: float = setting(0.0, check=probability,
+                             help="dropout on each residual branch and in the feed-forward network, in [0, 1)")
+    positional: str = setting(
+        "sinusoidal", choices=POSITIONAL_KINDS, agrees=_learned_positions_need_max_length,
+        help="sinusoidal, learned (needs max_length), rotary (rotates queries and keys in every self-attention) "
+             "or none")
+    max_length: Optional[int] = setting(
+        None, check=number(integer=True, minimum=1, optional=True),
+        help="the longest sequence, required by positional='learned'; None: no limit")
+    self_attention: str = setting("softmax", help="the mechanism of every self-attention" + _LAYERS)
+    self_attention_options: Optional[Mapping[str, Any]] = setting(
+        None, help="the options of that mechanism; None: none" + _LAYERS)
+    layer_norm_eps: float = setting(1e-5, help="epsilon of the layer norms, a finite number > 0" + _LAYERS)
+    ff_chunks: int = setting(1, help="run the feed-forward network on this many slices of the sequence" + _LAYERS)
+    reversible: bool = setting(
+        False, check=boolean, agrees=_reversible_layers_couple,
+        help="reversible stacks (attnzoo.models.reversible): pre-norm attention layers only")
+    block: str = setting(
+        "attention", help="what a layer is: attention + feed-forward, or a gated attention unit (gau, flash_gau) "
+                          "or a Mamba-2 block (mamba2) in their place; depth then counts them" + _LAYERS)
+    block_options: Optional[Mapping[str, Any]] = setting(
+        None, help="the options of a gated unit or Mamba-2 block (gated_unit_options, mamba2_options)" + _LAYERS)
+    token_shift: bool = setting(
+        False, check=boolean, agrees=_token_shift_needs_two_features,
+        help="half of each position's embedding features come from the token before it (TokenEmbedding); "
+             "needs dim >= 2")
+    kv_heads: Optional[int] = setting(
+        None, help="key/value heads of every self-attention, dividing heads (grouped-query attention); None: "
+                   "heads" + _LAYERS)
     block_config: BlockConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # In the order the embedding, then the layers, then the stack used to check them.
-        check_positive_int("vocab_size", self.vocab_size)
-        check_positive_int("dim", self.dim)
-        check_probability("dropout", self.dropout)
-        if check_bool("token_shift", self.token_shift) and self.dim < 2:
-            raise ValueError(f"token_shift needs dim >= 2 (half the features are shifted), got dim={self.dim}")
-        check_choice("positional", self.positional, POSITIONAL_KINDS)
-        if self.positional == "learned" and self.max_length is None:
-            raise ValueError("positional='learned' needs max_length (the longest sequence), got None")
-        check_number("max_length", self.max_length, integer=True, minimum=1, optional=True)
+        check_values(self)
         layers = BlockConfig(
             self.dim, self.heads, ff_dim=self.ff_dim, activation=self.activation, norm_first=self.norm_first,
             dropout=self.dropout, layer_norm_eps=self.layer_norm_eps, rotary=self.positional == "rotary",
             self_attention=AttentionSpec(self.self_attention, self.self_attention_options),
             ff_chunks=self.ff_chunks, block=self.block, block_options=self.block_options, kv_heads=self.kv_heads,
         )
-        check_positive_int("depth", self.depth)
-        if check_bool("reversible", self.reversible):
-            check_reversible(layers)
         # A field worked out from the others (a frozen dataclass sets it through object.__setattr__).
         object.__setattr__(self, "block_config", layers)
+        check_rules(self)
 
 
 def check_model_config(config: object) -> ModelConfig:

@@ -30,12 +30,15 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._validation import check_number, check_positive_int
 from ..functional.monotonic import advance_focus, initial_focus, monotonic_window_mask
 from ..mechanisms.base import UnsupportedOptionError
 from .cross_attention import CrossAttentionWeights, softmax_weights_refusal
 from .seq2seq import Seq2SeqTransformer
+from .settings import check_declared, number, positive_int, setting
 from .stacks import DecoderState
+
+DECODING_COMMANDS = ("train", "eval")
+"""The ``attnzoo`` commands that decode a seq2seq model: they take the decoder's flags."""
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,13 @@ class MonotonicInference:
             itself never moves backwards; the focus never does in any case.
     """
 
-    ahead: int = 3
-    behind: int = 0
+    ahead: int = setting(3, check=positive_int, flag="--monotonic-ahead", metavar="N", commands=DECODING_COMMANDS,
+                         help="monotonic: source positions visible past the focus")
+    behind: int = setting(0, check=number(integer=True, minimum=0), flag="--monotonic-behind", metavar="N",
+                          commands=DECODING_COMMANDS, help="monotonic: positions visible before the focus")
 
     def __post_init__(self) -> None:
-        check_positive_int("ahead", self.ahead)
-        check_number("behind", self.behind, integer=True, minimum=0)
+        check_declared(self)
 
 
 @dataclass

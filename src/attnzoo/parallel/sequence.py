@@ -130,7 +130,8 @@ def sequence_parallel_attention(
     if reasons:
         raise UnsupportedOptionError("; ".join(reasons))
     mechanism.check_inputs(q, k, v, True, key_padding_mask)
-    phi_q, phi_k, key_log_scale, log_decay, normalizer, chunk_size, denominator_eps = mechanism.linear_terms(
+    # On inputs checked above (v too), with linear_recurrence known: linear_terms would check q and k again.
+    phi_q, phi_k, key_log_scale, log_decay, normalizer, chunk_size, denominator_eps = mechanism.attend_linear_terms(
         q, k, key_padding_mask)
     if key_log_scale is not None:
         # The single-process keys share the largest shift of the whole sequence; agree on it first. A part

@@ -10,7 +10,7 @@ then the up rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +88,24 @@ class CausalLMLayer(nn.Module):
         return x_t + self.feed_forward(self.feed_forward_norm(x_t)), state
 
 
+def check_layer_mechanisms(
+    layer_mechanisms: Sequence[Tuple[str, Mapping[str, Any]]], depth: int
+) -> List[Tuple[str, Mapping[str, Any]]]:
+    """``layer_mechanisms`` as a list of ``(mechanism, options)``, one per layer; errors name the layer."""
+    if isinstance(layer_mechanisms, (str, bytes)) or not isinstance(layer_mechanisms, Sequence):
+        raise TypeError(f"layer_mechanisms must be a list of (mechanism, options) pairs, one per layer, got "
+                        f"{type(layer_mechanisms).__name__}")
+    if len(layer_mechanisms) != depth:
+        raise ValueError(f"layer_mechanisms has {len(layer_mechanisms)} entries but the model has {depth} layers")
+    checked = []
+    for index, entry in enumerate(layer_mechanisms):
+        if (not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], Mapping)):
+            raise TypeError(f"layer_mechanisms[{index}] must be a (mechanism name, options dict) pair, got {entry!r}")
+        checked.append((entry[0], dict(entry[1])))
+    return checked
+
+
 class CausalLM(nn.Module):
     """A Llama-type decoder-only language model: tokens (batch, seq) -> next-token logits (batch, seq, vocab).
 
@@ -96,6 +114,8 @@ class CausalLM(nn.Module):
         mechanism: the attention mechanism of every layer (see :func:`attnzoo.available`); ``"softmax"``, the
             default, is the attention the pretrained weights were trained with.
         mechanism_options: that mechanism's options (e.g. a window), checked by the mechanism; None: none.
+        layer_mechanisms: a hybrid: one ``(mechanism, options)`` pair per layer, ``config.depth`` of them, in
+            place of ``mechanism`` and ``mechanism_options`` (which must then be left at their defaults).
 
     ``vocab_size`` is the vocabulary. Decoding: ``logits, state = model.prefill(prompt)`` then
     ``logits_t, state = model.step(token_t, state)``, or :func:`attnzoo.greedy_decode` and the other decoders of
@@ -103,7 +123,12 @@ class CausalLM(nn.Module):
     """
 
     def __init__(
-        self, config: CausalLMConfig, mechanism: str = "softmax", mechanism_options: Optional[Mapping[str, Any]] = None
+        self,
+        config: CausalLMConfig,
+        mechanism: str = "softmax",
+        mechanism_options: Optional[Mapping[str, Any]] = None,
+        *,
+        layer_mechanisms: Optional[Sequence[Tuple[str, Mapping[str, Any]]]] = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, CausalLMConfig):
@@ -111,12 +136,26 @@ class CausalLM(nn.Module):
         if mechanism_options is not None and not isinstance(mechanism_options, Mapping):
             raise TypeError(f"mechanism_options must be a dict of the mechanism's options or None, got "
                             f"{type(mechanism_options).__name__}")
+        hybrid = layer_mechanisms is not None
+        if not hybrid:
+            layer_mechanisms = [(mechanism, dict(mechanism_options or {}))] * config.depth
+        else:
+            if mechanism != "softmax" or mechanism_options is not None:
+                raise ValueError("give either mechanism/mechanism_options (every layer) or layer_mechanisms "
+                                 "(one per layer), not both")
+            layer_mechanisms = check_layer_mechanisms(layer_mechanisms, config.depth)
         self.config = config
         self.vocab_size = config.vocab_size
         self.embedding = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(
-            CausalLMLayer(config, mechanism, dict(mechanism_options or {})) for _ in range(config.depth)
-        )
+        layers = []
+        for index, (name, options) in enumerate(layer_mechanisms):
+            try:
+                layers.append(CausalLMLayer(config, name, dict(options)))
+            except (TypeError, ValueError) as error:
+                if not hybrid:
+                    raise
+                raise type(error)(f"layer_mechanisms[{index}] ({name}): {error}") from None
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tied_embeddings:
@@ -124,8 +163,13 @@ class CausalLM(nn.Module):
 
     @property
     def mechanism_name(self) -> str:
-        """The attention mechanism of the layers."""
-        return self.layers[0].attention.mechanism_name
+        """The attention mechanism of the layers (``"a+b"`` for a hybrid: its distinct mechanisms by first use)."""
+        return "+".join(dict.fromkeys(self.layer_mechanism_names))
+
+    @property
+    def layer_mechanism_names(self) -> List[str]:
+        """The attention mechanism of each layer, first layer first."""
+        return [layer.attention.mechanism_name for layer in self.layers]
 
     def forward(
         self, tokens: Tensor, *, padding_mask: Optional[Tensor] = None, cu_seqlens: Optional[Tensor] = None

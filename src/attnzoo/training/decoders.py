@@ -19,15 +19,16 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .._validation import check_choice, check_number
+from .._validation import check_choice
 from ..decoding import beam_search, greedy_decode, sample_decode
-from ..models.monotonic import MonotonicInference
+from ..models.monotonic import DECODING_COMMANDS, MonotonicInference
 from .seq2seq import strip_output
+from .settings import check_declared, check_owners, number, optional_instance, setting
 
-DECODERS = ("greedy", "beam", "sample")
+DECODER_NAMES = {"greedy": "greedy decoding", "beam": "beam search", "sample": "sampling"}
+"""The decoders, and what a message calls each."""
+DECODERS = tuple(DECODER_NAMES)
 DEFAULT_BEAM_SIZE = 4
-_BEAM_OPTIONS = ("beam_size", "length_penalty")
-_SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed")
 
 
 @dataclass(frozen=True)
@@ -43,31 +44,40 @@ class DecoderSettings:
             evaluation, so an evaluation is reproducible.
         monotonic: monotonic cross-attention (:class:`MonotonicInference`) with any decoder, or None.
 
-    An option of another decoder than the one chosen is an error naming it, never silently ignored.
+    An option of another decoder than the one chosen is an error naming it, never silently ignored. Each field
+    declares (:mod:`attnzoo.training.settings`) its check, the decoder it is an option of (``owner``) and its
+    flag of ``attnzoo train`` and ``attnzoo eval``, which choose the decoder by the options given.
     """
 
-    decoder: str = "greedy"
-    beam_size: Optional[int] = None
-    length_penalty: Optional[float] = None
-    temperature: Optional[float] = None
-    top_k: Optional[int] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
-    monotonic: Optional[MonotonicInference] = None
+    decoder: str = setting("greedy", choices=DECODERS, flag=False,
+                           help="greedy, beam or sample; on the command line, chosen by the options given")
+    beam_size: Optional[int] = setting(
+        None, check=number(integer=True, minimum=1, optional=True), owner="beam", flag="--beam-size", metavar="N",
+        commands=DECODING_COMMANDS, help="beam search with this many beams")
+    length_penalty: Optional[float] = setting(
+        None, check=number(optional=True), owner="beam", flag="--length-penalty", metavar="X",
+        commands=DECODING_COMMANDS, help="beam search: scores divided by length ** this (default 1.0)")
+    temperature: Optional[float] = setting(
+        None, check=number(minimum=0.0, exclusive_minimum=True, optional=True), owner="sample",
+        flag="--sampling-temperature", metavar="T", commands=DECODING_COMMANDS,
+        help="sampling at this temperature (seeded: --sampling-seed)")
+    top_k: Optional[int] = setting(
+        None, check=number(integer=True, minimum=1, optional=True), owner="sample", flag="--top-k", metavar="K",
+        commands=DECODING_COMMANDS, help="sampling: keep the k likeliest tokens")
+    top_p: Optional[float] = setting(
+        None, check=number(minimum=0.0, maximum=1.0, exclusive_minimum=True, optional=True), owner="sample",
+        flag="--top-p", metavar="P", commands=DECODING_COMMANDS, help="sampling: nucleus of this probability")
+    seed: Optional[int] = setting(
+        None, check=number(integer=True, minimum=0, optional=True), owner="sample", flag="--sampling-seed",
+        metavar="SEED", commands=DECODING_COMMANDS, help="sampling: the generator's seed (default 0)")
+    monotonic: Optional[MonotonicInference] = setting(
+        None, check=optional_instance(MonotonicInference), flag="--monotonic-inference", commands=DECODING_COMMANDS,
+        help="hold the cross-attention to a window that moves left to right with its focus (any decoder)")
 
     def __post_init__(self) -> None:
-        check_choice("decoder", self.decoder, DECODERS)
-        for name, owner in [*((n, "beam") for n in _BEAM_OPTIONS), *((n, "sample") for n in _SAMPLING_OPTIONS)]:
-            if getattr(self, name) is not None and self.decoder != owner:
-                raise ValueError(f"{name} is an option of decoder {owner!r}, not of {self.decoder!r}")
-        check_number("beam_size", self.beam_size, integer=True, minimum=1, optional=True)
-        check_number("length_penalty", self.length_penalty, optional=True)
-        check_number("temperature", self.temperature, minimum=0.0, exclusive_minimum=True, optional=True)
-        check_number("top_k", self.top_k, integer=True, minimum=1, optional=True)
-        check_number("top_p", self.top_p, minimum=0.0, maximum=1.0, exclusive_minimum=True, optional=True)
-        check_number("seed", self.seed, integer=True, minimum=0, optional=True)
-        if self.monotonic is not None and not isinstance(self.monotonic, MonotonicInference):
-            raise TypeError(f"monotonic must be None or a MonotonicInference, got {type(self.monotonic).__name__}")
+        check_choice("decoder", self.decoder, DECODERS)  # first: the options are refused under a known decoder
+        check_owners(self, "decoder")
+        check_declared(self)
 
     def describe(self) -> str:
         """One line naming the decoder and its settings, e.g. ``beam (size 4, length penalty 1)``."""

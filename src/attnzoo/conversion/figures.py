@@ -1,0 +1,41 @@
+"""The figure of a conversion (matplotlib, Agg backend): ``loss.png``, the loss of each stage against the
+training tokens seen, and each layer's held-out attention-transfer error with the layers kept in softmax."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+
+def plot_history(history: Sequence[Dict[str, Any]], layer_errors: Sequence[float], kept: Sequence[int],
+                 path: Path) -> None:
+    """Write the three panels (stage 1 loss, stage 2 loss, per-layer error) to ``path``."""
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for axis, stage, title in ((axes[0], "transfer", "stage 1: attention transfer"),
+                               (axes[1], "finetune", "stage 2: low-rank fine-tune")):
+        rows = [row for row in history if row["stage"] == stage]
+        if rows:
+            axis.plot([row["tokens"] for row in rows], [row["loss"] for row in rows], lw=1.2)
+            axis.set_yscale("log")
+        else:
+            axis.text(0.5, 0.5, "no steps", ha="center", va="center", transform=axis.transAxes)
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("training tokens")
+        axis.set_ylabel("relative output error" if stage == "transfer" else "loss")
+        axis.grid(alpha=0.3)
+    if layer_errors:
+        colours = ["tab:red" if index in kept else "tab:blue" for index in range(len(layer_errors))]
+        axes[2].bar(range(len(layer_errors)), layer_errors, color=colours)
+        axes[2].set_yscale("log")
+    axes[2].set_title("held-out transfer error per layer" + (" (red: kept softmax)" if kept else ""), fontsize=10)
+    axes[2].set_xlabel("layer")
+    axes[2].set_ylabel("relative output error")
+    axes[2].grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,102 @@
+"""A converted model on disk, and back: :func:`save_converted` and :func:`load_converted`.
+
+The folder holds ``model.json`` (the layers' mechanisms and options, the adapters' rank and scale and which
+projections carry them, the teacher's GGUF file with its size and SHA-256) and ``weights.safetensors`` (only
+what the conversion trained: the mechanisms' parameters and the adapters). Loading reads the teacher's weights
+from its GGUF file again, refusing a file whose digest differs, and adds the trained tensors: the loaded model
+computes exactly what the converted one did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+from ..pretrained import CausalLM, Pretrained
+from .config import ConversionConfig
+from .lora import add_lora, lora_state
+from .student import load_tensors, mechanism_state
+
+MODEL_JSON = "model.json"
+WEIGHTS = "weights.safetensors"
+FORMAT = 1
+
+
+def file_digest(path: Union[str, "os.PathLike[str]"]) -> str:
+    """SHA-256 of a file, hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_source(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """What names a teacher read from a GGUF file: its absolute path, size and SHA-256."""
+    path = Path(path).resolve()
+    return {"gguf": str(path), "bytes": path.stat().st_size, "sha256": file_digest(path)}
+
+
+def save_converted(
+    folder: Union[str, "os.PathLike[str]"], model: CausalLM, plan: Sequence[Tuple[str, Mapping[str, Any]]],
+    config: ConversionConfig, source: Mapping[str, Any],
+) -> Path:
+    """Write a converted model (its trained tensors and how to rebuild it) to ``folder``; returns it."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    adapters = sorted({name.rsplit(".", 1)[0] for name in lora_state(model)})
+    tensors = {name: t.contiguous() for name, t in {**mechanism_state(model), **lora_state(model)}.items()}
+    save_file(tensors, str(folder / WEIGHTS))
+    description = {
+        "format": FORMAT, "source": dict(source), "layer_mechanisms": [[name, dict(options)] for name, options in plan],
+        "lora": {"rank": config.lora_rank, "alpha": config.lora_alpha, "modules": adapters},
+        "conversion": config.to_dict(),
+    }
+    (folder / MODEL_JSON).write_text(json.dumps(description, indent=2))
+    return folder
+
+
+def load_converted(
+    folder: Union[str, "os.PathLike[str]"], *, gguf: Optional[Union[str, "os.PathLike[str]"]] = None,
+    tokenizer: bool = True,
+) -> Pretrained:
+    """The converted model saved in ``folder`` (a conversion's output folder or its ``model/``), and its
+    tokenizer, in eval mode.
+
+    ``gguf``: the teacher's file, when it has moved from where the conversion read it (its SHA-256 must match).
+    """
+    from safetensors.torch import load_file
+
+    from ..pretrained.loader import gguf_path, load
+
+    folder = Path(folder)
+    if (folder / "model" / MODEL_JSON).exists():
+        folder = folder / "model"
+    if not (folder / MODEL_JSON).exists():
+        raise FileNotFoundError(f"{str(folder)!r} holds no converted model ({MODEL_JSON} is missing)")
+    description = json.loads((folder / MODEL_JSON).read_text())
+    if description.get("format") != FORMAT:
+        raise ValueError(f"{folder / MODEL_JSON} has format {description.get('format')!r}, this attnzoo reads {FORMAT}")
+    source = description["source"]
+    path = gguf_path(gguf if gguf is not None else source["gguf"])
+    if file_digest(path) != source["sha256"]:
+        raise ValueError(f"{path} is not the file the model was converted from (its SHA-256 differs from "
+                         f"{source['sha256'][:12]}...)")
+    teacher, loaded_tokenizer = load(path, tokenizer=tokenizer)
+    plan = [(name, options) for name, options in description["layer_mechanisms"]]
+    model = CausalLM(teacher.config, layer_mechanisms=plan)
+    model.load_state_dict(teacher.state_dict(), strict=False)
+    lora = description["lora"]
+    add_lora(model, lora["modules"], lora["rank"], lora["alpha"], seed=0)
+    saved = load_file(str(folder / WEIGHTS))
+    expected = set(mechanism_state(model)) | set(lora_state(model))
+    if set(saved) != expected:
+        missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
+        raise ValueError(f"{folder / WEIGHTS} does not fit {MODEL_JSON}: missing {missing[:3]}, unexpected {extra[:3]}")
+    load_tensors(model, saved)
+    return Pretrained(model.requires_grad_(False).eval(), loaded_tokenizer)

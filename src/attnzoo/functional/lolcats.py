@@ -1,0 +1,337 @@
+"""LoLCATs attention (Zhang et al. 2024, "LoLCATs: On Low-Rank Linearizing of Large Language Models"): exact
+softmax over a sliding window and Hedgehog linear attention beyond it, in one normalisation.
+
+For query i, the keys of its window are ``W_i = {j : i - w < j <= i}`` (non-causal: ``|i - j| < w``) and the
+others it may see are linear, ``L_i = {j : j <= i - w}`` (non-causal: ``|i - j| >= w``). With the logits
+``s_ij = scale * q_i . k_j``, their maximum over the window ``m_i = max_{j in W_i} s_ij`` and the Hedgehog
+features ``phi_q``, ``phi_k`` (:func:`~attnzoo.functional.features.hedgehog_features`, one map each),
+
+    y_i = (f_h sum_{W_i} exp(s_ij - m_i) v_j + sum_{L_i} phi_q(q_i) . phi_k(k_j) v_j)
+        / (f_h sum_{W_i} exp(s_ij - m_i)     + sum_{L_i} phi_q(q_i) . phi_k(k_j)),
+
+``f_h = sigmoid(window_factor_h)`` a learned weight per head. The window's terms are taken relative to their
+maximum, as LoLCATs writes them, so ``m_i`` is part of the maths (it sets the balance between the two parts,
+and carries a gradient), not a stabiliser that cancels.
+
+Fast path, O(N w d + N m d) time and memory linear in N (m = 2 * feature_dim features):
+
+* window: the blockwise core's sliding-window plan (:class:`~attnzoo.functional.blocksparse.LocalPattern`,
+  blocks of ``min(w, 64)``): each query block sees a band of key blocks (at w = 64, its own and the one
+  before, a (64, 128) tile), under the window's element mask; per row the maximum, ``exp(s - m)`` and its
+  sums against ``[v, 1]``.
+* linear: the keys ``j <= i - w`` are the keys of a causal linear attention whose keys and values are
+  shifted w positions later, so the shared kernelized core (:mod:`attnzoo.functional.linear`, chunked with a
+  carried state and its hand-written backward) sums them, numerator and normaliser together (values
+  ``[v, 1]``, no normalisation). Non-causal: also the keys ``j >= i + w``, the same on the reversed sequence.
+* the two sums are added, the window's weighted by ``f_h``, and divided once.
+
+Decoding (:func:`lolcats_step_unchecked`), constant size: a ring of the last w keys and values, and the
+linear state ``sum phi_k(k_j) [v_j, 1]^T`` of the keys that have left the window.
+
+Padded keys are zeroed before their features are formed and their features zeroed after (a zero key's
+features are not zero), so NaN or inf there reaches neither part. A row that sees no key outputs zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._dtypes import working_dtype
+from ._autocast import outside_autocast, without_autocast
+from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, default_block, window_cache_prefill
+from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
+from .features import hedgehog_features_unchecked
+from .linear import kernel_attention_unchecked, normalize_output
+from .linear.inputs import _with_ones
+from .masks import zero_padded
+
+
+class LolcatsWeights(NamedTuple):
+    """The learned parameters of LoLCATs attention, per head: the query and key maps of Hedgehog's features
+    (weights (heads, head_dim, feature_dim), biases (heads, feature_dim) or None) and the window factor
+    (heads,), whose sigmoid weighs the window's terms against the linear ones."""
+
+    query_weight: Tensor
+    query_bias: Optional[Tensor]
+    key_weight: Tensor
+    key_bias: Optional[Tensor]
+    window_factor: Tensor
+
+
+def window_pattern(window: int) -> LocalPattern:
+    """The window's pattern, ``|i - j| < window``, on blocks of ``min(window, 64)``."""
+    return LocalPattern(window, default_block(window))
+
+
+def window_plan(window: int, length: int, causal: bool, device: torch.device) -> BlockPlan:
+    """The window's block plan for this length and causality (always blockwise: the rows' maxima are needed)."""
+    return blocksparse_plan(window_pattern(window), length, causal, device, dense_when_cheaper=False)
+
+
+def _logit_scale(scale: Optional[float], head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def _features(q: Tensor, k0: Tensor, weights: LolcatsWeights, key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """phi_q, and phi_k of the zeroed keys with the padded keys' features zeroed too."""
+    phi_q = hedgehog_features_unchecked(q, weights.query_weight, weights.query_bias)
+    phi_k = hedgehog_features_unchecked(k0, weights.key_weight, weights.key_bias)
+    return phi_q, zero_padded(phi_k, key_padding_mask)
+
+
+def _window_weight(weights: LolcatsWeights, dtype: torch.dtype) -> Tensor:
+    """f_h = sigmoid(window_factor_h), shaped (1, heads, 1, 1)."""
+    return torch.sigmoid(weights.window_factor.to(dtype)).view(1, -1, 1, 1)
+
+
+def _window_allowed(plan: BlockPlan, batch: int, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """The blocks' element mask, (batch * n_query_blocks or n_query_blocks, 1, block_size, S), key padding
+    included (as the blockwise core's gather makes it)."""
+    if key_padding_mask is None:
+        return plan.allowed.repeat(batch, 1, 1, 1) if batch > 1 else plan.allowed
+    n_query_blocks, bs = plan.query_positions.shape
+    keep = ~F.pad(key_padding_mask, (0, 1), value=True)[:, plan.index]  # (batch, nqb, S); index seq: none
+    allowed = plan.allowed.unsqueeze(0) & keep.view(batch, n_query_blocks, 1, 1, -1)
+    return allowed.reshape(batch * n_query_blocks, 1, bs, -1)
+
+
+def _window_sums_traceable(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor) -> Tensor:
+    """:class:`_WindowSums` in plain differentiable operations, for ``torch.compile`` and ``torch.jit.trace``
+    (which take no block plan as an argument of a hand-written Function)."""
+    batch, heads, length, _ = q.shape
+    q_blocks = _gather_queries(q, plan)
+    k_blocks, v_blocks = _gather_keys(k0, plan.layout, plan.index), _gather_keys(v1, plan.layout, plan.index)
+    logits = (q_blocks @ k_blocks.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return _to_positions(torch.exp(logits - top) @ v_blocks, plan, batch, heads, length)
+
+
+def _band_to_positions(blocks: Tensor, plan: BlockPlan, batch: int, length: int) -> Tensor:
+    """The gradient of :func:`~attnzoo.functional.blocksparse.core._gather_keys` on a band layout: key blocks
+    (batch * n_query_blocks, heads, S, c) summed back to their positions, (batch, heads, length, c)."""
+    n_query_blocks, bs = plan.query_positions.shape
+    heads, width, channels = blocks.shape[1:]
+    per_row, before = width // bs, -plan.layout.band * bs
+    blocks = blocks.view(batch, n_query_blocks, heads, per_row, bs, channels)
+    rows = blocks.new_zeros(batch, (n_query_blocks + per_row - 1) * bs, heads, channels)
+    for offset in range(per_row):  # the key blocks at one offset from their query block: one strided add
+        span = rows[:, offset * bs : (offset + n_query_blocks) * bs].view(batch, n_query_blocks, bs, heads, channels)
+        span.add_(blocks[:, :, :, offset].transpose(2, 3))
+    return rows[:, before : before + length].transpose(1, 2)
+
+
+class _WindowSums(torch.autograd.Function):
+    """``sum_{W_i} exp(s_ij - m_i) [v_j, 1]`` by position over the blocks of a sliding-window plan, with a
+    hand-written backward.
+
+    Per query block (its band of key blocks gathered, S slots): ``S = Q K^T`` under the element mask, the row
+    maxima ``m`` (and where they are), ``P = exp(S - m)``, ``O = P V``. Backward, with ``dO``: ``dP = dO V^T``,
+    ``dS = P * dP`` plus, at each row's maximum, ``-sum dS`` (the gradient through ``m``: the window's terms
+    are relative to it), ``dQ = dS K``, ``dK = dS^T Q``, ``dV = P^T dO``, the key blocks' gradients summed back
+    to their positions by one strided add per band offset. Autograd would keep the logits twice and sum the
+    overlapping key blocks back through ``unfold``'s backward, the slowest step of the window on CPU.
+
+    Shapes: q (B, H, N, d), already scaled; k0 (B, H, N, d) and v1 (B, H, N, c) zero-padded, v1 with its ones
+    column; ``allowed`` from :func:`_window_allowed`. Returns (B, H, N, c).
+    """
+
+    @staticmethod
+    @outside_autocast
+    def forward(ctx, q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor) -> Tensor:  # type: ignore[override]
+        batch, heads, length, _ = q.shape
+        q_blocks = _gather_queries(q, plan)
+        k_blocks, v_blocks = _gather_keys(k0, plan.layout, plan.index), _gather_keys(v1, plan.layout, plan.index)
+        logits = torch.matmul(q_blocks, k_blocks.transpose(-1, -2)).masked_fill_(~allowed, -math.inf)
+        top, where = logits.max(-1, keepdim=True)
+        # A row that sees no window key: its logits stay -inf, its weights 0.
+        weights = logits.sub_(torch.where(torch.isfinite(top), top, torch.zeros_like(top))).exp_()
+        ctx.save_for_backward(q_blocks, k_blocks, v_blocks, weights, where)
+        ctx.plan, ctx.length = plan, length
+        return _to_positions(weights @ v_blocks, plan, batch, heads, length)
+
+    @staticmethod
+    @outside_autocast
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        q_blocks, k_blocks, v_blocks, weights, where = ctx.saved_tensors
+        plan, length = ctx.plan, ctx.length
+        batch = grad.shape[0]
+        grad_blocks = _gather_queries(grad, plan)
+        grad_logits = torch.matmul(grad_blocks, v_blocks.transpose(-1, -2)).mul_(weights)
+        grad_logits.scatter_add_(-1, where, grad_logits.sum(-1, keepdim=True).neg_())
+        grad_q = _to_positions(grad_logits @ k_blocks, plan, batch, grad.shape[1], length)
+        grad_k = _band_to_positions(grad_logits.transpose(-1, -2) @ q_blocks, plan, batch, length)
+        grad_v = _band_to_positions(weights.transpose(-1, -2) @ grad_blocks, plan, batch, length)
+        return grad_q, grad_k, grad_v, None, None
+
+
+def _window_sums(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor],
+                 scale: float) -> Tensor:
+    """``sum_{W_i} exp(s_ij - m_i) [v_j, 1]`` by position, (batch, heads, seq, d_v + 1), over the blocks of
+    ``plan`` (keys and values zero-padded; v1 with its ones column)."""
+    allowed = _window_allowed(plan, q.shape[0], key_padding_mask)
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the plan is not a traceable argument
+        return _window_sums_traceable(q * scale, k0, v1, plan, allowed)
+    return _WindowSums.apply(q * scale, k0, v1, plan, allowed)
+
+
+def _shifted(x: Tensor, window: int) -> Tensor:
+    """x (batch, heads, seq, c) moved ``window`` positions later, zeros in front: position t holds x[t - w]."""
+    return F.pad(x[:, :, : x.shape[2] - window], (0, 0, window, 0))
+
+
+def _linear_sums(phi_q: Tensor, phi_k: Tensor, v1: Tensor, window: int, causal: bool, chunk_size: int) -> Tensor:
+    """``sum_{L_i} phi_q(q_i) . phi_k(k_j) [v_j, 1]``, (batch, heads, seq, d_v + 1), on the kernelized core:
+    causal linear attention over the keys shifted ``window`` positions later (and, non-causal, the same on the
+    reversed sequence), unnormalised."""
+    if window >= phi_q.shape[2]:  # every key is in the window
+        return phi_q.new_zeros(*v1.shape)
+
+    def earlier(queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        return kernel_attention_unchecked(queries, _shifted(keys, window), _shifted(values, window), True, None,
+                                          None, "none", chunk_size, 0.0)
+
+    sums = earlier(phi_q, phi_k, v1)
+    if not causal:
+        sums = sums + earlier(phi_q.flip(2), phi_k.flip(2), v1.flip(2)).flip(2)
+    return sums
+
+
+@without_autocast
+def lolcats_attention_unchecked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weights: LolcatsWeights,
+    window: int,
+    causal: bool,
+    key_padding_mask: Optional[Tensor],
+    scale: Optional[float],
+    chunk_size: int,
+    plan: Optional[BlockPlan] = None,
+) -> Tensor:
+    """LoLCATs attention on checked self-attention inputs (q, k: (batch, heads, seq, head_dim), v: (batch,
+    heads, seq, head_dim_v), as many heads as ``weights`` has; ``key_padding_mask`` (batch, seq), True marks
+    padding). ``scale``: the logit scale, ``1/sqrt(head_dim)`` when None. ``plan``: :func:`window_plan` for
+    this length and causality, to reuse. Returns (batch, heads, seq, head_dim_v) in v's dtype."""
+    out_dtype, dtype = v.dtype, working_dtype(v.dtype)
+    q, k0, v0 = q.to(dtype), zero_padded(k, key_padding_mask).to(dtype), zero_padded(v, key_padding_mask).to(dtype)
+    if plan is None:
+        plan = window_plan(window, q.shape[2], causal, q.device)
+    phi_q, phi_k = _features(q, k0, weights, key_padding_mask)
+    v1 = _with_ones(v0)
+    sums = _window_sums(q, k0, v1, plan, key_padding_mask, _logit_scale(scale, q.shape[3]))
+    sums = _window_weight(weights, dtype) * sums + _linear_sums(phi_q, phi_k, v1, window, causal, chunk_size)
+    return normalize_output(sums, "sum").to(out_dtype)
+
+
+def lolcats_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    weights: LolcatsWeights,
+    window: int,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+) -> Tensor:
+    """The same in float64 by quadratic maths: the (seq, seq) window and linear masks, written from the
+    definition, and the two weight matrices added and normalised. Returns float64."""
+    q, k, v = q.double(), zero_padded(k, key_padding_mask).double(), zero_padded(v, key_padding_mask).double()
+    weights = LolcatsWeights(*(None if w is None else w.double() for w in weights))
+    length = q.shape[2]
+    i = torch.arange(length, device=q.device)
+    distance = i[:, None] - i[None, :]  # i - j
+    if causal:
+        in_window, linear = (distance >= 0) & (distance < window), distance >= window
+    else:
+        in_window, linear = distance.abs() < window, distance.abs() >= window
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        in_window, linear = in_window & keep, linear & keep
+    logits = (q @ k.transpose(-1, -2)) * _logit_scale(scale, q.shape[3])
+    logits = logits.masked_fill(~in_window, -math.inf)
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    phi_q = hedgehog_features_unchecked(q, weights.query_weight, weights.query_bias)
+    phi_k = hedgehog_features_unchecked(k, weights.key_weight, weights.key_bias)
+    kernel = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~linear, 0.0)
+    mixed = _window_weight(weights, torch.float64) * torch.exp(logits - top) + kernel
+    total = mixed.sum(-1, keepdim=True)
+    return (mixed @ v) / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# -- decoding ------------------------------------------------------------------------------------------------
+def lolcats_state_layout(
+    heads: int, head_dim: int, feature_dim: int, window: int, dtype: torch.dtype, value_width: Optional[int] = None
+) -> dict:
+    """The decoding state's tensors (name -> (shape after the batch dim, dtype)): the linear state ``kv``
+    (heads, 2 * feature_dim, value_width + 1) in the working dtype, ``sum phi_k(k_j) [v_j, 1]^T`` over the keys
+    that have left the window, and the window's ring ``k`` (heads, window, head_dim), ``v`` (heads, window,
+    value_width) and ``positions`` (window,), position t in slot ``t % window`` (-1 while empty)."""
+    value_width = head_dim if value_width is None else value_width
+    return {
+        "kv": ((heads, 2 * feature_dim, value_width + 1), working_dtype(dtype)),
+        "k": ((heads, window, head_dim), dtype),
+        "v": ((heads, window, value_width), dtype),
+        "positions": ((window,), torch.long),
+    }
+
+
+@without_autocast
+def lolcats_prefill_unchecked(
+    q: Tensor, k: Tensor, v: Tensor, weights: LolcatsWeights, window: int, scale: Optional[float], chunk_size: int,
+    plan: Optional[BlockPlan] = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Causal LoLCATs attention over a checked prompt and the decoding state after it
+    (:func:`lolcats_state_layout`)."""
+    out = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, chunk_size, plan)
+    dtype = working_dtype(v.dtype)
+    gone = max(k.shape[2] - window, 0)  # the keys that have left the window
+    phi_k = hedgehog_features_unchecked(k[:, :, :gone].to(dtype), weights.key_weight, weights.key_bias)
+    kv = phi_k.transpose(-1, -2) @ _with_ones(v[:, :, :gone].to(dtype))
+    ring = window_cache_prefill(k, v, window, 0)
+    return out, {"kv": kv, "k": ring["k"], "v": ring["v"], "positions": ring["positions"]}
+
+
+@without_autocast
+def lolcats_step_unchecked(
+    q_t: Tensor, k_t: Tensor, v_t: Tensor, weights: LolcatsWeights, window: int, scale: Optional[float],
+    tensors: Optional[Dict[str, Tensor]], length: int,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """One decoding position (q_t, k_t: (batch, heads, 1, head_dim), v_t: (batch, heads, 1, head_dim_v)) after
+    ``length`` positions whose state is ``tensors`` (None at the start): O(w d + m d). The key leaving the
+    window (position ``length - window``) joins the linear state, the new one takes its slot. The previous
+    state's tensors are never written (a state may be stepped from twice). Returns the output and the new
+    state."""
+    dtype = working_dtype(v_t.dtype)
+    batch, heads, _, head_dim = k_t.shape
+    if tensors is None:
+        features = 2 * weights.query_weight.shape[-1]
+        tensors = {
+            "kv": k_t.new_zeros(batch, heads, features, v_t.shape[3] + 1, dtype=dtype),
+            "k": k_t.new_zeros(batch, heads, window, head_dim),
+            "v": v_t.new_zeros(batch, heads, window, v_t.shape[3]),
+            "positions": torch.full((batch, window), -1, dtype=torch.long, device=k_t.device),
+        }
+    slot = length % window
+    kv = tensors["kv"]
+    if length >= window:  # the slot holds position length - window, which leaves the window now
+        old_k, old_v = tensors["k"][:, :, slot : slot + 1], tensors["v"][:, :, slot : slot + 1]
+        phi_old = hedgehog_features_unchecked(old_k.to(dtype), weights.key_weight, weights.key_bias)
+        kv = kv + phi_old.transpose(-1, -2) @ _with_ones(old_v.to(dtype))
+    k, v, positions = tensors["k"].clone(), tensors["v"].clone(), tensors["positions"].clone()
+    k[:, :, slot], v[:, :, slot], positions[:, slot] = k_t[:, :, 0], v_t[:, :, 0], length
+    logits = (q_t.to(dtype) @ k.to(dtype).transpose(-1, -2)) * _logit_scale(scale, head_dim)
+    logits = logits.masked_fill((positions < 0).view(batch, 1, 1, window), -math.inf)
+    top = logits.amax(-1, keepdim=True)  # finite: the new key is in the window
+    window_sums = torch.exp(logits - top) @ _with_ones(v.to(dtype))
+    phi_q = hedgehog_features_unchecked(q_t, weights.query_weight, weights.query_bias)
+    sums = _window_weight(weights, dtype) * window_sums + phi_q @ kv
+    out = normalize_output(sums, "sum").to(v_t.dtype)
+    return out, {"kv": kv, "k": k, "v": v, "positions": positions}

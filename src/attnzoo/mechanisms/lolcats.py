@@ -1,0 +1,138 @@
+"""``lolcats`` (Zhang et al. 2024): exact softmax over a sliding window plus Hedgehog linear attention beyond it,
+in one normalisation, the attention LoLCATs converts pretrained softmax models to. The maths is in
+:mod:`attnzoo.functional.lolcats`."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .._validation import check_number, check_positive_int
+from ..feature_maps import HedgehogFeatureMap
+from ..functional.blocksparse import BlockPlan
+from ..functional.linear import DEFAULT_CHUNK_SIZE
+from ..functional.lolcats import (
+    LolcatsWeights,
+    lolcats_attention_reference,
+    lolcats_attention_unchecked,
+    lolcats_prefill_unchecked,
+    lolcats_state_layout,
+    lolcats_step_unchecked,
+    window_plan,
+)
+from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .plan_cache import last_plan
+from .registry import register
+
+
+@register
+class LolcatsAttention(Mechanism):
+    """LoLCATs' sliding-window-plus-linear attention (Zhang et al. 2024, "LoLCATs: On Low-Rank Linearizing of
+    Large Language Models"): query i takes exact softmax terms ``exp(s_ij - m_i)`` over the ``window`` keys
+    ``i - window < j <= i`` (``m_i`` their largest logit) and Hedgehog linear terms ``phi_q(q_i) . phi_k(k_j)``
+    over the keys before them, weighs the softmax terms by ``f_h = sigmoid(window_factor_h)`` and normalises
+    both with one sum (:mod:`attnzoo.functional.lolcats`). Non-causal: the window is ``|i - j| < window``, the
+    linear terms every key beyond it.
+
+    Learned parameters, all trained by attention transfer: ``query_map`` and ``key_map``, one
+    :class:`~attnzoo.feature_maps.HedgehogFeatureMap` each (``weight`` (heads, head_dim, feature_dim), the
+    identity when ``feature_dim == head_dim``, else ``N(0, 1/head_dim)``; ``bias`` (heads, feature_dim), zeros),
+    and ``window_factor`` (heads,).
+
+    The window factor is LoLCATs' ``window_factors``: a logit per head whose sigmoid multiplies the softmax
+    terms, the linear terms keeping weight 1 (their ``affine_attention_factors=False``). It starts at
+    ``logit(window_weight)``, 0.1 by default: the value of LoLCATs' released Llama 3 and Mistral conversion
+    configs (``init_window_factor: -2.197``, the ``_w01`` in their names), rather than their class default of
+    0 (0.5), because those configs are the ones the paper's results come from.
+
+    Options:
+        window: keys of the exact window (itself included; also ahead when non-causal).
+        feature_dim: projections per head of each Hedgehog map (None: head_dim); 2 * feature_dim features.
+        window_weight: the initial ``f_h``, in (0, 1).
+        scale: logit scale of the window (None: ``1/sqrt(head_dim)``, as LoLCATs and the models it converts).
+        chunk_size: chunk length of the linear part's causal pass.
+
+    Self-attention only (the window pairs positions of one sequence). Grouped keys and values are repeated
+    (the maps are per query head, as LoLCATs applies them after repeating). Packed batches: each document
+    alone. Decoding state (constant size): the linear state ``kv`` (heads, 2 * feature_dim, head_dim_v + 1) of
+    the keys that have left the window, and the window's ring ``k`` (heads, window, head_dim), ``v`` (heads,
+    window, head_dim_v) with ``positions`` (window,).
+    """
+
+    name = "lolcats"
+    capabilities = Capabilities(
+        causal=True,
+        cross=False,
+        key_padding=True,
+        recurrent_step=True,
+        kind=OWN,
+        complexity="time O(N w d + N m d), memory O(N (w + m + d)); w = window, m = 2 feature_dim; "
+                   "decoding O(w d + m d) per token",
+        summary="LoLCATs: exact sliding-window softmax plus Hedgehog linear attention beyond it, one normalisation "
+                "(Zhang et al. 2024)",
+        packing=PACKED_SPLIT,
+        scale_option="scale",
+        causal_rows=True,
+    )
+    # Small settings; the suite's lengths (up to 11) cross chunk and window-block boundaries.
+    test_options = {"window": 3, "feature_dim": 4, "chunk_size": 4}
+    test_variants = ({"window": 1, "chunk_size": 3, "window_weight": 0.6, "scale": 0.5},)
+
+    def __init__(self, heads: int, head_dim: int, *, window: int = 64, feature_dim: Optional[int] = None,
+                 window_weight: float = 0.1, scale: Optional[float] = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        super().__init__(heads, head_dim)
+        self.window = check_positive_int("window", window)
+        feature_dim = check_number("feature_dim", feature_dim, integer=True, minimum=1, optional=True)
+        self.feature_dim = head_dim if feature_dim is None else feature_dim
+        weight = check_number("window_weight", window_weight, minimum=0.0, maximum=1.0, exclusive_minimum=True,
+                              exclusive_maximum=True)
+        self.scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.query_map = HedgehogFeatureMap(heads, head_dim, self.feature_dim)
+        self.key_map = HedgehogFeatureMap(heads, head_dim, self.feature_dim)
+        self.window_factor = nn.Parameter(torch.full((heads,), math.log(weight / (1.0 - weight))))
+
+    def weights(self) -> LolcatsWeights:
+        """The learned parameters as the functional core takes them."""
+        return LolcatsWeights(self.query_map.weight, self.query_map.bias, self.key_map.weight, self.key_map.bias,
+                              self.window_factor)
+
+    def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
+        """The window's block plan, the last one kept while the length, causality and device stay."""
+        return last_plan(self, "_plan", (length, causal, device),
+                         lambda: window_plan(self.window, length, causal, device))
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
+        plan = self.plan(q.shape[2], causal, q.device)
+        return lolcats_attention_unchecked(q, k, v, self.weights(), self.window, causal, key_padding_mask,
+                                           self.scale, self.chunk_size, plan)
+
+    def attend_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
+    ) -> Tensor:
+        """Float64 quadratic maths (:func:`~attnzoo.functional.lolcats.lolcats_attention_reference`)."""
+        return lolcats_attention_reference(q, k, v, self.weights(), self.window, causal, key_padding_mask,
+                                           self.scale)
+
+    # -- decoding ------------------------------------------------------------------------------------------
+    def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
+        return lolcats_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype, value_width)
+
+    def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
+        plan = self.plan(q.shape[2], True, q.device)
+        return lolcats_prefill_unchecked(q, k, v, self.weights(), self.window, self.scale, self.chunk_size, plan)
+
+    def attend_step(
+        self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
+    ) -> Tuple[Tensor, Dict[str, Tensor]]:
+        return lolcats_step_unchecked(q_t, k_t, v_t, self.weights(), self.window, self.scale, tensors, length)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, window={self.window}, feature_dim={self.feature_dim}, scale={self.scale}, "
+                f"chunk_size={self.chunk_size}")

@@ -1,0 +1,269 @@
+"""LoLCATs attention (functional.lolcats, mechanism ``lolcats``) beyond the conformance suite: the fast path
+against the float64 reference and both against a per-token recurrence written here from the definition,
+gradients of every learned parameter, the window covering the sequence (exact softmax), padding on either side
+across window blocks, decoding past the ring's wrap, memory, parameters and options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnzoo.functional import softmax_attention_reference
+from attnzoo.functional.lolcats import LolcatsWeights, lolcats_attention_reference, lolcats_attention_unchecked
+from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
+from tensor_records import TensorRecorder
+
+
+def _weights(heads=2, dim=8, features=3, seed=0, requires_grad=False):
+    """Random (non-identity) maps and window factors, so that every parameter matters."""
+    g = torch.Generator().manual_seed(seed)
+    made = LolcatsWeights(
+        torch.randn(heads, dim, features, generator=g, dtype=torch.float64),
+        torch.randn(heads, features, generator=g, dtype=torch.float64),
+        torch.randn(heads, dim, features, generator=g, dtype=torch.float64),
+        torch.randn(heads, features, generator=g, dtype=torch.float64),
+        torch.randn(heads, generator=g, dtype=torch.float64),
+    )
+    return LolcatsWeights(*(w.requires_grad_(requires_grad) for w in made))
+
+
+def _inputs(batch=2, heads=2, length=40, dim=8, seed=1, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, heads, length, dim, generator=g, dtype=torch.float64).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def _phi(x, weight, bias):
+    """Hedgehog's features written out: softmax of x W + b and of its negation."""
+    y = x @ weight + bias
+    return torch.cat([torch.exp(y) / torch.exp(y).sum(-1), torch.exp(-y) / torch.exp(-y).sum(-1)])
+
+
+def _by_recurrence(q, k, v, weights, window, scale):
+    """Causal LoLCATs token by token, as a decoder runs it: the last ``window`` keys kept in a list, the keys
+    that leave it folded into a linear state ``sum phi_k(k_j) [v_j, 1]^T``, and each output the window's
+    ``f exp(s - max s)`` terms plus ``phi_q(q) . state``, divided by their last column."""
+    batch, heads, length, _ = q.shape
+    out = torch.zeros_like(v)
+    for b in range(batch):
+        for h in range(heads):
+            f = torch.sigmoid(weights.window_factor[h])
+            state = torch.zeros(2 * weights.query_weight.shape[-1], v.shape[-1] + 1, dtype=torch.float64)
+            kept = []
+            for i in range(length):
+                kept.append(i)
+                if len(kept) > window:
+                    j = kept.pop(0)
+                    phi_k = _phi(k[b, h, j], weights.key_weight[h], weights.key_bias[h])
+                    state = state + torch.outer(phi_k, torch.cat([v[b, h, j], torch.ones(1, dtype=torch.float64)]))
+                logits = torch.stack([scale * q[b, h, i] @ k[b, h, j] for j in kept])
+                sums = sum(f * torch.exp(s - logits.max()) * torch.cat([v[b, h, j], torch.ones(1, dtype=torch.float64)])
+                           for s, j in zip(logits, kept))
+                sums = sums + _phi(q[b, h, i], weights.query_weight[h], weights.query_bias[h]) @ state
+                out[b, h, i] = sums[:-1] / sums[-1]
+    return out
+
+
+def _by_query(q, k, v, weights, window, scale):
+    """Non-causal LoLCATs query by query from the definition: keys with ``|i - j| < window`` by softmax terms
+    relative to their largest logit, the others by Hedgehog's kernel."""
+    batch, heads, length, _ = q.shape
+    out = torch.zeros_like(v)
+    for b in range(batch):
+        for h in range(heads):
+            f = torch.sigmoid(weights.window_factor[h])
+            for i in range(length):
+                near = [j for j in range(length) if abs(i - j) < window]
+                top = max(scale * q[b, h, i] @ k[b, h, j] for j in near)
+                phi_q = _phi(q[b, h, i], weights.query_weight[h], weights.query_bias[h])
+                terms = [f * torch.exp(scale * q[b, h, i] @ k[b, h, j] - top) if j in near
+                         else phi_q @ _phi(k[b, h, j], weights.key_weight[h], weights.key_bias[h])
+                         for j in range(length)]
+                out[b, h, i] = sum(t * v[b, h, j] for j, t in enumerate(terms)) / sum(terms)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 30])
+def test_reference_and_fast_path_are_the_recurrence(window):
+    q, k, v = _inputs(length=23)
+    weights = _weights()
+    scale = 0.4
+    expected = _by_recurrence(q, k, v, weights, window, scale)
+    reference = lolcats_attention_reference(q, k, v, weights, window, True, None, scale)
+    fast = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, 4)
+    torch.testing.assert_close(reference, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fast, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [1, 4, 30])
+def test_non_causal_reference_and_fast_path_follow_the_definition(window):
+    q, k, v = _inputs(batch=1, length=17)
+    weights = _weights()
+    expected = _by_query(q, k, v, weights, window, 8 ** -0.5)
+    torch.testing.assert_close(lolcats_attention_reference(q, k, v, weights, window, False), expected,
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lolcats_attention_unchecked(q, k, v, weights, window, False, None, None, 4), expected,
+                               rtol=1e-12, atol=1e-12)
+
+
+# (length, window, chunk): windows of one block and of a band of several (blocks of min(window, 64)), lengths
+# ending inside a block, the linear part empty (window >= length) and a single position.
+SHAPES = [(90, 5, 4), (150, 70, 16), (130, 64, 32), (41, 64, 8), (1, 3, 4), (65, 1, 64)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length, window, chunk", SHAPES)
+def test_fast_path_matches_reference(causal, length, window, chunk):
+    q, k, v = _inputs(length=length)
+    weights = _weights()
+    mask = torch.zeros(2, length, dtype=torch.bool)
+    mask[1, : length // 4] = True
+    mask[1, length - length // 5 :] = True
+    for padding in (None, mask):
+        expected = lolcats_attention_reference(q, k, v, weights, window, causal, padding)
+        actual = lolcats_attention_unchecked(q, k, v, weights, window, causal, padding, None, chunk)
+        torch.testing.assert_close(actual, expected, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_of_every_parameter_match_the_reference(causal):
+    """q, k, v, both maps' weights and biases and the window factor: the hand-written window backward (with
+    the gradient through each row's maximum) and the kernelized core's against autograd on the reference."""
+    q, k, v = _inputs(length=75, requires_grad=True)
+    weights = _weights(requires_grad=True)
+    mask = torch.zeros(2, 75, dtype=torch.bool)
+    mask[0, :9] = True
+    mask[1, 60:] = True
+    leaves = [q, k, v, *weights]
+    cotangent = torch.randn(2, 2, 75, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    fast = lolcats_attention_unchecked(q, k, v, weights, 20, causal, mask, None, 8)
+    reference = lolcats_attention_reference(q, k, v, weights, 20, causal, mask)
+    expected = torch.autograd.grad((reference * cotangent).sum(), leaves)
+    actual = torch.autograd.grad((fast * cotangent).sum(), leaves)
+    names = ["q", "k", "v", *LolcatsWeights._fields]
+    for name, a, e in zip(names, actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-11, msg=lambda m, name=name: f"{name}: {m}")
+        assert bool(e.abs().max() > 0), name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fast_path_gradcheck(causal):
+    q, k, v = _inputs(batch=1, length=10, dim=4, requires_grad=True)
+    weights = _weights(dim=4, features=2, requires_grad=True)
+    mask = torch.zeros(1, 10, dtype=torch.bool)
+    mask[0, 7] = True
+
+    def attend(q, k, v, *parameters):
+        return lolcats_attention_unchecked(q, k, v, LolcatsWeights(*parameters), 3, causal, mask, None, 2)
+
+    assert torch.autograd.gradcheck(attend, (q, k, v, *weights))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_window_over_the_whole_sequence_is_exact_softmax(causal):
+    """With every key in the window the linear terms are gone and the window's weight cancels."""
+    mechanism = build_mechanism("lolcats", 2, 8, window=40).double()
+    with torch.no_grad():
+        mechanism.window_factor.fill_(3.0)
+    q, k, v = _inputs(length=40)
+    with torch.no_grad():
+        torch.testing.assert_close(mechanism(q, k, v, causal=causal), softmax_attention_reference(q, k, v, causal),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_parameters_and_their_start():
+    mechanism = build_mechanism("lolcats", 3, 8)
+    assert {name for name, _ in mechanism.named_parameters()} == {
+        "query_map.weight", "query_map.bias", "key_map.weight", "key_map.bias", "window_factor"}
+    assert mechanism.window == 64 and mechanism.feature_dim == 8 and mechanism.scale is None
+    # Both maps start as the identity (feature_dim == head_dim), as two separate parameters; biases at zero.
+    for feature_map in (mechanism.query_map, mechanism.key_map):
+        assert torch.equal(feature_map.weight, torch.eye(8).expand(3, 8, 8)) and not bool(feature_map.bias.any())
+    assert mechanism.query_map.weight is not mechanism.key_map.weight
+    # f = sigmoid(window_factor) starts at window_weight, 0.1 as in LoLCATs' released conversion configs.
+    torch.testing.assert_close(mechanism.window_factor, torch.full((3,), math.log(0.1 / 0.9)))
+    torch.testing.assert_close(torch.sigmoid(mechanism.window_factor), torch.full((3,), 0.1))
+    narrow = build_mechanism("lolcats", 3, 8, feature_dim=5, window_weight=0.5)
+    assert narrow.query_map.weight.shape == (3, 8, 5) and not bool(narrow.window_factor.any())
+    assert not torch.equal(narrow.query_map.weight, narrow.key_map.weight)  # two draws
+    assert narrow.state_layout(torch.float32)["kv"] == ((3, 10, 9), torch.float32)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_on_either_side_across_window_blocks(side):
+    """A sequence padded with NaN and huge keys gives at its positions what it gives alone, with the padding
+    moving it across the window's blocks and the linear part's chunks."""
+    mechanism = build_mechanism("lolcats", 2, 8, window=64, feature_dim=4, chunk_size=16).double()
+    q, k, v = _inputs(batch=1, length=150)
+    pad = 37
+    garbage = torch.full((1, 2, pad, 8), float("nan"), dtype=torch.float64)
+    garbage[:, :, ::2] = 1e6
+
+    def padded(x):
+        return torch.cat([garbage, x], 2) if side == "left" else torch.cat([x, garbage], 2)
+
+    mask = torch.zeros(1, 150 + pad, dtype=torch.bool)
+    mask[:, :pad] = side == "left"
+    mask[:, 150:] = side == "right"
+    real = slice(pad, None) if side == "left" else slice(0, 150)
+    with torch.no_grad():
+        alone = mechanism(q, k, v, causal=True)
+        together = mechanism(padded(q), padded(k), padded(v), causal=True, key_padding_mask=mask)
+    torch.testing.assert_close(together[:, :, real], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_decoding_past_the_ring_wrap_and_branching():
+    mechanism = build_mechanism("lolcats", 2, 8, window=6, feature_dim=3).double()
+    with torch.no_grad():
+        for parameter in mechanism.parameters():
+            parameter.normal_()
+    q, k, v = _inputs(length=40)
+    with torch.no_grad():
+        full = mechanism(q, k, v, causal=True)
+        out, state = mechanism.prefill(q[:, :, :10], k[:, :, :10], v[:, :, :10])
+        outputs, sizes = [out], set()
+        for t in range(10, 40):
+            if t == 25:
+                branch = state
+            out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+            outputs.append(out_t)
+            sizes.add(tuple((name, tuple(x.shape)) for name, x in sorted(state.tensors.items())))
+        torch.testing.assert_close(torch.cat(outputs, 2), full, rtol=1e-12, atol=1e-12)
+        assert len(sizes) == 1  # constant size: ring of 6, linear state of 2 * 3 rows
+        assert dict(next(iter(sizes)))["kv"] == (2, 2, 6, 9) and dict(next(iter(sizes)))["k"] == (2, 2, 6, 8)
+        # A state stepped from twice gives the same outputs: the first step wrote nothing into it.
+        again, _ = mechanism.step(q[:, :, 25:26], k[:, :, 25:26], v[:, :, 25:26], branch)
+        torch.testing.assert_close(again, full[:, :, 25:26], rtol=1e-12, atol=1e-12)
+
+
+def test_memory_stays_linear_in_the_length():
+    """Forward and backward make no tensor near N x N: the window's tiles and the linear part's chunks."""
+    mechanism = build_mechanism("lolcats", 2, 16, window=32, chunk_size=32)
+    q, k, v = (torch.randn(1, 2, 1024, 16, requires_grad=True) for _ in range(3))
+    with TensorRecorder() as recorded:
+        mechanism(q, k, v, causal=True).sum().backward()
+    assert recorded.largest_floating <= 2 * 1024 * 2 * 32  # heads * N * (two blocks of the window)
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"window": 0}, "window"),
+        ({"feature_dim": 0}, "feature_dim"),
+        ({"window_weight": 0.0}, "window_weight"),
+        ({"window_weight": 1.0}, "window_weight"),
+        ({"scale": -1.0}, "scale"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_bad_options_name_the_option(options, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        build_mechanism("lolcats", 2, 8, **options)
+
+
+def test_cross_attention_is_refused_naming_it():
+    q, k, v = _inputs(length=6)
+    with pytest.raises(UnsupportedOptionError, match="cross"):
+        build_mechanism("lolcats", 2, 8).double()(q, k, v, cross=True)

@@ -1,0 +1,241 @@
+"""attnzoo.conversion: a pretrained softmax model converted to another attention (attention transfer, then
+low-rank adapters), on tiny models: the losses compare what they say, the hybrid keeps the worst-transferred
+layers, a killed conversion resumes to the same result, the saved model loads to the same outputs, and bad
+settings are refused before any work. SmolLM2 itself is converted by ``attnzoo convert`` (docs/pretrained.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnzoo import conversion, pretrained
+from attnzoo.conversion import ConversionConfig, LoRALinear, build_student, layer_plan, transfer_losses
+from attnzoo.conversion.student import mechanism_state, trainable_only
+from attnzoo.pretrained import CausalLM, CausalLMConfig
+
+TARGET = "based"
+TARGET_OPTIONS = {"window": 4, "feature_dim": 4}
+CONFIG = CausalLMConfig(vocab_size=64, dim=32, depth=3, heads=4, kv_heads=2, head_dim=8, ff_dim=64)
+
+
+@pytest.fixture
+def teacher():
+    torch.manual_seed(0)
+    return CausalLM(CONFIG).eval()
+
+
+def _settings(**changes):
+    settings = dict(target=TARGET, target_options=TARGET_OPTIONS, seq_len=16, transfer_steps=6, finetune_steps=4,
+                    checkpoint_every=2, keep_softmax=1, transfer_lr=1e-2, finetune_lr=1e-2)
+    return ConversionConfig(**{**settings, **changes})
+
+
+def _windows(count, length=16, seed=1):
+    return torch.randint(0, CONFIG.vocab_size, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(teacher, output, config, **kwargs):
+    return conversion.convert(teacher, _windows(8), _windows(2, seed=2), output, config, source={"model": "tiny"},
+                              evaluation_windows={"text": _windows(2, 24, seed=3)}, progress=False, **kwargs)
+
+
+# -- the pieces ------------------------------------------------------------------------------------------------
+def test_adapters_start_as_the_base_layer_and_merge_to_the_same_map():
+    base = torch.nn.Linear(12, 7)
+    adapted = LoRALinear(base, rank=3, alpha=6.0, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 12)
+    assert torch.equal(adapted(x), base(x))
+    assert not base.weight.requires_grad and adapted.lora_a.requires_grad
+    with torch.no_grad():
+        adapted.lora_b.normal_()
+    expected = base(x) + 2.0 * x @ adapted.lora_a.t() @ adapted.lora_b.t()
+    torch.testing.assert_close(adapted(x), expected)
+    torch.testing.assert_close(adapted.merged()(x), adapted(x), rtol=1e-5, atol=1e-5)
+
+
+def test_transfer_error_is_zero_for_softmax_and_positive_for_another_attention(teacher):
+    tokens = _windows(1)
+    same = build_student(teacher, layer_plan(3, range(3), "softmax", {}), seed=0)
+    assert transfer_losses(teacher, same, tokens, [0, 1, 2], backward=False) == [0.0, 0.0, 0.0]
+    windowed = build_student(teacher, layer_plan(3, [1], "local", {"window": 2}), seed=0)
+    losses = transfer_losses(teacher, windowed, tokens, [0, 1, 2], backward=False)
+    assert losses[0] == 0.0 and losses[2] == 0.0 and losses[1] > 1e-4
+
+
+def test_the_student_shares_every_teacher_weight_and_draws_its_mechanisms_from_the_seed(teacher):
+    one = build_student(teacher, layer_plan(3, range(3), TARGET, TARGET_OPTIONS), seed=5)
+    two = build_student(teacher, layer_plan(3, range(3), TARGET, TARGET_OPTIONS), seed=5)
+    other = build_student(teacher, layer_plan(3, range(3), TARGET, TARGET_OPTIONS), seed=6)
+    for name, value in teacher.state_dict().items():
+        assert torch.equal(one.state_dict()[name], value), name
+    state_one, state_two, state_other = mechanism_state(one), mechanism_state(two), mechanism_state(other)
+    assert state_one and all(torch.equal(state_one[n], state_two[n]) for n in state_one)
+    assert not all(torch.equal(state_one[n], state_other[n]) for n in state_one)
+
+
+def test_attention_transfer_lowers_the_held_out_error(teacher):
+    student = build_student(teacher, layer_plan(3, range(3), TARGET, TARGET_OPTIONS), seed=0)
+    held_out = _windows(2, seed=9)
+    before = conversion.held_out_errors(teacher, student, held_out, [0, 1, 2])
+    parameters = trainable_only(student, list(mechanism_state(student)))
+    optimizer = torch.optim.Adam(parameters, lr=2e-2)
+    for step in range(30):
+        optimizer.zero_grad()
+        transfer_losses(teacher, student, _windows(1, seed=step), [0, 1, 2], backward=True)
+        optimizer.step()
+    after = conversion.held_out_errors(teacher, student, held_out, [0, 1, 2])
+    assert sum(after) < 0.97 * sum(before), (before, after)
+
+
+def test_the_hybrid_keeps_the_layers_with_the_largest_error():
+    assert conversion.layers_to_keep([0.1, 0.5, 0.2, 0.5], [0, 1, 2, 3], 2) == [1, 3]
+    assert conversion.layers_to_keep([0.1, 0.5, 0.2], [0, 1, 2], 0) == []
+
+
+# -- the whole conversion ----------------------------------------------------------------------------------------
+def test_a_conversion_reports_and_keeps_the_worst_layer(teacher, tmp_path):
+    result = _run(teacher, tmp_path / "run", _settings())
+    assert result.kept_softmax == [max(range(3), key=lambda i: result.layer_errors[i])]
+    assert set(result.perplexity) == {"teacher", "raw_swap", "transferred", "converted"}
+    assert [row["stage"] for row in result.history] == ["transfer"] * 6 + ["finetune"] * 4
+    for name in ("conversion.json", "checkpoint.pt", "results.json", "history.csv", "loss.png", "model/model.json"):
+        assert (tmp_path / "run" / name).exists(), name
+    saved = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert saved["kept_softmax"] == result.kept_softmax
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage, step", [("transfer", 3), ("finetune", 1)])
+def test_a_killed_conversion_resumes_to_the_same_result(teacher, tmp_path, stage, step):
+    whole = _run(teacher, tmp_path / "whole", _settings())
+
+    def kill(at_stage, at_step):
+        if (at_stage, at_step) == (stage, step):
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        _run(teacher, tmp_path / "killed", _settings(), on_step=kill)
+    resumed = _run(teacher, tmp_path / "killed", _settings())
+    assert [row["loss"] for row in resumed.history] == [row["loss"] for row in whole.history]
+    assert resumed.perplexity == whole.perplexity
+    mine = (tmp_path / "killed" / "model" / "weights.safetensors").read_bytes()
+    assert mine == (tmp_path / "whole" / "model" / "weights.safetensors").read_bytes()
+
+
+def test_a_folder_of_another_conversion_is_refused(teacher, tmp_path):
+    _run(teacher, tmp_path / "run", _settings(finetune_steps=0))
+    with pytest.raises(ValueError, match="other settings"):
+        _run(teacher, tmp_path / "run", _settings(finetune_steps=1))
+
+
+def test_a_converted_gguf_model_loads_to_the_same_outputs(tmp_path):
+    gguf = pytest.importorskip("gguf")  # noqa: F841
+    from test_pretrained import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    teacher, _ = pretrained.load(path, tokenizer=False)
+    settings = _settings(keep_softmax=0, seq_len=12, transfer_steps=2, finetune_steps=2)
+    windows = torch.randint(0, teacher.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    conversion.convert(teacher, windows, windows[:1], tmp_path / "run", settings,
+                       source=conversion.gguf_source(path), progress=False)
+    model, tokenizer = conversion.load_converted(tmp_path / "run", tokenizer=False)
+    assert tokenizer is None and model.layer_mechanism_names == [TARGET] * teacher.config.depth
+    assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 4 * teacher.config.depth
+    tokens = windows[:2]
+    reference = json.loads((tmp_path / "run" / "model" / "model.json").read_text())
+    assert reference["source"]["sha256"] == conversion.gguf_source(path)["sha256"]
+    # The same model rebuilt by hand from the checkpoint's tensors gives the same logits, bit for bit.
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    rebuilt = build_student(teacher, layer_plan(teacher.config.depth, range(teacher.config.depth), TARGET,
+                                                TARGET_OPTIONS), seed=0)
+    conversion.add_lora(rebuilt, conversion.lora.attention_projection_names(range(teacher.config.depth)), 8, 16.0, 0)
+    conversion.student.load_tensors(rebuilt, state["tensors"])
+    with torch.no_grad():
+        assert torch.equal(model(tokens), rebuilt(tokens))
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other)
+    with pytest.raises(ValueError, match="not the file the model was converted from"):
+        conversion.load_converted(tmp_path / "run", gguf=other, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="no converted model"):
+        conversion.load_converted(tmp_path, tokenizer=False)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, message", [
+    ({"target": "nope"}, "target must be one of"),
+    ({"seq_len": 0}, "seq_len"),
+    ({"transfer_lr": 0.0}, "transfer_lr"),
+    ({"finetune_loss": "mse"}, "finetune_loss"),
+    ({"target_options": "window=4"}, "target_options"),
+])
+def test_bad_settings_are_refused_naming_them(changes, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        _settings(**changes)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"keep_softmax": 3}, "keep_softmax=3 keeps every one"),
+    ({"target": "linformer", "target_options": {}}, "cannot replace this model's causal self-attention"),
+    ({"target": "local", "target_options": {"windw": 3}}, "target_options: .*windw"),
+])
+def test_a_target_that_cannot_take_the_models_place_is_refused_before_any_work(teacher, tmp_path, changes, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        _run(teacher, tmp_path / "run", _settings(**changes))
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_command_refuses_bad_input_in_one_line(tmp_path):
+    gguf = pytest.importorskip("gguf")  # noqa: F841
+    from test_pretrained import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    for flags, message in [
+        (["--target", "linformer", "--target-options", ""], "cannot replace this model's causal self-attention"),
+        (["--keep-softmax", "2"], "keeps every one"),
+        (["--eval-length", "4096"], "--eval-length 4096 is past the model's context (128 tokens)"),
+        (["--seq-len", "0"], "--seq-len"),
+        (["--gguf", str(tmp_path / "missing.gguf")], "does not exist"),
+    ]:
+        argv = ["--gguf", str(path), "--seq-len", "16", "--eval-length", "16", "--target", TARGET,
+                "--target-options", ",".join(f"{k}={v}" for k, v in TARGET_OPTIONS.items()), *flags]
+        done = subprocess.run([sys.executable, "-m", "attnzoo", "convert", str(tmp_path / "out"), *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (flags, done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.startswith("attnzoo convert: error")]
+        assert len(lines) == 1 and message in lines[0], (flags, done.stderr)
+
+
+def _state_bytes(state) -> int:
+    from attnzoo.state import map_tensors
+
+    sizes = []
+    map_tensors(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+    return sum(sizes)
+
+
+def test_a_converted_model_decodes_from_a_constant_size_state_equal_to_its_forward(teacher, tmp_path):
+    _run(teacher, tmp_path / "run", _settings(keep_softmax=0))
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    model = build_student(teacher, layer_plan(3, range(3), TARGET, TARGET_OPTIONS), seed=0)
+    conversion.add_lora(model, conversion.lora.attention_projection_names(range(3)), 8, 16.0, 0)
+    conversion.student.load_tensors(model, state["tensors"])
+    tokens = _windows(2, 20, seed=4)
+    with torch.no_grad():
+        full = model(tokens)
+        logits, decoding = model.prefill(tokens[:, :6])
+        steps, sizes = [logits[:, -1]], []
+        for position in range(6, 20):
+            logits_t, decoding = model.step(tokens[:, position], decoding)
+            steps.append(logits_t)
+            sizes.append(_state_bytes(decoding.layers))
+    torch.testing.assert_close(torch.stack(steps[:-1], 1), full[:, 5:19], rtol=1e-4, atol=1e-4)
+    assert len(set(sizes)) == 1, sizes  # the window is full after 4 tokens; from then on nothing grows
