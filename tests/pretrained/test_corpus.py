@@ -95,6 +95,20 @@ def test_windows_have_the_asked_shape_and_start_at_documents(source):
     assert torch.equal(fewer, plan.tokens[:2])
 
 
+@pytest.mark.parametrize("source", SOURCES)
+def test_preferring_long_documents_gives_every_length_the_same_documents(source):
+    tokenizer = CharTokenizer()
+    long_plan = plan_windows(tokenizer, source, "test", 20000, 2)
+    short_plan = plan_windows(tokenizer, source, "test", 500, 2, prefer_length=20000)
+    assert long_plan.single_document == short_plan.single_document == 2
+    assert short_plan.documents == long_plan.documents
+    assert torch.equal(short_plan.tokens, long_plan.tokens[:, :500])
+    # Without the preference, the first documents of 500 tokens in name order.
+    plain = plan_windows(tokenizer, source, "test", 500, 2)
+    first = [d.name for d in documents(source, "test") if len(d.text) >= 500][:2]
+    assert [names[0] for names in plain.documents] == first
+
+
 @pytest.mark.parametrize("arguments, named", [
     (("poetry", "test", 8, 1), "source"),
     (("code", "dev", 8, 1), "split"),

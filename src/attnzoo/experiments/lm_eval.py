@@ -209,8 +209,9 @@ def _variant_lengths(config: LmEvalConfig) -> List[int]:
 # -- the windows of text, planned before any weight is read ---------------------------------------------------
 def plan_text(config: LmEvalConfig, tokenizer: Any) -> Dict[Tuple[str, int], TokenWindows]:
     """(source, length) -> its windows of the test split: those of the perplexity lengths, the swap length and
-    (prose) the decoding lengths. A split too short for the request, or a passkey length too short for the
-    prompt, is a ValueError naming the option."""
+    (prose) the decoding lengths, taken first from the documents long enough for the longest of them (so that
+    every length reads the beginnings of the same documents, where they are long enough). A split too short for
+    the request, or a passkey length too short for the prompt, is a ValueError naming the option."""
     wanted: Dict[Tuple[str, int], Tuple[int, str]] = {}
     if "perplexity" in config.parts:
         wanted.update({(s, n): (config.windows, "windows") for s in config.sources for n in config.lengths})
@@ -227,9 +228,11 @@ def plan_text(config: LmEvalConfig, tokenizer: Any) -> Dict[Tuple[str, int], Tok
         except ValueError as error:
             raise ValueError(f"{OPTION['passkey_lengths']}: {error}") from None
     planned = {}
+    prefer = max(length for _, length in wanted) if wanted else None  # the same documents at every length
     for (source, length), (count, option) in sorted(wanted.items()):
         try:
-            planned[(source, length)] = plan_windows(tokenizer, source, EVAL_SPLIT, length, count)
+            planned[(source, length)] = plan_windows(tokenizer, source, EVAL_SPLIT, length, count,
+                                                     prefer_length=prefer)
         except (ValueError, FileNotFoundError) as error:
             raise ValueError(f"{OPTION[option]}: {error}") from None
     return planned

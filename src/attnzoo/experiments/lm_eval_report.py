@@ -172,8 +172,9 @@ def render_markdown(data: Dict[str, Any]) -> str:
             f"{machine.get('cores')} cores, {machine.get('threads')} torch threads, load average at the start "
             f"{(machine.get('load_average') or ['?'])[0]}. Took {data.get('seconds', 0) / 60:.1f} minutes.", ""]
     if data["perplexity"]:
-        text += [f"## Perplexity ({settings['windows']} window(s) per source and length, each from the start of a "
-                 "document unless marked)", ""] + perplexity_table(data) + [""]
+        text += [f"## Perplexity ({settings['windows']} window(s) per source and length, each the beginning of a "
+                 "document unless marked; the same documents at every length where they are long enough)", ""] \
+            + perplexity_table(data) + [""]
     if data["passkey"]:
         text += [f"## Passkey retrieval (correct / prompts; depths {', '.join(f'{d:g}' for d in settings['depths'])}"
                  f", {settings['trials']} trial(s) each, seed {settings['seed']})", ""] + passkey_table(data) + [""]
