@@ -86,7 +86,7 @@ def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None]
 
 def lm_eval_command(args: argparse.Namespace) -> int:
     from ..experiments.lm_eval import LmEvalConfig, prepare, run_lm_eval
-    from ..experiments.lm_eval_report import LM_EVAL_MD, render_markdown
+    from ..experiments.lm_eval_report import LM_EVAL_MD, finite, render_markdown
 
     given = {name: getattr(args, name) for name in (
         "parts", "sources", "lengths", "windows", "passkey_lengths", "depths", "trials", "decode_lengths",
@@ -112,7 +112,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     finally:
         close()
     if args.json:
-        print(json.dumps(data, indent=2))
+        print(json.dumps(finite(data), indent=2))
     elif not args.quiet:
         print(render_markdown(data))
         print(f"wrote lm-eval.json, lm-eval.csv, {LM_EVAL_MD} and the figures to {output}/")

@@ -22,14 +22,14 @@ CSV_COLUMNS = [
 ]
 
 
-def _finite(value: Any) -> Any:
+def finite(value: Any) -> Any:
     """JSON has no infinity or NaN: such a float is written as null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: finite(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [_finite(item) for item in value]
+        return [finite(item) for item in value]
     return value
 
 
@@ -39,7 +39,7 @@ def write_outputs(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
 
     output.mkdir(parents=True, exist_ok=True)
     paths = {"json": output / LM_EVAL_JSON, "csv": output / LM_EVAL_CSV, "markdown": output / LM_EVAL_MD}
-    paths["json"].write_text(json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
+    paths["json"].write_text(json.dumps(finite(data), indent=2, allow_nan=False) + "\n")
     with paths["csv"].open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
