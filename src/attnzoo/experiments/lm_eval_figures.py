@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib import ticker  # noqa: E402
 
 from ..bench.results import BASELINE  # noqa: E402
 
@@ -42,6 +43,15 @@ def _log2_axis(ax: Any, lengths: List[int]) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _plain_log_y(ax: Any) -> None:
+    """A log y axis labelled with plain numbers (20, 30, 50), minor ticks included, not powers of ten."""
+    ax.set_yscale("log")
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="y", which="minor", labelsize=7)
+
+
 def _series(rows: List[Dict[str, Any]], variant: str, column: str, **match: Any) -> Tuple[List[int], List[float]]:
     points = sorted((r["length"], r[column]) for r in rows if r["variant"] == variant and r.get("status") == "ok"
                     and all(r.get(k) == v for k, v in match.items()) and r.get(column) is not None)
@@ -57,7 +67,7 @@ def plot_perplexity(data: Dict[str, Any], path: Path) -> None:
             if xs:
                 ax.plot(xs, ys, label=variant, **_style(index, variant))
         _log2_axis(ax, lengths)
-        ax.set_yscale("log")
+        _plain_log_y(ax)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(f"perplexity, {source} (test split)")
         ax.set_title(source, fontsize=9)
@@ -112,7 +122,7 @@ def plot_swap(data: Dict[str, Any], path: Path) -> None:
         ax.bar([i + offset * width for i in range(len(rows))], values, width, label=source)
     ax.set_xticks([i + width * (len(sources) - 1) / 2 for i in range(len(rows))])
     ax.set_xticklabels([r["mechanism"] for r in rows], rotation=60, ha="right", fontsize=8)
-    ax.set_yscale("log")
+    _plain_log_y(ax)
     ax.set_ylabel("perplexity (log scale)")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", which="both", alpha=0.3)
