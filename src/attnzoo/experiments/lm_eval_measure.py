@@ -113,12 +113,14 @@ def _decode_row(model: CausalLM, prompt: torch.Tensor, steps: int) -> Dict[str, 
             "state_bytes": continuation.state_bytes, "state_bytes_per_token": continuation.state_bytes_per_token}
 
 
-def measure_swaps(config: Any, prepared: Any, base: CausalLM,
-                  text: Dict[Tuple[str, int], TokenWindows], progress: Optional[Progress]) -> Rows:
+def measure_swaps(config: Any, prepared: Any, base: CausalLM, text: Dict[Tuple[str, int], TokenWindows],
+                  progress: Optional[Progress], rows: Optional[Rows] = None,
+                  measured: Optional[Callable[[], None]] = None) -> Rows:
     """The raw-swap table: every registered mechanism (or ``--swap-mechanisms``) in the model's attention slots
     with default options and no training, its perplexity at the swap length on every source; the mechanisms that
-    cannot take the place (by their declared capabilities) listed with the reason."""
-    rows: Rows = []
+    cannot take the place (by their declared capabilities) listed with the reason. Rows are appended to ``rows``
+    (a new list if None), ``measured()`` called after each one measured."""
+    rows = [] if rows is None else rows
     length = config.swap_length
     for name in config.swap_mechanisms or available():
         timed(f"raw swap: {name}, {length} tokens", progress)
@@ -130,6 +132,8 @@ def measure_swaps(config: Any, prepared: Any, base: CausalLM,
             continue
         rows.append(_guarded(row, lambda: _swap_row(config, base, name, text)))
         gc.collect()
+        if measured is not None:
+            measured()
     return rows
 
 
