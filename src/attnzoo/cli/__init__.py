@@ -7,6 +7,7 @@
   :mod:`attnzoo.experiments`);
 * :mod:`~attnzoo.cli.convert`: ``attnzoo convert`` (a pretrained model to linear-time attention,
   :mod:`attnzoo.conversion`);
+* :mod:`~attnzoo.cli.lm_eval`: ``attnzoo lm-eval`` (a pretrained model on real text and long contexts);
 * :mod:`~attnzoo.cli.common`: exit codes, usage errors, value parsing, ``--set``, ``--import`` and retired flags.
 
 Every usage error is one line on stderr with exit code 2.
@@ -27,12 +28,13 @@ def build_parser() -> Parser:
     from .compare import add_compare_command, add_list_command
     from .convert import add_convert_command
     from .experiments import add_lra_command, add_seq2seq_report_command
+    from .lm_eval import add_lm_eval_command
     from .train import add_eval_command, add_train_command
 
     parser = Parser(prog="attnzoo", description="Attention mechanisms behind one API.")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_list_command, add_compare_command, add_train_command, add_eval_command, add_lra_command,
-                add_seq2seq_report_command, add_convert_command):
+                add_seq2seq_report_command, add_convert_command, add_lm_eval_command):
         add(commands)
     return parser
 

