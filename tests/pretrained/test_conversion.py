@@ -17,8 +17,8 @@ from attnzoo.conversion import ConversionConfig, LoRALinear, build_student, laye
 from attnzoo.conversion.student import mechanism_state, trainable_only
 from attnzoo.pretrained import CausalLM, CausalLMConfig
 
-TARGET = "based"
-TARGET_OPTIONS = {"window": 4, "feature_dim": 4}
+TARGET = "lolcats"
+TARGET_OPTIONS = {"window": 4, "feature_dim": 4, "chunk_size": 4}
 CONFIG = CausalLMConfig(vocab_size=64, dim=32, depth=3, heads=4, kv_heads=2, head_dim=8, ff_dim=64)
 
 
@@ -88,7 +88,7 @@ def test_attention_transfer_lowers_the_held_out_error(teacher):
         transfer_losses(teacher, student, _windows(1, seed=step), [0, 1, 2], backward=True)
         optimizer.step()
     after = conversion.held_out_errors(teacher, student, held_out, [0, 1, 2])
-    assert sum(after) < 0.97 * sum(before), (before, after)
+    assert sum(after) < 0.8 * sum(before), (before, after)
 
 
 def test_the_hybrid_keeps_the_layers_with_the_largest_error():

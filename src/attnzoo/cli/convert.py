@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from .common import EXIT_INTERRUPTED, EXIT_OK, add_declared_flags, check_output_dir, parse_options, usage_error
+from .common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    add_declared_flags,
+    check_output_dir,
+    integer_at_least,
+    parse_options,
+    usage_error,
+)
 
 
 def _flag_named(message: str) -> str:
@@ -67,6 +75,10 @@ def convert_command(args: argparse.Namespace) -> int:
     except (TypeError, ValueError, FileNotFoundError) as error:
         return usage_error("convert", _flag_named(str(error)))
     keep_freed_memory()  # every step allocates the same large tensors: keep them off fresh mmaps
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         result = convert(teacher, train, selection, Path(args.output), config, source=source,
                          evaluation_windows=evaluation, progress=not args.quiet,
@@ -104,5 +116,7 @@ def add_convert_command(commands: Any) -> None:
     parser.add_argument("--eval-windows", type=int, default=1, metavar="N",
                         help="held-out windows per source (prose, code) to measure perplexity on; 0: none "
                              "(default 1)")
+    parser.add_argument("--threads", type=integer_at_least(1),
+                        help="torch threads (default: torch's choice; 1 when other jobs share the cores)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or summary")
     parser.set_defaults(run=convert_command)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping
 
 from .._validation import check_choice
-from ..mechanisms import available, build_mechanism
+from ..mechanisms import LolcatsAttention, available, build_mechanism
 from ..mechanisms.made_inputs import shapes_only
 from ..pretrained import CausalLMConfig
 from ..training.settings import check_declared, number, option_dict, positive_int, setting
@@ -34,7 +34,7 @@ class ConversionConfig:
     """A conversion of a pretrained softmax model to another attention, in LoLCATs' two stages (Zhang et al.
     2024); each field's help says what it does (``attnzoo convert --help`` shows them)."""
 
-    target: str = setting("lolcats", check=_mechanism, commands=COMMAND,
+    target: str = setting(LolcatsAttention.name, check=_mechanism, commands=COMMAND,
                           help="the mechanism every converted layer gets")
     target_options: Dict[str, Any] = setting(
         default_factory=dict, check=option_dict, flag=False, commands=COMMAND,

