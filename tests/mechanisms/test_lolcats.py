@@ -13,6 +13,7 @@ import torch
 from attnzoo.functional import softmax_attention_reference
 from attnzoo.functional.lolcats import LolcatsWeights, lolcats_attention_reference, lolcats_attention_unchecked
 from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
+from attnzoo.mechanisms.capabilities import PADDED_RIGHT
 from tensor_records import TensorRecorder
 
 
@@ -41,10 +42,11 @@ def _phi(x, weight, bias):
     return torch.cat([torch.exp(y) / torch.exp(y).sum(-1), torch.exp(-y) / torch.exp(-y).sum(-1)])
 
 
-def _by_recurrence(q, k, v, weights, window, scale):
+def _by_recurrence(q, k, v, weights, window, scale, sinks=0):
     """Causal LoLCATs token by token, as a decoder runs it: the last ``window`` keys kept in a list, the keys
-    that leave it folded into a linear state ``sum phi_k(k_j) [v_j, 1]^T``, and each output the window's
-    ``f exp(s - max s)`` terms plus ``phi_q(q) . state``, divided by their last column."""
+    that leave it folded into a linear state ``sum phi_k(k_j) [v_j, 1]^T`` (the first ``sinks`` kept in the
+    list instead, for good), and each output the kept keys' ``f exp(s - max s)`` terms plus ``phi_q(q) .
+    state``, divided by their last column."""
     batch, heads, length, _ = q.shape
     out = torch.zeros_like(v)
     for b in range(batch):
@@ -54,8 +56,9 @@ def _by_recurrence(q, k, v, weights, window, scale):
             kept = []
             for i in range(length):
                 kept.append(i)
-                if len(kept) > window:
-                    j = kept.pop(0)
+                leaving = i - window  # the key that leaves the window now, unless it is a sink
+                if leaving >= sinks:
+                    j = kept.pop(kept.index(leaving))
                     phi_k = _phi(k[b, h, j], weights.key_weight[h], weights.key_bias[h])
                     state = state + torch.outer(phi_k, torch.cat([v[b, h, j], torch.ones(1, dtype=torch.float64)]))
                 logits = torch.stack([scale * q[b, h, i] @ k[b, h, j] for j in kept])
@@ -66,16 +69,16 @@ def _by_recurrence(q, k, v, weights, window, scale):
     return out
 
 
-def _by_query(q, k, v, weights, window, scale):
-    """Non-causal LoLCATs query by query from the definition: keys with ``|i - j| < window`` by softmax terms
-    relative to their largest logit, the others by Hedgehog's kernel."""
+def _by_query(q, k, v, weights, window, scale, sinks=0):
+    """Non-causal LoLCATs query by query from the definition: keys with ``|i - j| < window`` and the first
+    ``sinks`` by softmax terms relative to their largest logit, the others by Hedgehog's kernel."""
     batch, heads, length, _ = q.shape
     out = torch.zeros_like(v)
     for b in range(batch):
         for h in range(heads):
             f = torch.sigmoid(weights.window_factor[h])
             for i in range(length):
-                near = [j for j in range(length) if abs(i - j) < window]
+                near = [j for j in range(length) if abs(i - j) < window or j < sinks]
                 top = max(scale * q[b, h, i] @ k[b, h, j] for j in near)
                 phi_q = _phi(q[b, h, i], weights.query_weight[h], weights.query_bias[h])
                 terms = [f * torch.exp(scale * q[b, h, i] @ k[b, h, j] - top) if j in near
@@ -85,27 +88,27 @@ def _by_query(q, k, v, weights, window, scale):
     return out
 
 
-@pytest.mark.parametrize("window", [1, 3, 8, 30])
-def test_reference_and_fast_path_are_the_recurrence(window):
+@pytest.mark.parametrize("window, sinks", [(1, 0), (3, 0), (8, 0), (30, 0), (1, 1), (3, 2), (8, 4), (30, 4)])
+def test_reference_and_fast_path_are_the_recurrence(window, sinks):
     q, k, v = _inputs(length=23)
     weights = _weights()
     scale = 0.4
-    expected = _by_recurrence(q, k, v, weights, window, scale)
-    reference = lolcats_attention_reference(q, k, v, weights, window, True, None, scale)
-    fast = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, 4)
+    expected = _by_recurrence(q, k, v, weights, window, scale, sinks)
+    reference = lolcats_attention_reference(q, k, v, weights, window, True, None, scale, sinks)
+    fast = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, 4, None, sinks)
     torch.testing.assert_close(reference, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(fast, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("window", [1, 4, 30])
-def test_non_causal_reference_and_fast_path_follow_the_definition(window):
+@pytest.mark.parametrize("window, sinks", [(1, 0), (4, 0), (30, 0), (1, 1), (4, 3)])
+def test_non_causal_reference_and_fast_path_follow_the_definition(window, sinks):
     q, k, v = _inputs(batch=1, length=17)
     weights = _weights()
-    expected = _by_query(q, k, v, weights, window, 8 ** -0.5)
-    torch.testing.assert_close(lolcats_attention_reference(q, k, v, weights, window, False), expected,
-                               rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lolcats_attention_unchecked(q, k, v, weights, window, False, None, None, 4), expected,
-                               rtol=1e-12, atol=1e-12)
+    expected = _by_query(q, k, v, weights, window, 8 ** -0.5, sinks)
+    torch.testing.assert_close(lolcats_attention_reference(q, k, v, weights, window, False, None, None, sinks),
+                               expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lolcats_attention_unchecked(q, k, v, weights, window, False, None, None, 4, None,
+                                                           sinks), expected, rtol=1e-12, atol=1e-12)
 
 
 # (length, window, chunk): windows of one block and of a band of several (blocks of min(window, 64)), lengths
@@ -113,33 +116,38 @@ def test_non_causal_reference_and_fast_path_follow_the_definition(window):
 SHAPES = [(90, 5, 4), (150, 70, 16), (130, 64, 32), (41, 64, 8), (1, 3, 4), (65, 1, 64)]
 
 
+@pytest.mark.parametrize("sinks", [0, 4])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("length, window, chunk", SHAPES)
-def test_fast_path_matches_reference(causal, length, window, chunk):
+def test_fast_path_matches_reference(causal, length, window, chunk, sinks):
+    sinks = min(sinks, window)
     q, k, v = _inputs(length=length)
     weights = _weights()
     mask = torch.zeros(2, length, dtype=torch.bool)
     mask[1, : length // 4] = True
     mask[1, length - length // 5 :] = True
     for padding in (None, mask):
-        expected = lolcats_attention_reference(q, k, v, weights, window, causal, padding)
-        actual = lolcats_attention_unchecked(q, k, v, weights, window, causal, padding, None, chunk)
+        expected = lolcats_attention_reference(q, k, v, weights, window, causal, padding, None, sinks)
+        actual = lolcats_attention_unchecked(q, k, v, weights, window, causal, padding, None, chunk, None, sinks)
         torch.testing.assert_close(actual, expected, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("sinks", [0, 3])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gradients_of_every_parameter_match_the_reference(causal):
+def test_gradients_of_every_parameter_match_the_reference(causal, sinks):
     """q, k, v, both maps' weights and biases and the window factor: the hand-written window backward (with
-    the gradient through each row's maximum) and the kernelized core's against autograd on the reference."""
+    the gradient through each row's maximum, and the sinks' gradients summed over the query blocks) and the
+    kernelized core's against autograd on the reference."""
     q, k, v = _inputs(length=75, requires_grad=True)
     weights = _weights(requires_grad=True)
     mask = torch.zeros(2, 75, dtype=torch.bool)
-    mask[0, :9] = True
+    mask[0, 1] = True  # a padded sink
+    mask[0, 5:9] = True
     mask[1, 60:] = True
     leaves = [q, k, v, *weights]
     cotangent = torch.randn(2, 2, 75, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    fast = lolcats_attention_unchecked(q, k, v, weights, 20, causal, mask, None, 8)
-    reference = lolcats_attention_reference(q, k, v, weights, 20, causal, mask)
+    fast = lolcats_attention_unchecked(q, k, v, weights, 20, causal, mask, None, 8, None, sinks)
+    reference = lolcats_attention_reference(q, k, v, weights, 20, causal, mask, None, sinks)
     expected = torch.autograd.grad((reference * cotangent).sum(), leaves)
     actual = torch.autograd.grad((fast * cotangent).sum(), leaves)
     names = ["q", "k", "v", *LolcatsWeights._fields]
@@ -148,15 +156,17 @@ def test_gradients_of_every_parameter_match_the_reference(causal):
         assert bool(e.abs().max() > 0), name
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fast_path_gradcheck(causal):
+def test_fast_path_gradcheck(causal, sinks):
     q, k, v = _inputs(batch=1, length=10, dim=4, requires_grad=True)
     weights = _weights(dim=4, features=2, requires_grad=True)
     mask = torch.zeros(1, 10, dtype=torch.bool)
     mask[0, 7] = True
 
     def attend(q, k, v, *parameters):
-        return lolcats_attention_unchecked(q, k, v, LolcatsWeights(*parameters), 3, causal, mask, None, 2)
+        return lolcats_attention_unchecked(q, k, v, LolcatsWeights(*parameters), 3, causal, mask, None, 2, None,
+                                           sinks)
 
     assert torch.autograd.gradcheck(attend, (q, k, v, *weights))
 
@@ -214,8 +224,9 @@ def test_padding_on_either_side_across_window_blocks(side):
     torch.testing.assert_close(together[:, :, real], alone, rtol=1e-12, atol=1e-12)
 
 
-def test_decoding_past_the_ring_wrap_and_branching():
-    mechanism = build_mechanism("lolcats", 2, 8, window=6, feature_dim=3).double()
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_decoding_past_the_ring_wrap_and_branching(sinks):
+    mechanism = build_mechanism("lolcats", 2, 8, window=6, feature_dim=3, sink_tokens=sinks).double()
     with torch.no_grad():
         for parameter in mechanism.parameters():
             parameter.normal_()
@@ -233,9 +244,38 @@ def test_decoding_past_the_ring_wrap_and_branching():
         torch.testing.assert_close(torch.cat(outputs, 2), full, rtol=1e-12, atol=1e-12)
         assert len(sizes) == 1  # constant size: ring of 6, linear state of 2 * 3 rows
         assert dict(next(iter(sizes)))["kv"] == (2, 2, 6, 9) and dict(next(iter(sizes)))["k"] == (2, 2, 6, 8)
+        assert dict(next(iter(sizes))).get("sink_k") == ((2, 2, sinks, 8) if sinks else None)
         # A state stepped from twice gives the same outputs: the first step wrote nothing into it.
         again, _ = mechanism.step(q[:, :, 25:26], k[:, :, 25:26], v[:, :, 25:26], branch)
         torch.testing.assert_close(again, full[:, :, 25:26], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("prompt", [0, 2, 9])
+def test_decoding_with_sinks_from_a_prompt_shorter_than_them(prompt):
+    """The sinks written while decoding (a prompt shorter than them, or none) and the keys that leave the
+    window after them joining the linear state: the steps equal the parallel form."""
+    mechanism = build_mechanism("lolcats", 2, 8, window=3, feature_dim=3, sink_tokens=3).double()
+    with torch.no_grad():
+        for parameter in mechanism.parameters():
+            parameter.normal_()
+    q, k, v = _inputs(length=16)
+    with torch.no_grad():
+        full = mechanism(q, k, v, causal=True)
+        state, outputs = None, []
+        if prompt:
+            out, state = mechanism.prefill(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
+            outputs.append(out)
+        for t in range(prompt, 16):
+            out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+            outputs.append(out_t)
+    torch.testing.assert_close(torch.cat(outputs, 2), full, rtol=1e-12, atol=1e-12)
+
+
+def test_sinks_left_padded_are_refused_by_declaration():
+    """The sinks are a row's first positions: with them the mechanism declares right padding only."""
+    assert build_mechanism("lolcats", 2, 8).capabilities.padding_invariance != PADDED_RIGHT
+    assert PADDED_RIGHT == \
+        build_mechanism("lolcats", 2, 8, sink_tokens=4).capabilities.padding_invariance
 
 
 def test_memory_stays_linear_in_the_length():
@@ -256,6 +296,9 @@ def test_memory_stays_linear_in_the_length():
         ({"window_weight": 1.0}, "window_weight"),
         ({"scale": -1.0}, "scale"),
         ({"chunk_size": 0}, "chunk_size"),
+        ({"sink_tokens": -1}, "sink_tokens"),
+        ({"sink_tokens": 65}, "sink_tokens"),
+        ({"sink_tokens": "4"}, "sink_tokens"),
     ],
 )
 def test_bad_options_name_the_option(options, match):

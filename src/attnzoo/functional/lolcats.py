@@ -25,8 +25,15 @@ Fast path, O(N w d + N m d) time and memory linear in N (m = 2 * feature_dim fea
   ``[v, 1]``, no normalisation). Non-causal: also the keys ``j >= i + w``, the same on the reversed sequence.
 * the two sums are added, the window's weighted by ``f_h``, and divided once.
 
-Decoding (:func:`lolcats_step_unchecked`), constant size: a ring of the last w keys and values, and the
-linear state ``sum phi_k(k_j) [v_j, 1]^T`` of the keys that have left the window.
+Attention sinks (``sinks`` > 0; Xiao et al. 2023, StreamingLLM): the first ``sinks`` positions are exact keys
+for every query, scored in the window's softmax terms against the same maximum ``m_i`` (taken over the window
+and the sinks), and left out of the linear part. Pretrained models put much of each row's weight on their
+first tokens, which a feature map approximates badly. In the fast path the sink keys are appended to every
+query block's window keys (beyond the window only: inside it they are window keys already).
+
+Decoding (:func:`lolcats_step_unchecked`), constant size: a ring of the last w keys and values, the sinks'
+keys and values, and the linear state ``sum phi_k(k_j) [v_j, 1]^T`` of the other keys that have left the
+window.
 
 Padded keys are zeroed before their features are formed and their features zeroed after (a zero key's
 features are not zero), so NaN or inf there reaches neither part. A row that sees no key outputs zeros.
@@ -43,7 +50,8 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from ._autocast import outside_autocast, without_autocast
-from .blocksparse import BlockPlan, LocalPattern, blocksparse_plan, default_block, window_cache_prefill
+from .blocksparse import (BlockPlan, LocalPattern, blocksparse_plan, default_block, window_cache_layout,
+                          window_cache_prefill)
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
 from .features import hedgehog_features_unchecked
 from .linear import kernel_attention_unchecked, normalize_output
@@ -89,23 +97,41 @@ def _window_weight(weights: LolcatsWeights, dtype: torch.dtype) -> Tensor:
     return torch.sigmoid(weights.window_factor.to(dtype)).view(1, -1, 1, 1)
 
 
-def _window_allowed(plan: BlockPlan, batch: int, key_padding_mask: Optional[Tensor]) -> Tensor:
-    """The blocks' element mask, (batch * n_query_blocks or n_query_blocks, 1, block_size, S), key padding
-    included (as the blockwise core's gather makes it)."""
+def _sink_allowed(plan: BlockPlan, sinks: int, window: int, causal: bool) -> Tensor:
+    """Which sinks each query slot reads as exact keys beyond its window, (n_query_blocks, 1, block_size,
+    sinks): sink ``j`` for query ``i`` when ``j <= i - window`` (non-causal: ``|i - j| >= window``); a sink
+    inside the window is already one of the window's keys."""
+    queries = plan.query_positions.unsqueeze(-1)  # (nqb, bs, 1); -1 marks a padding slot
+    keys = torch.arange(sinks, device=queries.device)
+    beyond = keys <= queries - window if causal else (queries - keys).abs() >= window
+    return (beyond & (queries >= 0) & (keys < plan.length)).unsqueeze(1)
+
+
+def _window_allowed(plan: BlockPlan, batch: int, key_padding_mask: Optional[Tensor],
+                    sink_allowed: Optional[Tensor] = None) -> Tensor:
+    """The blocks' element mask, (batch * n_query_blocks or n_query_blocks, 1, block_size, S [+ sinks]), key
+    padding included (as the blockwise core's gather makes it), the sink columns of :func:`_sink_allowed`
+    appended."""
+    allowed = plan.allowed if sink_allowed is None else torch.cat([plan.allowed, sink_allowed], dim=-1)
     if key_padding_mask is None:
-        return plan.allowed.repeat(batch, 1, 1, 1) if batch > 1 else plan.allowed
+        return allowed.repeat(batch, 1, 1, 1) if batch > 1 else allowed
     n_query_blocks, bs = plan.query_positions.shape
     keep = ~F.pad(key_padding_mask, (0, 1), value=True)[:, plan.index]  # (batch, nqb, S); index seq: none
-    allowed = plan.allowed.unsqueeze(0) & keep.view(batch, n_query_blocks, 1, 1, -1)
+    if sink_allowed is not None:
+        sinks = sink_allowed.shape[-1]
+        keep = torch.cat([keep, ~key_padding_mask[:, None, :sinks].expand(-1, n_query_blocks, -1)], dim=-1)
+    allowed = allowed.unsqueeze(0) & keep.view(batch, n_query_blocks, 1, 1, -1)
     return allowed.reshape(batch * n_query_blocks, 1, bs, -1)
 
 
-def _window_sums_traceable(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor) -> Tensor:
+def _window_sums_traceable(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor,
+                            sink_k: Optional[Tensor], sink_v: Optional[Tensor]) -> Tensor:
     """:class:`_WindowSums` in plain differentiable operations, for ``torch.compile`` and ``torch.jit.trace``
     (which take no block plan as an argument of a hand-written Function)."""
     batch, heads, length, _ = q.shape
     q_blocks = _gather_queries(q, plan)
-    k_blocks, v_blocks = _gather_keys(k0, plan.layout, plan.index), _gather_keys(v1, plan.layout, plan.index)
+    k_blocks = _gather_keys(k0, plan.layout, plan.index, sink_k)
+    v_blocks = _gather_keys(v1, plan.layout, plan.index, sink_v)
     logits = (q_blocks @ k_blocks.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -127,8 +153,8 @@ def _band_to_positions(blocks: Tensor, plan: BlockPlan, batch: int, length: int)
 
 
 class _WindowSums(torch.autograd.Function):
-    """``sum_{W_i} exp(s_ij - m_i) [v_j, 1]`` by position over the blocks of a sliding-window plan, with a
-    hand-written backward.
+    """``sum_{W_i} exp(s_ij - m_i) [v_j, 1]`` by position over the blocks of a sliding-window plan (and the
+    sinks beyond the window, appended to every query block's keys), with a hand-written backward.
 
     Per query block (its band of key blocks gathered, S slots): ``S = Q K^T`` under the element mask, the row
     maxima ``m`` (and where they are), ``P = exp(S - m)``, ``O = P V``. Backward, with ``dO``: ``dP = dO V^T``,
@@ -138,46 +164,60 @@ class _WindowSums(torch.autograd.Function):
     overlapping key blocks back through ``unfold``'s backward, the slowest step of the window on CPU.
 
     Shapes: q (B, H, N, d), already scaled; k0 (B, H, N, d) and v1 (B, H, N, c) zero-padded, v1 with its ones
-    column; ``allowed`` from :func:`_window_allowed`. Returns (B, H, N, c).
+    column; ``allowed`` from :func:`_window_allowed`; ``sink_k`` (B, H, s, d), ``sink_v`` (B, H, s, c) or
+    None: the sinks' keys and values, their gradients summed over the query blocks. Returns (B, H, N, c).
     """
 
     @staticmethod
     @outside_autocast
-    def forward(ctx, q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor,  # type: ignore[override]
+                sink_k: Optional[Tensor], sink_v: Optional[Tensor]) -> Tensor:
         batch, heads, length, _ = q.shape
         q_blocks = _gather_queries(q, plan)
-        k_blocks, v_blocks = _gather_keys(k0, plan.layout, plan.index), _gather_keys(v1, plan.layout, plan.index)
+        k_blocks = _gather_keys(k0, plan.layout, plan.index, sink_k)
+        v_blocks = _gather_keys(v1, plan.layout, plan.index, sink_v)
         logits = torch.matmul(q_blocks, k_blocks.transpose(-1, -2)).masked_fill_(~allowed, -math.inf)
         top, where = logits.max(-1, keepdim=True)
         # A row that sees no window key: its logits stay -inf, its weights 0.
         weights = logits.sub_(torch.where(torch.isfinite(top), top, torch.zeros_like(top))).exp_()
         ctx.save_for_backward(q_blocks, k_blocks, v_blocks, weights, where)
-        ctx.plan, ctx.length = plan, length
+        ctx.plan, ctx.length, ctx.sinks = plan, length, 0 if sink_k is None else sink_k.shape[2]
         return _to_positions(weights @ v_blocks, plan, batch, heads, length)
 
     @staticmethod
     @outside_autocast
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         q_blocks, k_blocks, v_blocks, weights, where = ctx.saved_tensors
-        plan, length = ctx.plan, ctx.length
+        plan, length, sinks = ctx.plan, ctx.length, ctx.sinks
         batch = grad.shape[0]
         grad_blocks = _gather_queries(grad, plan)
         grad_logits = torch.matmul(grad_blocks, v_blocks.transpose(-1, -2)).mul_(weights)
         grad_logits.scatter_add_(-1, where, grad_logits.sum(-1, keepdim=True).neg_())
         grad_q = _to_positions(grad_logits @ k_blocks, plan, batch, grad.shape[1], length)
-        grad_k = _band_to_positions(grad_logits.transpose(-1, -2) @ q_blocks, plan, batch, length)
-        grad_v = _band_to_positions(weights.transpose(-1, -2) @ grad_blocks, plan, batch, length)
-        return grad_q, grad_k, grad_v, None, None
+        grad_k_blocks = grad_logits.transpose(-1, -2) @ q_blocks
+        grad_v_blocks = weights.transpose(-1, -2) @ grad_blocks
+        band = grad_k_blocks.shape[2] - sinks
+        grad_k = _band_to_positions(grad_k_blocks[:, :, :band], plan, batch, length)
+        grad_v = _band_to_positions(grad_v_blocks[:, :, :band], plan, batch, length)
+        grad_sink_k = grad_sink_v = None
+        if sinks:  # every query block read the same sinks: their gradients are summed over the blocks
+            grad_sink_k = grad_k_blocks[:, :, band:].unflatten(0, (batch, -1)).sum(1)
+            grad_sink_v = grad_v_blocks[:, :, band:].unflatten(0, (batch, -1)).sum(1)
+        return grad_q, grad_k, grad_v, None, None, grad_sink_k, grad_sink_v
 
 
 def _window_sums(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor],
-                 scale: float) -> Tensor:
-    """``sum_{W_i} exp(s_ij - m_i) [v_j, 1]`` by position, (batch, heads, seq, d_v + 1), over the blocks of
-    ``plan`` (keys and values zero-padded; v1 with its ones column)."""
-    allowed = _window_allowed(plan, q.shape[0], key_padding_mask)
+                 scale: float, window: int, causal: bool, sinks: int) -> Tensor:
+    """``sum_{E_i} exp(s_ij - m_i) [v_j, 1]`` by position, (batch, heads, seq, d_v + 1), ``E_i`` the window's
+    keys (the blocks of ``plan``) and the first ``sinks`` positions beyond it, ``m_i`` their largest logit
+    (keys and values zero-padded; v1 with its ones column)."""
+    sinks = min(sinks, q.shape[2])
+    sink_allowed = _sink_allowed(plan, sinks, window, causal) if sinks else None
+    sink_k, sink_v = (k0[:, :, :sinks], v1[:, :, :sinks]) if sinks else (None, None)
+    allowed = _window_allowed(plan, q.shape[0], key_padding_mask, sink_allowed)
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the plan is not a traceable argument
-        return _window_sums_traceable(q * scale, k0, v1, plan, allowed)
-    return _WindowSums.apply(q * scale, k0, v1, plan, allowed)
+        return _window_sums_traceable(q * scale, k0, v1, plan, allowed, sink_k, sink_v)
+    return _WindowSums.apply(q * scale, k0, v1, plan, allowed, sink_k, sink_v)
 
 
 def _shifted(x: Tensor, window: int) -> Tensor:
@@ -214,18 +254,22 @@ def lolcats_attention_unchecked(
     scale: Optional[float],
     chunk_size: int,
     plan: Optional[BlockPlan] = None,
+    sinks: int = 0,
 ) -> Tensor:
     """LoLCATs attention on checked self-attention inputs (q, k: (batch, heads, seq, head_dim), v: (batch,
     heads, seq, head_dim_v), as many heads as ``weights`` has; ``key_padding_mask`` (batch, seq), True marks
     padding). ``scale``: the logit scale, ``1/sqrt(head_dim)`` when None. ``plan``: :func:`window_plan` for
-    this length and causality, to reuse. Returns (batch, heads, seq, head_dim_v) in v's dtype."""
+    this length and causality, to reuse. ``sinks``: the first ``sinks`` positions are exact keys for every
+    query (see the module doc). Returns (batch, heads, seq, head_dim_v) in v's dtype."""
     out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     q, k0, v0 = q.to(dtype), zero_padded(k, key_padding_mask).to(dtype), zero_padded(v, key_padding_mask).to(dtype)
     if plan is None:
         plan = window_plan(window, q.shape[2], causal, q.device)
     phi_q, phi_k = _features(q, k0, weights, key_padding_mask)
+    if sinks:  # the sinks are exact keys: not in the linear part
+        phi_k = F.pad(phi_k[:, :, sinks:], (0, 0, min(sinks, phi_k.shape[2]), 0))
     v1 = _with_ones(v0)
-    sums = _window_sums(q, k0, v1, plan, key_padding_mask, _logit_scale(scale, q.shape[3]))
+    sums = _window_sums(q, k0, v1, plan, key_padding_mask, _logit_scale(scale, q.shape[3]), window, causal, sinks)
     sums = _window_weight(weights, dtype) * sums + _linear_sums(phi_q, phi_k, v1, window, causal, chunk_size)
     return normalize_output(sums, "sum").to(out_dtype)
 
@@ -239,9 +283,11 @@ def lolcats_attention_reference(
     causal: bool = False,
     key_padding_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
+    sinks: int = 0,
 ) -> Tensor:
-    """The same in float64 by quadratic maths: the (seq, seq) window and linear masks, written from the
-    definition, and the two weight matrices added and normalised. Returns float64."""
+    """The same in float64 by quadratic maths: the (seq, seq) exact and linear masks, written from the
+    definition (the sinks moved from the linear mask to the exact one), and the two weight matrices added and
+    normalised. Returns float64."""
     q, k, v = q.double(), zero_padded(k, key_padding_mask).double(), zero_padded(v, key_padding_mask).double()
     weights = LolcatsWeights(*(None if w is None else w.double() for w in weights))
     length = q.shape[2]
@@ -251,6 +297,8 @@ def lolcats_attention_reference(
         in_window, linear = (distance >= 0) & (distance < window), distance >= window
     else:
         in_window, linear = distance.abs() < window, distance.abs() >= window
+    is_sink = (i < sinks)[None, :]
+    in_window, linear = in_window | (linear & is_sink), linear & ~is_sink
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]
         in_window, linear = in_window & keep, linear & keep
@@ -268,70 +316,92 @@ def lolcats_attention_reference(
 
 # -- decoding ------------------------------------------------------------------------------------------------
 def lolcats_state_layout(
-    heads: int, head_dim: int, feature_dim: int, window: int, dtype: torch.dtype, value_width: Optional[int] = None
+    heads: int, head_dim: int, feature_dim: int, window: int, dtype: torch.dtype, value_width: Optional[int] = None,
+    sinks: int = 0,
 ) -> dict:
     """The decoding state's tensors (name -> (shape after the batch dim, dtype)): the linear state ``kv``
     (heads, 2 * feature_dim, value_width + 1) in the working dtype, ``sum phi_k(k_j) [v_j, 1]^T`` over the keys
-    that have left the window, and the window's ring ``k`` (heads, window, head_dim), ``v`` (heads, window,
-    value_width) and ``positions`` (window,), position t in slot ``t % window`` (-1 while empty)."""
+    that have left the window (sinks aside), and the window's ring ``k`` (heads, window, head_dim), ``v``
+    (heads, window, value_width) and ``positions`` (window,), position t in slot ``t % window`` (-1 while
+    empty). With sinks, also ``sink_k`` (heads, sinks, head_dim) and ``sink_v`` (heads, sinks, value_width):
+    the first positions, kept for good."""
     value_width = head_dim if value_width is None else value_width
-    return {
-        "kv": ((heads, 2 * feature_dim, value_width + 1), working_dtype(dtype)),
-        "k": ((heads, window, head_dim), dtype),
-        "v": ((heads, window, value_width), dtype),
-        "positions": ((window,), torch.long),
-    }
+    layout = window_cache_layout(heads, window, sinks, head_dim, dtype, value_width)
+    if not sinks:
+        del layout["sink_k"], layout["sink_v"]
+    return {"kv": ((heads, 2 * feature_dim, value_width + 1), working_dtype(dtype)), **layout}
 
 
 @without_autocast
 def lolcats_prefill_unchecked(
     q: Tensor, k: Tensor, v: Tensor, weights: LolcatsWeights, window: int, scale: Optional[float], chunk_size: int,
-    plan: Optional[BlockPlan] = None,
+    plan: Optional[BlockPlan] = None, sinks: int = 0,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Causal LoLCATs attention over a checked prompt and the decoding state after it
     (:func:`lolcats_state_layout`)."""
-    out = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, chunk_size, plan)
+    out = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, chunk_size, plan, sinks)
     dtype = working_dtype(v.dtype)
-    gone = max(k.shape[2] - window, 0)  # the keys that have left the window
-    phi_k = hedgehog_features_unchecked(k[:, :, :gone].to(dtype), weights.key_weight, weights.key_bias)
-    kv = phi_k.transpose(-1, -2) @ _with_ones(v[:, :, :gone].to(dtype))
-    ring = window_cache_prefill(k, v, window, 0)
-    return out, {"kv": kv, "k": ring["k"], "v": ring["v"], "positions": ring["positions"]}
+    first, gone = min(sinks, k.shape[2]), max(k.shape[2] - window, 0)  # linear: the keys [sinks, gone)
+    phi_k = hedgehog_features_unchecked(k[:, :, first:gone].to(dtype), weights.key_weight, weights.key_bias)
+    kv = phi_k.transpose(-1, -2) @ _with_ones(v[:, :, first:gone].to(dtype))
+    state = window_cache_prefill(k, v, window, sinks)
+    if not sinks:
+        del state["sink_k"], state["sink_v"]
+    return out, {"kv": kv, **state}
+
+
+def _empty_state(k_t: Tensor, v_t: Tensor, weights: LolcatsWeights, window: int, sinks: int) -> Dict[str, Tensor]:
+    """The state before the first position."""
+    batch, heads, _, head_dim = k_t.shape
+    features = 2 * weights.query_weight.shape[-1]
+    state = {
+        "kv": k_t.new_zeros(batch, heads, features, v_t.shape[3] + 1, dtype=working_dtype(v_t.dtype)),
+        "k": k_t.new_zeros(batch, heads, window, head_dim),
+        "v": v_t.new_zeros(batch, heads, window, v_t.shape[3]),
+        "positions": torch.full((batch, window), -1, dtype=torch.long, device=k_t.device),
+    }
+    if sinks:
+        state["sink_k"], state["sink_v"] = k_t.new_zeros(batch, heads, sinks, head_dim), v_t.new_zeros(
+            batch, heads, sinks, v_t.shape[3])
+    return state
 
 
 @without_autocast
 def lolcats_step_unchecked(
     q_t: Tensor, k_t: Tensor, v_t: Tensor, weights: LolcatsWeights, window: int, scale: Optional[float],
-    tensors: Optional[Dict[str, Tensor]], length: int,
+    tensors: Optional[Dict[str, Tensor]], length: int, sinks: int = 0,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """One decoding position (q_t, k_t: (batch, heads, 1, head_dim), v_t: (batch, heads, 1, head_dim_v)) after
-    ``length`` positions whose state is ``tensors`` (None at the start): O(w d + m d). The key leaving the
-    window (position ``length - window``) joins the linear state, the new one takes its slot. The previous
-    state's tensors are never written (a state may be stepped from twice). Returns the output and the new
-    state."""
+    ``length`` positions whose state is ``tensors`` (None at the start): O((w + sinks) d + m d). The key
+    leaving the window (position ``length - window``) joins the linear state unless it is a sink, the new one
+    takes its slot. The previous state's tensors are never written (a state may be stepped from twice).
+    Returns the output and the new state."""
     dtype = working_dtype(v_t.dtype)
     batch, heads, _, head_dim = k_t.shape
-    if tensors is None:
-        features = 2 * weights.query_weight.shape[-1]
-        tensors = {
-            "kv": k_t.new_zeros(batch, heads, features, v_t.shape[3] + 1, dtype=dtype),
-            "k": k_t.new_zeros(batch, heads, window, head_dim),
-            "v": v_t.new_zeros(batch, heads, window, v_t.shape[3]),
-            "positions": torch.full((batch, window), -1, dtype=torch.long, device=k_t.device),
-        }
-    slot = length % window
+    tensors = _empty_state(k_t, v_t, weights, window, sinks) if tensors is None else tensors
+    slot, leaving = length % window, length - window
     kv = tensors["kv"]
-    if length >= window:  # the slot holds position length - window, which leaves the window now
+    if leaving >= sinks:  # the slot holds position length - window, which leaves the window now
         old_k, old_v = tensors["k"][:, :, slot : slot + 1], tensors["v"][:, :, slot : slot + 1]
         phi_old = hedgehog_features_unchecked(old_k.to(dtype), weights.key_weight, weights.key_bias)
         kv = kv + phi_old.transpose(-1, -2) @ _with_ones(old_v.to(dtype))
     k, v, positions = tensors["k"].clone(), tensors["v"].clone(), tensors["positions"].clone()
     k[:, :, slot], v[:, :, slot], positions[:, slot] = k_t[:, :, 0], v_t[:, :, 0], length
+    seen = (positions >= 0).view(batch, 1, 1, window)
+    new = {"kv": kv, "k": k, "v": v, "positions": positions}
+    if sinks:
+        new["sink_k"], new["sink_v"] = tensors["sink_k"], tensors["sink_v"]
+        if length < sinks:
+            new["sink_k"], new["sink_v"] = new["sink_k"].clone(), new["sink_v"].clone()
+            new["sink_k"][:, :, length], new["sink_v"][:, :, length] = k_t[:, :, 0], v_t[:, :, 0]
+        # A sink still inside the window is in the ring: only the older ones are read from the sink slots.
+        sink_seen = (torch.arange(sinks, device=k_t.device) <= leaving).view(1, 1, 1, sinks)
+        k, v = torch.cat([new["sink_k"], k], 2), torch.cat([new["sink_v"], v], 2)
+        seen = torch.cat([sink_seen.expand(batch, 1, 1, sinks), seen], -1)
     logits = (q_t.to(dtype) @ k.to(dtype).transpose(-1, -2)) * _logit_scale(scale, head_dim)
-    logits = logits.masked_fill((positions < 0).view(batch, 1, 1, window), -math.inf)
+    logits = logits.masked_fill(~seen, -math.inf)
     top = logits.amax(-1, keepdim=True)  # finite: the new key is in the window
     window_sums = torch.exp(logits - top) @ _with_ones(v.to(dtype))
     phi_q = hedgehog_features_unchecked(q_t, weights.query_weight, weights.query_bias)
     sums = _window_weight(weights, dtype) * window_sums + phi_q @ kv
-    out = normalize_output(sums, "sum").to(v_t.dtype)
-    return out, {"kv": kv, "k": k, "v": v, "positions": positions}
+    return normalize_output(sums, "sum").to(v_t.dtype), new

@@ -5,6 +5,7 @@ in one normalisation, the attention LoLCATs converts pretrained softmax models t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 
 from .._validation import check_number, check_positive_int
 from ..feature_maps import HedgehogFeatureMap
-from ..functional.blocksparse import BlockPlan
+from ..functional.blocksparse import BlockPlan, check_sink_tokens
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from ..functional.lolcats import (
     LolcatsWeights,
@@ -24,6 +25,7 @@ from ..functional.lolcats import (
     window_plan,
 )
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
+from .capabilities import PADDED_RIGHT
 from .plan_cache import last_plan
 from .registry import register
 
@@ -54,12 +56,19 @@ class LolcatsAttention(Mechanism):
         window_weight: the initial ``f_h``, in (0, 1).
         scale: logit scale of the window (None: ``1/sqrt(head_dim)``, as LoLCATs and the models it converts).
         chunk_size: chunk length of the linear part's causal pass.
+        sink_tokens: attention sinks (Xiao et al. 2023, StreamingLLM): the first ``sink_tokens`` positions are
+            exact keys for every query, in the window's softmax terms (one maximum with the window) and not in
+            the linear part; ``0 <= sink_tokens <= window``, 0 (the default): none. A pretrained model puts
+            much of each row's weight on its first tokens, which the feature maps approximate badly (see
+            docs/conversion.md). The sinks are the row's first positions, padding included: padded on the
+            left, a sequence gives other outputs.
 
     Self-attention only (the window pairs positions of one sequence). Grouped keys and values are repeated
     (the maps are per query head, as LoLCATs applies them after repeating). Packed batches: each document
     alone. Decoding state (constant size): the linear state ``kv`` (heads, 2 * feature_dim, head_dim_v + 1) of
     the keys that have left the window, and the window's ring ``k`` (heads, window, head_dim), ``v`` (heads,
-    window, head_dim_v) with ``positions`` (window,).
+    window, head_dim_v) with ``positions`` (window,); with sinks, ``sink_k`` (heads, sink_tokens, head_dim) and
+    ``sink_v`` (heads, sink_tokens, head_dim_v).
     """
 
     name = "lolcats"
@@ -79,11 +88,12 @@ class LolcatsAttention(Mechanism):
     )
     # Small settings; the suite's lengths (up to 11) cross chunk and window-block boundaries.
     test_options = {"window": 3, "feature_dim": 4, "chunk_size": 4}
-    test_variants = ({"window": 1, "chunk_size": 3, "window_weight": 0.6, "scale": 0.5},)
+    test_variants = ({"window": 1, "chunk_size": 3, "window_weight": 0.6, "scale": 0.5},
+                     {"window": 3, "sink_tokens": 2, "feature_dim": 4, "chunk_size": 4})
 
     def __init__(self, heads: int, head_dim: int, *, window: int = 64, feature_dim: Optional[int] = None,
                  window_weight: float = 0.1, scale: Optional[float] = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, sink_tokens: int = 0) -> None:
         super().__init__(heads, head_dim)
         self.window = check_positive_int("window", window)
         feature_dim = check_number("feature_dim", feature_dim, integer=True, minimum=1, optional=True)
@@ -92,6 +102,10 @@ class LolcatsAttention(Mechanism):
                               exclusive_maximum=True)
         self.scale = check_number("scale", scale, minimum=0.0, exclusive_minimum=True, optional=True)
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.sink_tokens = check_sink_tokens(sink_tokens, self.window)
+        if self.sink_tokens:
+            # The sinks are the row's first positions, padding on the left included.
+            self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
         self.query_map = HedgehogFeatureMap(heads, head_dim, self.feature_dim)
         self.key_map = HedgehogFeatureMap(heads, head_dim, self.feature_dim)
         self.window_factor = nn.Parameter(torch.full((heads,), math.log(weight / (1.0 - weight))))
@@ -111,28 +125,31 @@ class LolcatsAttention(Mechanism):
     ) -> Tensor:
         plan = self.plan(q.shape[2], causal, q.device)
         return lolcats_attention_unchecked(q, k, v, self.weights(), self.window, causal, key_padding_mask,
-                                           self.scale, self.chunk_size, plan)
+                                           self.scale, self.chunk_size, plan, self.sink_tokens)
 
     def attend_reference(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Float64 quadratic maths (:func:`~attnzoo.functional.lolcats.lolcats_attention_reference`)."""
         return lolcats_attention_reference(q, k, v, self.weights(), self.window, causal, key_padding_mask,
-                                           self.scale)
+                                           self.scale, self.sink_tokens)
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
-        return lolcats_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype, value_width)
+        return lolcats_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype, value_width,
+                                    self.sink_tokens)
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         plan = self.plan(q.shape[2], True, q.device)
-        return lolcats_prefill_unchecked(q, k, v, self.weights(), self.window, self.scale, self.chunk_size, plan)
+        return lolcats_prefill_unchecked(q, k, v, self.weights(), self.window, self.scale, self.chunk_size, plan,
+                                         self.sink_tokens)
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
-        return lolcats_step_unchecked(q_t, k_t, v_t, self.weights(), self.window, self.scale, tensors, length)
+        return lolcats_step_unchecked(q_t, k_t, v_t, self.weights(), self.window, self.scale, tensors, length,
+                                      self.sink_tokens)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window={self.window}, feature_dim={self.feature_dim}, scale={self.scale}, "
-                f"chunk_size={self.chunk_size}")
+                f"chunk_size={self.chunk_size}" + (f", sink_tokens={self.sink_tokens}" if self.sink_tokens else ""))
