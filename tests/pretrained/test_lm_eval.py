@@ -16,7 +16,7 @@ from test_pretrained import write_tiny_gguf
 import attnzoo
 from attnzoo import pretrained
 from attnzoo.cli import main
-from attnzoo.experiments.lm_eval import LmEvalConfig, Variant, prepare, run_lm_eval
+from attnzoo.experiments.lm_eval import LmEvalConfig, Variant, plan_text, prepare, run_lm_eval
 from attnzoo.pretrained import CausalLM, evaluation
 from attnzoo.pretrained.passkey import (
     ANSWER_TOKENS,
@@ -251,6 +251,56 @@ def test_a_run_writes_every_table_and_figure(tiny, tmp_path):
     assert "## Perplexity" in markdown and "## Raw swap" in markdown and "bigbird" in markdown
     for part in ("perplexity", "passkey", "decode", "swap"):
         assert (tmp_path / f"lm-eval-{part}.png").stat().st_size > 1000
+
+
+def _converted(path, folder, target_options):
+    """A conversion of the tiny model in ``path`` (a few steps; what it learns does not matter here)."""
+    from attnzoo import conversion
+
+    teacher, _ = pretrained.load(path, tokenizer=False)
+    settings = conversion.ConversionConfig(target="lolcats", target_options=target_options, seq_len=12,
+                                           transfer_steps=2, finetune_steps=2, checkpoint_every=2)
+    windows = torch.randint(0, teacher.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))
+    conversion.convert(teacher, windows, windows[:1], folder, settings, source=conversion.gguf_source(path),
+                       progress=False)
+    return conversion.load_converted(folder, tokenizer=False).model
+
+
+def test_a_converted_model_is_measured_like_a_variant(tiny, tmp_path):
+    """--converted: the model attnzoo convert saved, rebuilt on the weights already loaded, gives the perplexity
+    the model load_converted returns gives, and decodes from its constant-size state."""
+    path, _ = tiny
+    options = {"window": 4, "feature_dim": 4, "chunk_size": 4, "sink_tokens": 2}
+    model = _converted(path, tmp_path / "run", options)
+    config = LmEvalConfig(gguf=str(path), converted=[str(tmp_path / "run")], parts=["perplexity", "decode"],
+                          sources=["code"], lengths=[64], decode_lengths=[32, 100], decode_tokens=3)
+    data = run_lm_eval(config, tmp_path / "out", ["test"], prepared=prepare(config, needs_tokenizer=False),
+                       tokenizer=WordTokenizer())
+    label = f"converted {tmp_path / 'run'}"
+    assert [v["label"] for v in data["variants"]] == ["softmax", label]
+    record = data["variants"][1]
+    assert record["mechanism"] == "lolcats" and record["options"] == options
+    assert record["converted"]["layer_mechanisms"] == ["lolcats"] * model.config.depth
+    row = next(r for r in data["perplexity"] if r["variant"] == label)
+    text = plan_text(config, WordTokenizer())[("code", 64)]
+    assert row["status"] == "ok" and row["own_parameters"] > 0
+    assert row["perplexity"] == pytest.approx(evaluation.perplexity(model, text.tokens).perplexity, rel=1e-6)
+    decode = [r for r in data["decode"] if r["variant"] == label]
+    assert [r["status"] for r in decode] == ["ok", "ok"] and decode[0]["state_bytes"] == decode[1]["state_bytes"]
+
+
+def test_a_converted_model_of_another_file_or_none_is_refused(tiny, tmp_path, capsys):
+    path, _ = tiny
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other)
+    _converted(other, tmp_path / "run", {"window": 4, "feature_dim": 4, "chunk_size": 4})
+    for folder, named in ((tmp_path / "run", "not the file the model was converted from"),
+                          (tmp_path, "holds no converted model")):
+        arguments = ["lm-eval", "--gguf", str(path), "--converted", str(folder), "--lengths", "32",
+                     "--parts", "perplexity", "--output", str(tmp_path / "out")]
+        assert main(arguments) == 2
+        line = _error_line(capsys)
+        assert f"--converted {folder}" in line and named in line
 
 
 @pytest.mark.slow

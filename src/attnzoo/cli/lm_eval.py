@@ -26,8 +26,9 @@ EXIT_CODES = """exit codes:
   0  everything asked for was measured (a raw-swap mechanism that fails is a row of the table saying so)
   1  a measurement of a --variant failed (its row says why); every output file is still written
   2  usage error: a bad value, an unknown mechanism or option, a length past the model's context, a test split
-     too short for the windows asked for, a --gguf file attnzoo cannot load, an --output directory that cannot
-     be written (all checked before the model's weights are read)"""
+     too short for the windows asked for, a --gguf file attnzoo cannot load, a --converted folder that holds no
+     conversion of that file, an --output directory that cannot be written (all checked before the model's
+     weights are read)"""
 
 
 def variant_spec(text: str) -> Any:
@@ -95,7 +96,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
     output = Path(args.output)
     try:
         import_modules(args.imports)  # first: they register mechanisms --variant may name
-        config = LmEvalConfig(gguf=args.gguf, variants=args.variants or (), **given)
+        config = LmEvalConfig(gguf=args.gguf, variants=args.variants or (), converted=args.converted or (), **given)
         check_output_dir("--output", output)
         prepared = prepare(config)
     except (TypeError, ValueError) as error:
@@ -139,6 +140,9 @@ def add_lm_eval_command(commands: Any) -> None:
                         metavar="MECHANISM[:OPTION=VALUE,...]",
                         help="a mechanism and its options in every attention slot, e.g. local:window=256,"
                              "sink_tokens=4 (repeatable; softmax, the trained attention, is always measured)")
+    parser.add_argument("--converted", action="append", metavar="DIR",
+                        help="a model made by attnzoo convert from this model file (its output folder), measured "
+                             "like a variant (repeatable)")
     parser.add_argument("--parts", type=name_list, metavar="A,B", help=f"what to measure (default {join(PARTS)})")
     parser.add_argument("--sources", type=name_list, metavar="A,B", help=f"texts (default {join(default.sources)})")
     parser.add_argument("--lengths", type=int_list, metavar="N,N", help=f"perplexity context lengths (default "

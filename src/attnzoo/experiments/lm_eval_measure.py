@@ -10,6 +10,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..conversion.lora import lora_state
+from ..conversion.saved import build_converted
+from ..conversion.student import mechanism_state
 from ..mechanisms import available, capabilities
 from ..pretrained.causal_lm import CausalLM
 from ..pretrained.corpus import TEXT_SOURCES, TokenWindows
@@ -57,9 +60,15 @@ def _perplexity_row(model: CausalLM, windows: TokenWindows) -> Dict[str, Any]:
 
 
 def variant_model(prepared: Any, variant: Any, base: CausalLM, seed: int) -> Tuple[CausalLM, int]:
-    """The model of ``variant``: ``base`` itself for softmax, else a copy with the variant's attention."""
+    """The model of ``variant`` and how many parameters it has that ``base`` has not: ``base`` itself for
+    softmax, a copy with the variant's attention, or a converted model (its trained tensors on ``base``'s
+    weights)."""
     if variant.is_baseline:
         return base, 0
+    if variant.converted is not None:
+        model = build_converted(base, *prepared.descriptions[variant.converted])
+        trained = {**mechanism_state(model), **lora_state(model)}
+        return model, sum(t.numel() for t in trained.values())
     return swapped(base, variant.mechanism, dict(variant.options), seed)
 
 
