@@ -3,6 +3,7 @@
 #   ./run.sh compare [attnzoo compare options]   the main job: compare every mechanism, print a table, write plots
 #   ./run.sh test    [pytest options]            the whole test suite
 #   ./run.sh peers                               also install the peer libraries compared against (optional)
+#   ./run.sh attnzoo COMMAND [options]           any attnzoo command (train, eval, lm-eval, convert, ...)
 # The virtual environment lives in .venv; torch is held to the CPU build by constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,5 +33,6 @@ case "$cmd" in
     compare) setup; exec "$VENV/bin/attnzoo" compare "$@" ;;
     test)    setup; exec "$PY" -m pytest "$@" ;;
     peers)   setup; exec bash scripts/install-peers.sh "$PY" ;;
-    *) echo "usage: ./run.sh {compare|test|peers} [options]" >&2; exit 2 ;;
+    attnzoo) setup; exec "$VENV/bin/attnzoo" "$@" ;;
+    *) echo "usage: ./run.sh {compare|test|peers|attnzoo} [options]" >&2; exit 2 ;;
 esac

@@ -24,7 +24,8 @@ def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
     assert main(["list"]) == EXIT_OK
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:5] == ["mechanism", "causal", "cross", "padding", "step"]
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert max(map(len, lines)) <= 120  # the complexity on the lines below each row: a row starts at column 0
+    rows = {line.split()[0]: line.split() for line in lines[3:] if not line.startswith(" ")}
     assert set(rows) == set(available())
     for name, cells in rows.items():
         caps = capabilities(name)
@@ -34,6 +35,14 @@ def test_list_shows_every_registered_mechanism_with_its_capabilities(capsys):
         assert caps.kind in cells
     assert "grouped kv" in lines[0] and "packing" in lines[0] and "v width" in lines[0]
     assert rows["aft"][7] == "head_dim" and rows["softmax"][7] == "any"
+
+
+def test_list_wide_shows_each_complexity_whole(capsys):
+    assert main(["list", "--wide"]) == EXIT_OK
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert all(capabilities(name).complexity in out for name in available())
+    assert len(lines) == 2 + len(available()) and max(map(len, lines)) > 120
 
 
 def test_list_options_names_every_option_with_its_default(capsys):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import attnzoo
 from attnzoo import UnsupportedOptionError
 from attnzoo.cli import main
 from attnzoo.training import (
@@ -239,6 +240,11 @@ def _cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
+def test_version(capsys):
+    code, out, _ = _cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"attnzoo {attnzoo.__version__}"
+
+
 def test_train_help_lists_the_tasks(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -257,6 +263,9 @@ def test_train_help_lists_the_tasks(capsys):
     (["train", "bytes", "--mechanism", "fnet"], "fnet cannot train on bytes"),
     (["train"], "give a TASK"),
     (["eval", "/nonexistent/run"], "no such directory"),
+    (["train", "bytes", "--nope", "1"], r"^attnzoo train: error: unrecognized arguments: --nope 1 \(see attnzoo "
+                                        r"train --help\)"),
+    (["eval", "run", "--seed", "1"], r"^attnzoo eval: .*--seed 1 \(see attnzoo eval --help\)"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(capsys, argv, message):
     code, out, err = _cli(capsys, *argv)
@@ -303,6 +312,10 @@ def test_train_then_eval_then_resume_from_the_command_line(capsys, tmp_path):
     code, out, err = _cli(capsys, "eval", str(out_dir), "--json")
     assert code == 0, err
     assert json.loads(out)["metrics"]["accuracy"] >= 0
+    code, out_cpu, err = _cli(capsys, "eval", str(out_dir), "--json", "--device", "cpu")
+    assert code == 0 and json.loads(out_cpu)["metrics"] == json.loads(out)["metrics"], err
+    code, _, err = _cli(capsys, "eval", str(out_dir), "--device", "tpu")
+    assert code == 2 and "--device" in err and len(err.strip().splitlines()) == 1, err
     # The same output again is refused; resuming with another setting is refused; resuming as it was works.
     code, _, err = _cli(capsys, *argv)
     assert code == 2 and "already holds a run" in err

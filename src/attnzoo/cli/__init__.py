@@ -31,7 +31,10 @@ def build_parser() -> Parser:
     from .lm_eval import add_lm_eval_command
     from .train import add_eval_command, add_train_command
 
+    from .. import __version__
+
     parser = Parser(prog="attnzoo", description="Attention mechanisms behind one API.")
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_list_command, add_compare_command, add_train_command, add_eval_command, add_lra_command,
                 add_seq2seq_report_command, add_convert_command, add_lm_eval_command):

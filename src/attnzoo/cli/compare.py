@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -40,6 +41,10 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "-"
 
 
+LIST_WIDTH = 120  # attnzoo list's lines, unless --wide
+COMPLEXITY_INDENT = "    "
+
+
 def list_command(args: argparse.Namespace) -> int:
     try:
         import_modules(args.imports)
@@ -60,8 +65,18 @@ def list_command(args: argparse.Namespace) -> int:
             caps.kind, caps.complexity,
         ])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-    for row in [header, ["-" * w for w in widths]] + rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if args.wide:
+        for row in [header, ["-" * w for w in widths]] + rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    else:  # the complexity on its own lines under each row, wrapped: rows start at column 0
+        widths = widths[:-1]
+        print("  ".join(cell.ljust(w) for cell, w in zip(header, widths)).rstrip())
+        print(f"{COMPLEXITY_INDENT}complexity")
+        print("  ".join("-" * w for w in widths))
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+            print(textwrap.fill(row[-1], LIST_WIDTH, initial_indent=COMPLEXITY_INDENT,
+                                subsequent_indent=COMPLEXITY_INDENT, break_on_hyphens=False))
     if args.options:
         print("\noptions (keyword arguments of build_mechanism / MultiHeadAttention, with their defaults):")
         for name in available():
@@ -180,6 +195,9 @@ def compare_command(args: argparse.Namespace) -> int:
 def add_list_command(commands: Any) -> None:
     listing = commands.add_parser("list", help="registered mechanisms and their capabilities")
     listing.add_argument("--options", action="store_true", help="also list each mechanism's options and defaults")
+    listing.add_argument("--wide", action="store_true",
+                         help=f"one line per mechanism, the complexity last, as wide as it needs (default: the "
+                              f"complexity on the lines below, within {LIST_WIDTH} columns)")
     add_import_option(listing)
     listing.set_defaults(run=list_command)
 

@@ -372,8 +372,10 @@ def eval_command(args: argparse.Namespace) -> int:
         checkpoint = find_checkpoint(args.checkpoint)
         saved = read_config(checkpoint).get("train")
         _import_for_run(checkpoint.parent.parent, saved, args.imports, "CHECKPOINT_DIR")
-        decoding = _decoder_settings(args, saved.get("task") if isinstance(saved, dict) else None)
-        report = evaluate_checkpoint(args.checkpoint, args.split, decoding)
+        task_name = saved.get("task") if isinstance(saved, dict) else None
+        decoding = _decoder_settings(args, task_name)
+        device = _training_device(args.device, task_name) if task_name is not None else None
+        report = evaluate_checkpoint(args.checkpoint, args.split, decoding, device)
     except (CheckpointError, ValueError, TypeError) as error:
         return usage_error("eval", str(error))
     if args.json:
@@ -452,6 +454,8 @@ def add_eval_command(commands: Any) -> None:
                           help="a run directory (its latest checkpoint) or a checkpoint directory")
     evaluate.add_argument("--split", default="test", choices=["train", "validation", "test"])
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
+    evaluate.add_argument("--device", help="cpu (default) or cuda[:N]: where the model is evaluated (classify, tag "
+                                           "and lm tasks; seq2seq ones on the CPU only)")
     add_import_option(evaluate)
     _add_decoder_options(evaluate, "eval")
     evaluate.set_defaults(run=eval_command)

@@ -533,11 +533,14 @@ def load_trained(path: Union[str, Path]) -> Tuple[nn.Module, Task, TrainConfig]:
 
 
 def evaluate_checkpoint(
-    path: Union[str, Path], split: str = "test", decoding: DecoderSettings = GREEDY
+    path: Union[str, Path], split: str = "test", decoding: DecoderSettings = GREEDY,
+    device: Optional[torch.device] = None,
 ) -> Dict[str, Any]:
     """Metrics of a saved model on a split (a seq2seq model's decoded by ``decoding``), with the task's
-    baseline and the run's config."""
+    baseline and the run's config; on ``device`` (:func:`training_device`; None: the CPU)."""
     model, task, config = load_trained(path)
+    if device is not None:
+        model = model.to(device)
     metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
                        decoding=decoding, pack=config.pack)
     report = {"task": task.name, "mechanism": config.mechanism, "block": config.block, "split": split,
