@@ -321,8 +321,10 @@ def test_train_then_eval_then_resume_from_the_command_line(capsys, tmp_path):
     assert code == 2 and "already holds a run" in err
     code, _, err = _cli(capsys, "train", "--resume", str(out_dir), "--lr", "0.5")
     assert code == 2 and "--lr 0.5 (the checkpoint has 0.001)" in err
+    before = (out_dir / "results.json").read_text()
     code, out, err = _cli(capsys, "train", "--resume", str(out_dir), "--steps", "4", "--quiet")
-    assert code == 0, err
+    assert code == 0 and out == "" and "is complete (4 of 4 steps)" in err, err
+    assert (out_dir / "results.json").read_text() == before  # nothing re-run
 
 
 def test_lra_runs_cells_writes_the_table_and_continues_where_it_stopped(capsys, tmp_path):

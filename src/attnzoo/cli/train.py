@@ -287,6 +287,11 @@ def train_command(args: argparse.Namespace) -> int:
         config, decoding, output, imports, task, device = _prepare_run(args)
     except (ValueError, TypeError, CheckpointError, UnsupportedOptionError) as error:
         return usage_error("train", str(error))
+    finished = _finished_step(output) if args.resume is not None else None
+    if finished is not None:
+        print(f"attnzoo train: the run in {output} is complete ({finished} of {finished} steps); its results are "
+              f"in {Path(output) / 'results.json'} (attnzoo eval {output} measures it again)", file=sys.stderr)
+        return EXIT_OK
     if args.threads is not None:
         import torch
 
@@ -315,6 +320,21 @@ def train_command(args: argparse.Namespace) -> int:
     if main:  # rank 0 reports for the whole data-parallel run
         _print_result(result, decoding, output, args.json)
     return EXIT_OK
+
+
+def _finished_step(output: str) -> Optional[int]:
+    """The run's step count when the run in ``output`` took every step its checkpoint's settings ask for and
+    wrote its results, else None."""
+    from ..training.checkpoint import CHECKPOINTS, LATEST, find_checkpoint, read_config
+    from ..training.loop import RESULTS_JSON
+
+    try:
+        step = json.loads((Path(output) / CHECKPOINTS / LATEST).read_text())["step"]
+        steps = read_config(find_checkpoint(output))["train"]["steps"]
+    except Exception:  # noqa: BLE001 - anything unreadable: the resume itself reports it
+        return None
+    done = isinstance(step, int) and step >= steps and (Path(output) / RESULTS_JSON).is_file()
+    return steps if done else None
 
 
 def _print_result(result: Any, decoding: Any, output: str, as_json: bool) -> None:
