@@ -217,6 +217,34 @@ def test_compare_prints_the_table_and_progress_and_exits_0(capsys, tmp_path):
     assert data["argv"] == ["attnzoo", "compare", *TINY, "--output", str(tmp_path)]
 
 
+def test_ctrl_c_keeps_every_finished_row_and_says_where_it_stopped(capsys, tmp_path, monkeypatch):
+    """Interrupted as the second length is timed: the first length's rows are written (report, CSV, JSON,
+    figures), the second's marked interrupted; exit 130. Each job is announced as it starts."""
+    import attnzoo.bench.compare as compare
+
+    run, calls = compare.Launcher.run, []
+
+    def interrupted_at_the_second_length(self, job, timeout_s):
+        calls.append(job["kind"])
+        if job["kind"] == "time" and job["length"] == 32:
+            raise KeyboardInterrupt
+        return run(self, job, timeout_s)
+
+    monkeypatch.setattr(compare.Launcher, "run", interrupted_at_the_second_length)
+    argv = ["compare", *TINY, "--mechanisms", "softmax,linear", "--output", str(tmp_path)]
+    assert main(argv) == 130
+    captured = capsys.readouterr()
+    assert calls == ["time", "memory", "memory", "time"]
+    assert "interrupted; the 2 rows measured are written" in captured.err
+    assert "[1/6] time N=16: 2 side by side" in captured.err and "[4/6] time N=32" in captured.err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["interrupted"] is True
+    assert [(row["length"], row["status"]) for row in data["rows"]] == \
+        [(16, "ok"), (16, "ok"), (32, "interrupted"), (32, "interrupted")]
+    assert "**Interrupted**" in (tmp_path / "report.md").read_text()
+    assert "INTERRUPTED" in captured.out and (tmp_path / "time.png").exists()
+
+
 @pytest.mark.slow
 def test_compare_quiet_prints_nothing_but_writes_the_files(capsys, tmp_path):
     assert main(["compare", *TINY, "--quiet", "--output", str(tmp_path)]) == EXIT_OK

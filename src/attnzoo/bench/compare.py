@@ -315,7 +315,9 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
                 progress_total: Optional[Callable[[int], None]] = None) -> CompareResult:
     """Measure everything ``config`` asks for and return the results (writes nothing).
 
-    ``progress(label)`` is called after each worker job; ``progress_total(n)`` once with the job count.
+    ``progress(label)`` is called as each worker job starts; ``progress_total(n)`` once with the job count.
+    Interrupted (KeyboardInterrupt), it returns what was measured: every finished row, the rows of the length
+    being measured marked ``interrupted`` where they are not, and ``data["interrupted"]`` True.
     """
     import_user_modules(config.imports)
     config.validate()
@@ -326,51 +328,22 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
     sweeps = sweep_plan(config, entries) if config.sweep else []
     if progress_total:
         progress_total(len(lengths) * (1 + len(entries)) + len(sweeps))
-    report = progress or (lambda label: None)
-
-    rows: List[Dict[str, Any]] = []
-    uniform_error: Dict[int, Optional[float]] = {}
-    stopped: Dict[str, str] = {}  # entry key -> why longer lengths are skipped
+    measured = _Measured()
     preload = list(config.imports)
     if not config.device.startswith("cuda"):
         # A peer's import may initialise CUDA (fla asks for the device's capability), and a child forked from
         # a process that did cannot use CUDA: on a GPU each child imports its peers itself.
         preload += [PEERS[e["name"]].module for e in entries if e["kind"] == "peer"]
-    with Launcher(config.launch, preload=preload) as launcher:
-        for length in lengths:
-            base = _job_base(config, length)
-            length_rows = {entry["key"]: _empty_row(config, entry, length) for entry in entries}
-            active = [entry for entry in entries if entry["key"] not in stopped]
-            for entry in entries:
-                if entry["key"] in stopped:
-                    length_rows[entry["key"]].update(status="skipped", reason=stopped[entry["key"]])
-            timed, uniform_error[length] = _time_length(launcher, config, base, active, report, length)
-            for entry in active:
-                row = length_rows[entry["key"]]
-                _apply_time(row, timed.get(entry["key"], {"status": "failed", "reason": "no result"}))
-            for entry in entries:
-                row = length_rows[entry["key"]]
-                if entry in active and row["status"] == "ok":
-                    memory_job = dict(base, kind="memory", entry=entry)
-                    _apply_memory(row, launcher.run(memory_job, timeout_s=4 * config.budget_s + 60))
-                report(f"memory {row['mechanism']} N={length}")
-                if row["status"] in ("oom", "timeout") and entry["key"] not in stopped:
-                    stopped[entry["key"]] = f"skipped: {row['status']} at N={length}"
-            rows.extend(length_rows.values())
-
-        sweep_results = []
-        for entry, option in sweeps:
-            job = dict(_job_base(config, config.resolved_sweep_length()), kind="sweep", entry=entry,
-                       option=option, values=list(config.sweep_values))
-            result = launcher.run(job, timeout_s=len(config.sweep_values) * config.budget_s + 60)
-            sweep_results.append({"mechanism": entry["name"], "option": option,
-                                  "length": config.resolved_sweep_length(),
-                                  "causal": config.causal, "status": result.get("status"),
-                                  "reason": result.get("reason"), "points": result.get("points", []),
-                                  "uniform_error": result.get("uniform_error")})
-            report(f"sweep {entry['name']}.{option}")
-
-    add_ratios(rows)
+    launch_method, interrupted = None, False
+    try:
+        with Launcher(config.launch, preload=preload) as launcher:
+            launch_method = launcher.method
+            _measure_lengths(launcher, config, entries, lengths, progress or (lambda label: None), measured)
+            _measure_sweeps(launcher, config, sweeps, progress or (lambda label: None), measured)
+    except KeyboardInterrupt:
+        interrupted = True
+        measured.close_interrupted()
+    add_ratios(measured.rows)
     finished = _dt.datetime.now(_dt.timezone.utc)
     data = {
         "schema": SCHEMA,
@@ -381,16 +354,86 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
         "duration_s": round((finished - started).total_seconds(), 1),
         "machine": machine,
         "config": asdict(config),
-        "launch": launcher.method,
+        "launch": launch_method,
         "baseline": BASELINE,
-        "rows": rows,
-        "summary": summarize(rows),
-        "uniform_error": [{"length": length, "error": uniform_error.get(length)} for length in lengths],
-        "sweeps": sweep_results,
+        "interrupted": interrupted,
+        "rows": measured.rows,
+        "summary": summarize(measured.rows),
+        "uniform_error": [{"length": length, "error": measured.uniform_error.get(length)} for length in lengths
+                          if length in measured.uniform_error or not interrupted],
+        "sweeps": measured.sweeps,
         "missing_peers": missing_peers,
         "accuracy": None,
     }
     return CompareResult(finite(data))
+
+
+@dataclass
+class _Measured:
+    """What a compare run has measured so far: the rows of finished lengths, those of the length under way,
+    the sweeps, uniform attention's error by length."""
+
+    rows: List[Dict[str, Any]] = field(default_factory=list)
+    current: List[Dict[str, Any]] = field(default_factory=list)
+    sweeps: List[Dict[str, Any]] = field(default_factory=list)
+    uniform_error: Dict[int, Optional[float]] = field(default_factory=dict)
+    finished_ids: set = field(default_factory=set)  # id() of the current length's rows measured to the end
+
+    def close_interrupted(self) -> None:
+        """Keep the current length's rows, those not measured to the end marked interrupted."""
+        for row in self.current:
+            if id(row) not in self.finished_ids and row["status"] in (None, "ok"):
+                timed = row["status"] == "ok"
+                row.update(status="interrupted", reason="interrupted before its memory was measured" if timed
+                           else "interrupted before it was measured")
+        self.rows.extend(self.current)
+        self.current = []
+
+
+def _measure_lengths(launcher: Launcher, config: CompareConfig, entries: List[Entry], lengths: List[int],
+                     report: Progress, measured: _Measured) -> None:
+    """Time and memory of every entry at every length, into ``measured``; an entry that ran out of memory or
+    time at one length is skipped at the longer ones."""
+    stopped: Dict[str, str] = {}  # entry key -> why longer lengths are skipped
+    for length in lengths:
+        base = _job_base(config, length)
+        length_rows = {entry["key"]: _empty_row(config, entry, length) for entry in entries}
+        measured.current, measured.finished_ids = list(length_rows.values()), set()
+        active = [entry for entry in entries if entry["key"] not in stopped]
+        for entry in entries:
+            if entry["key"] in stopped:
+                length_rows[entry["key"]].update(status="skipped", reason=stopped[entry["key"]])
+                measured.finished_ids.add(id(length_rows[entry["key"]]))
+        timed, measured.uniform_error[length] = _time_length(launcher, config, base, active, report, length)
+        for entry in active:
+            row = length_rows[entry["key"]]
+            _apply_time(row, timed.get(entry["key"], {"status": "failed", "reason": "no result"}))
+        for entry in entries:
+            row = length_rows[entry["key"]]
+            report(f"memory {row['mechanism']} N={length}")
+            if entry in active and row["status"] == "ok":
+                memory_job = dict(base, kind="memory", entry=entry)
+                _apply_memory(row, launcher.run(memory_job, timeout_s=4 * config.budget_s + 60))
+            measured.finished_ids.add(id(row))
+            if row["status"] in ("oom", "timeout") and entry["key"] not in stopped:
+                stopped[entry["key"]] = f"skipped: {row['status']} at N={length}"
+        measured.rows.extend(measured.current)
+        measured.current = []
+
+
+def _measure_sweeps(launcher: Launcher, config: CompareConfig, sweeps: List[Tuple[Entry, str]], report: Progress,
+                    measured: _Measured) -> None:
+    """Each (entry, option) sweep's error against the option's values, into ``measured.sweeps``."""
+    for entry, option in sweeps:
+        report(f"sweep {entry['name']}.{option}")
+        job = dict(_job_base(config, config.resolved_sweep_length()), kind="sweep", entry=entry,
+                   option=option, values=list(config.sweep_values))
+        result = launcher.run(job, timeout_s=len(config.sweep_values) * config.budget_s + 60)
+        measured.sweeps.append({"mechanism": entry["name"], "option": option,
+                                "length": config.resolved_sweep_length(),
+                                "causal": config.causal, "status": result.get("status"),
+                                "reason": result.get("reason"), "points": result.get("points", []),
+                                "uniform_error": result.get("uniform_error")})
 
 
 def _time_length(launcher: Launcher, config: CompareConfig, base: Dict[str, Any], active: List[Entry],
@@ -401,8 +444,8 @@ def _time_length(launcher: Launcher, config: CompareConfig, base: Dict[str, Any]
                timing_budget_s=config.timing_budget_s, min_sample_s=config.min_sample_s)
     # The budget bounds each entry's measured repeats; warm-up, calibration and the error pass come on top.
     timeout = len(active) * 3 * config.budget_s + 60
+    report(f"time N={length}: {len(active)} side by side")
     result = launcher.run(job, timeout_s=timeout)
-    report(f"time N={length}")
     if result.get("status") == "ok":
         return dict(result["entries"]), result.get("uniform_error")
     # One entry hung or took the process down: measure each alone so the others still get numbers.

@@ -22,9 +22,12 @@ def _markdown_table(header: List[str], rows: List[List[str]]) -> List[str]:
 def _header(data: Dict[str, Any]) -> List[str]:
     """The command that reproduces the run, and the machine it ran on."""
     machine = data["machine"]
+    interrupted = ["**Interrupted** (Ctrl-C): only the rows measured before are here; the others say "
+                   "`interrupted`, and lengths or sweeps not reached are missing.", ""] if data.get("interrupted") else []
     return [
         "# attnzoo compare",
         "",
+        *interrupted,
         "Reproduce with:",
         "",
         "```bash",

@@ -69,6 +69,7 @@ def results_table(data: Dict[str, Any]) -> str:
         f"{config['dtype']}, {'causal' if config['causal'] else 'non-causal'}, {config['device']}, "
         f"{data['machine']['threads']} thread{'s' if data['machine']['threads'] != 1 else ''} "
         f"({data['machine']['cpu']})",
+        *(["INTERRUPTED: only the rows measured before Ctrl-C"] if data.get("interrupted") else []),
         "speed = softmax time / mechanism time (forward+backward; >1 is faster); "
         "memory = mechanism peak / softmax peak (<1 is leaner)",
     ]

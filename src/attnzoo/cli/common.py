@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple, Union
 
@@ -293,3 +294,41 @@ def retire(parser: argparse.ArgumentParser, flag: str, instead: str) -> None:
     """Make ``flag`` an error that names ``instead`` (never a silent different meaning)."""
     parser.add_argument(flag, dest=f"retired_{flag.lstrip('-').replace('-', '_')}", action=_Retired,
                         instead=instead)
+
+
+# -- progress ----------------------------------------------------------------------------------------------------
+def job_progress(quiet: bool, unit: str) -> Tuple[Callable[[str], None], Callable[[int], None], Callable[[], None]]:
+    """(start, set_total, close) for a run of jobs, each announced as it starts (``start(label)``): a tqdm bar
+    of ``unit``s on a terminal, its description the job under way; else one line per job as it starts (with the
+    time the previous one took); nothing if quiet."""
+    state: dict = {"done": 0, "total": 0, "bar": None, "since": None}
+    if quiet:
+        return (lambda label: None), (lambda total: None), (lambda: None)
+
+    def set_total(total: int) -> None:
+        state["total"] = total
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return
+        if sys.stderr.isatty():
+            state["bar"] = tqdm(total=total, file=sys.stderr, unit=unit, dynamic_ncols=True)
+
+    def start(label: str) -> None:
+        now = time.perf_counter()
+        previous = "" if state["since"] is None else f" (previous: {now - state['since']:.0f} s)"
+        state["since"] = now
+        if state["bar"] is not None:
+            if state["done"]:
+                state["bar"].update(1)
+            state["bar"].set_description(label)
+        else:
+            print(f"[{state['done'] + 1}/{state['total']}] {label}{previous}", file=sys.stderr, flush=True)
+        state["done"] += 1
+
+    def close() -> None:
+        if state["bar"] is not None:
+            state["bar"].update(1)
+            state["bar"].close()
+
+    return start, set_total, close

@@ -8,17 +8,19 @@ import json
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from ..mechanisms import available, capabilities, mechanism_options
 from .common import (
     EXIT_FAILED_ROWS,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     add_import_option,
     check_output_dir,
     describe,
     import_modules,
     int_list,
+    job_progress,
     name_list,
     options_by_mechanism,
     qualified_setting,
@@ -31,7 +33,8 @@ EXIT_CODES = """exit codes:
   1  at least one configuration failed with an error (its reason is in the table and results.json);
      every output file is still written
   2  usage error: bad option value, unknown mechanism, unreadable --accuracy file, a --import that fails,
-     an --output directory that cannot be created or written (checked before anything is measured)"""
+     an --output directory that cannot be created or written (checked before anything is measured)
+  130 interrupted (Ctrl-C): the rows measured before are written, marked as interrupted"""
 
 # The option behind each CompareConfig setting whose name differs from it, for error messages.
 OPTION_NAMES = {"budget_s": "--time-budget", "imports": "--import", "options": "--set"}
@@ -86,36 +89,6 @@ def list_command(args: argparse.Namespace) -> int:
 
 
 # -- compare -------------------------------------------------------------------------------------------------
-def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None], Callable[[], None]]:
-    """(step, set_total, close) callbacks: a tqdm bar on a terminal, plain lines otherwise, nothing if quiet."""
-    if quiet:
-        return (lambda label: None), (lambda total: None), (lambda: None)
-    state = {"done": 0, "total": 0, "bar": None}
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-
-    def set_total(total: int) -> None:
-        state["total"] = total
-        if tqdm is not None and sys.stderr.isatty():
-            state["bar"] = tqdm(total=total, file=sys.stderr, unit="job", dynamic_ncols=True)
-
-    def step(label: str) -> None:
-        state["done"] += 1
-        if state["bar"] is not None:
-            state["bar"].set_description(label)
-            state["bar"].update(1)
-        else:
-            print(f"[{state['done']}/{state['total']}] {label}", file=sys.stderr, flush=True)
-
-    def close() -> None:
-        if state["bar"] is not None:
-            state["bar"].close()
-
-    return step, set_total, close
-
-
 def _compare_config(args: argparse.Namespace) -> Any:
     """The validated CompareConfig of the command line, its --import modules imported first (they register
     mechanisms that --mechanisms and --set may name); raises ConfigError or ValueError."""
@@ -172,10 +145,10 @@ def compare_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         return usage_error("compare", str(error))
 
-    step, set_total, close = _progress(args.quiet or args.json)
+    start, set_total, close = job_progress(args.quiet or args.json, "job")
     argv = ["attnzoo", "compare", *args.raw_argv]
     try:
-        result = run_compare(config, argv, progress=step, progress_total=set_total)
+        result = run_compare(config, argv, progress=start, progress_total=set_total)
     finally:
         close()
     if accuracy is not None:
@@ -189,6 +162,10 @@ def compare_command(args: argparse.Namespace) -> int:
             print(f"\nwrote {', '.join(path.name for path in paths.values())} to {output}/")
     if write_failure is not None:
         return usage_error("compare", write_failure)
+    if result.data.get("interrupted"):
+        kept = sum(row["status"] != "interrupted" for row in result.rows)
+        print(f"attnzoo compare: interrupted; the {kept} rows measured are written to {output}/", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_FAILED_ROWS if result.failed else EXIT_OK
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, List, Tuple
+from typing import Any, List
 
 from .common import (
     EXIT_INTERRUPTED,
@@ -17,6 +16,7 @@ from .common import (
     check_output_dir,
     import_modules,
     int_list,
+    job_progress,
     name_list,
     parse_options,
     usage_error,
@@ -49,42 +49,6 @@ def float_list(text: str) -> List[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def _progress(quiet: bool) -> Tuple[Callable[[str], None], Callable[[int], None], Callable[[], None]]:
-    """(start, set_total, close): a tqdm bar on a terminal, else one line per measurement as it starts (with the
-    time the previous one took), nothing if quiet."""
-    state: dict = {"done": 0, "total": 0, "bar": None, "since": None}
-    if quiet:
-        return (lambda label: None), (lambda total: None), (lambda: None)
-
-    def set_total(total: int) -> None:
-        state["total"] = total
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        if sys.stderr.isatty():
-            state["bar"] = tqdm(total=total, file=sys.stderr, unit="measurement", dynamic_ncols=True)
-
-    def start(label: str) -> None:
-        now = time.perf_counter()
-        previous = "" if state["since"] is None else f" (previous: {now - state['since']:.0f} s)"
-        state["since"] = now
-        if state["bar"] is not None:
-            if state["done"]:
-                state["bar"].update(1)
-            state["bar"].set_description(label)
-        else:
-            print(f"[{state['done'] + 1}/{state['total']}] {label}{previous}", file=sys.stderr, flush=True)
-        state["done"] += 1
-
-    def close() -> None:
-        if state["bar"] is not None:
-            state["bar"].update(1)
-            state["bar"].close()
-
-    return start, set_total, close
-
-
 def lm_eval_command(args: argparse.Namespace) -> int:
     from ..experiments.lm_eval import LmEvalConfig, prepare, run_lm_eval
     from ..experiments.lm_eval_report import LM_EVAL_MD, finite, render_markdown
@@ -101,7 +65,7 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         prepared = prepare(config)
     except (TypeError, ValueError) as error:
         return usage_error("lm-eval", str(error))
-    start, set_total, close = _progress(args.quiet or args.json)
+    start, set_total, close = job_progress(args.quiet or args.json, "measurement")
     try:
         data = run_lm_eval(config, output, ["attnzoo", "lm-eval", *args.raw_argv], start, set_total, prepared)
     except ValueError as error:  # the text windows are planned (and checked) after the tokenizer loads
