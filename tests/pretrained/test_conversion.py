@@ -129,6 +129,49 @@ def test_a_killed_conversion_resumes_to_the_same_result(teacher, tmp_path, stage
     assert mine == (tmp_path / "whole" / "model" / "weights.safetensors").read_bytes()
 
 
+def test_a_hybrid_from_another_conversions_stage_1_is_the_hybrid_converted_whole(teacher, tmp_path):
+    """--transfer-from: stage 1 taken from a conversion of every layer, the worst layer then kept in softmax,
+    gives the same model, bytes and all, as the hybrid converted from the start (stage 1 trains every layer
+    either way); and killed before its first checkpoint it starts from there again."""
+    every = _run(teacher, tmp_path / "every", _settings(keep_softmax=0))
+    whole = _run(teacher, tmp_path / "whole", _settings(keep_softmax=1))
+    reused = _run(teacher, tmp_path / "reused", _settings(keep_softmax=1), transfer_from=tmp_path / "every")
+    assert reused.transfer_from == str(tmp_path / "every") and every.kept_softmax == []
+    assert reused.kept_softmax == whole.kept_softmax and reused.layer_errors == every.layer_errors
+    assert [row["loss"] for row in reused.history] == [row["loss"] for row in whole.history]
+    assert (tmp_path / "reused" / "model" / "weights.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model" / "weights.safetensors").read_bytes()
+    assert reused.perplexity["converted"] == whole.perplexity["converted"] and "raw_swap" not in reused.perplexity
+    assert json.loads((tmp_path / "reused" / "conversion.json").read_text())["transfer_from"] == \
+        str(tmp_path / "every")
+
+    def kill(stage, step):
+        raise _Killed
+
+    with pytest.raises(_Killed):
+        _run(teacher, tmp_path / "killed", _settings(keep_softmax=1, checkpoint_every=3),
+             transfer_from=tmp_path / "every", on_step=kill)
+    again = _run(teacher, tmp_path / "killed", _settings(keep_softmax=1, checkpoint_every=3))
+    assert again.transfer_from == str(tmp_path / "every")
+    assert (tmp_path / "killed" / "model" / "weights.safetensors").read_bytes() == \
+        (tmp_path / "whole" / "model" / "weights.safetensors").read_bytes()
+
+
+def test_a_stage_1_that_does_not_fit_is_refused_naming_why(teacher, tmp_path):
+    _run(teacher, tmp_path / "hybrid", _settings(keep_softmax=1))
+    _run(teacher, tmp_path / "every", _settings(keep_softmax=0))
+    for folder, settings, message in [
+        (tmp_path / "every", _settings(transfer_steps=5), "transfer_steps 6, this conversion asks for 5"),
+        (tmp_path / "hybrid", _settings(keep_softmax=2), "kept layers"),
+        (tmp_path / "none", _settings(), "holds no conversion"),
+    ]:
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            _run(teacher, tmp_path / "out", settings, transfer_from=folder)
+    with pytest.raises(ValueError, match="another model file"):
+        conversion.convert(teacher, _windows(8), _windows(2, seed=2), tmp_path / "out2", _settings(),
+                           source={"model": "other"}, progress=False, transfer_from=tmp_path / "every")
+
+
 def test_a_folder_of_another_conversion_is_refused(teacher, tmp_path):
     _run(teacher, tmp_path / "run", _settings(finetune_steps=0))
     with pytest.raises(ValueError, match="other settings"):
@@ -204,6 +247,7 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path):
         (["--eval-length", "4096"], "--eval-length 4096 is past the model's context (128 tokens)"),
         (["--seq-len", "0"], "--seq-len"),
         (["--gguf", str(tmp_path / "missing.gguf")], "does not exist"),
+        (["--transfer-from", str(tmp_path)], "--transfer-from"),
     ]:
         argv = ["--gguf", str(path), "--seq-len", "16", "--eval-length", "16", "--target", TARGET,
                 "--target-options", ",".join(f"{k}={v}" for k, v in TARGET_OPTIONS.items()), *flags]
@@ -212,6 +256,7 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path):
         assert done.returncode == 2, (flags, done.stderr)
         lines = [line for line in done.stderr.splitlines() if line.startswith("attnzoo convert: error")]
         assert len(lines) == 1 and message in lines[0], (flags, done.stderr)
+        assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 def _state_bytes(state) -> int:

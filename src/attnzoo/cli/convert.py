@@ -42,7 +42,7 @@ def convert_command(args: argparse.Namespace) -> int:
     from ..conversion import ConversionConfig, convert, gguf_source
     from ..conversion.data import evaluation_windows, mixed_windows
     from .._malloc import keep_freed_memory
-    from ..conversion.run import check_output
+    from ..conversion.run import check_output, transfer_start
     from ..pretrained import GGUFFile, config_from_gguf, load
     from ..pretrained.loader import gguf_path, smollm2_path
 
@@ -65,7 +65,10 @@ def convert_command(args: argparse.Namespace) -> int:
                                  f"tokens)")
         config.check_fits(model_config)
         source = gguf_source(path)
-        check_output(args.output, config, source)
+        if check_output(args.output, config, source):
+            args.transfer_from = None  # resumed: what it started from is in its checkpoint
+        elif args.transfer_from is not None:
+            transfer_start(args.transfer_from, config, source, model_config.depth)  # checked before the weights
         print(f"attnzoo convert: reading {path.name} ...", file=sys.stderr, flush=True)
         teacher, tokenizer = load(path)
         count = max(config.transfer_steps, config.finetune_steps, 1) * config.batch_size
@@ -82,7 +85,7 @@ def convert_command(args: argparse.Namespace) -> int:
     try:
         result = convert(teacher, train, selection, Path(args.output), config, source=source,
                          evaluation_windows=evaluation, progress=not args.quiet,
-                         command=["attnzoo", "convert", *args.raw_argv])
+                         command=["attnzoo", "convert", *args.raw_argv], transfer_from=args.transfer_from)
     except KeyboardInterrupt:
         print("attnzoo convert: interrupted; run the same command to resume from the last checkpoint",
               file=sys.stderr)
@@ -111,6 +114,10 @@ def add_convert_command(commands: Any) -> None:
     parser.add_argument("--target-options", type=parse_options, metavar="KEY=VALUE[,...]",
                         help="the target mechanism's options, e.g. window=64")
     add_declared_flags(parser, ConversionConfig, "convert")
+    parser.add_argument("--transfer-from", metavar="DIR",
+                        help="start from the stage 1 of the conversion in DIR (same teacher and stage 1 settings, "
+                             "every layer converted) instead of running one: e.g. a hybrid with another "
+                             "--keep-softmax, at the cost of stage 2 alone")
     parser.add_argument("--eval-length", type=int, default=2048, metavar="N",
                         help="tokens per held-out window of the perplexity measurements (default 2048)")
     parser.add_argument("--eval-windows", type=int, default=1, metavar="N",

@@ -38,10 +38,17 @@ FORMAT = 1
 TRANSFER, FINETUNE, DONE = "transfer", "finetune", "done"
 
 
+# The settings that decide what stage 1 does: a conversion whose stage 1 ran with the same ones (and the same
+# teacher) can start its stage 2 from that one's (``transfer_from``).
+TRANSFER_SETTINGS = ("target", "target_options", "seq_len", "batch_size", "transfer_steps", "transfer_lr",
+                     "selection_windows", "seed")
+
+
 @dataclass
 class ConversionResult:
     """What :func:`convert` did: the converted model's folder, the layers kept in softmax, each layer's held-out
-    transfer error after stage 1, the losses by step and the perplexities measured."""
+    transfer error after stage 1, the losses by step and the perplexities measured; ``transfer_from``: the
+    conversion whose stage 1 it started from, if any."""
 
     output: Path
     kept_softmax: List[int]
@@ -49,6 +56,7 @@ class ConversionResult:
     history: List[Dict[str, Any]] = field(default_factory=list)
     perplexity: Dict[str, Dict[str, float]] = field(default_factory=dict)
     seconds: Dict[str, float] = field(default_factory=dict)
+    transfer_from: Optional[str] = None
 
 
 def learning_rate(base: float, step: int, total: int) -> float:
@@ -108,14 +116,50 @@ def check_output(output: Union[str, os.PathLike], config: ConversionConfig, sour
 
 
 def _start(output: Path, config: ConversionConfig, source: Mapping[str, Any],
-           command: Optional[Sequence[str]]) -> Optional[Dict[str, Any]]:
+           command: Optional[Sequence[str]], transfer_from: Optional[str]) -> Optional[Dict[str, Any]]:
     """Write (or check) the folder's settings; returns the checkpoint to resume from, or None."""
     resuming = check_output(output, config, source)
     output.mkdir(parents=True, exist_ok=True)
     if not (output / SETTINGS).exists():
-        settings = {**_settings(config, source), "command": list(command) if command else None}
+        settings = {**_settings(config, source), "command": list(command) if command else None,
+                    "transfer_from": transfer_from}
         (output / SETTINGS).write_text(json.dumps(settings, indent=2))
     return torch.load(output / CHECKPOINT, weights_only=True) if resuming else None
+
+
+def transfer_start(folder: Union[str, os.PathLike], config: ConversionConfig, source: Mapping[str, Any],
+                   depth: int) -> Dict[str, Any]:
+    """The state a conversion starts from to skip its stage 1: the stage 1 of the conversion in ``folder``,
+    which must have the same teacher (``source``) and :data:`TRANSFER_SETTINGS` and have finished that stage
+    with every one of the ``depth`` layers converted; the layers kept in softmax are chosen again from its
+    held-out errors for ``config.keep_softmax``. Reads only; errors name what differs."""
+    folder = Path(folder)
+    if not (folder / SETTINGS).exists():
+        raise FileNotFoundError(f"--transfer-from {str(folder)!r} holds no conversion ({SETTINGS} is missing)")
+    saved = json.loads((folder / SETTINGS).read_text())
+    if saved.get("source") != json.loads(json.dumps(dict(source))):
+        raise ValueError(f"--transfer-from {folder}: converted from another model file")
+    ours = json.loads(json.dumps(config.to_dict()))
+    for name in TRANSFER_SETTINGS:
+        if saved["config"].get(name) != ours[name]:
+            raise ValueError(f"--transfer-from {folder}: its stage 1 ran with {name} {saved['config'].get(name)!r}, "
+                             f"this conversion asks for {ours[name]!r}")
+    state = torch.load(folder / CHECKPOINT, weights_only=True) if (folder / CHECKPOINT).exists() else None
+    if state is None or state["stage"] == TRANSFER:
+        raise ValueError(f"--transfer-from {folder}: its stage 1 has not finished (resume it first)")
+    tensors = {name: t for name, t in state["tensors"].items() if ".lora_" not in name}
+    missing = sorted(set(range(depth)) - {_layer_of(name) for name in tensors})
+    if missing:
+        raise ValueError(f"--transfer-from {folder}: it kept layers {missing} in softmax, whose stage 1 tensors it "
+                         "did not save; take a conversion with --keep-softmax 0")
+    return {
+        "format": FORMAT, "stage": FINETUNE, "step": 0, "tensors": tensors, "optimizer": {},
+        "history": [row for row in state["history"] if row["stage"] == TRANSFER],
+        "layer_errors": list(state["layer_errors"]),
+        "kept": layers_to_keep(state["layer_errors"], list(range(depth)), config.keep_softmax),
+        "perplexity": {}, "seconds": {TRANSFER: state["seconds"].get(TRANSFER, 0.0)},
+        "transfer_from": str(folder),
+    }
 
 
 def _progress(enabled: bool, total: int, initial: int, label: str) -> Any:
@@ -174,6 +218,7 @@ def convert(
     progress: bool = True,
     command: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[str, int], None]] = None,
+    transfer_from: Optional[Union[str, os.PathLike]] = None,
 ) -> ConversionResult:
     """Convert ``teacher`` (a softmax :class:`~attnzoo.pretrained.CausalLM`, frozen) to ``config.target``.
 
@@ -191,6 +236,9 @@ def convert(
         progress: show progress bars.
         command: the command line that asked for this, saved in ``conversion.json``.
         on_step: called with (stage, steps done) after every step (and after each checkpoint it implies).
+        transfer_from: another conversion's folder whose stage 1 this one takes instead of running its own
+            (:func:`transfer_start`): a hybrid with another ``keep_softmax``, or another stage 2, at the cost of
+            stage 2 alone. Its raw swap is not measured again.
     """
     output = Path(output)
     config.check_fits(teacher.config)
@@ -198,7 +246,13 @@ def convert(
         if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.shape[1] != config.seq_len:
             raise ValueError(f"{name} must be a (n, seq_len={config.seq_len}) tensor of token ids")
     teacher.requires_grad_(False).eval()
-    state = _start(output, config, source, command) or {
+    reused = None if transfer_from is None else str(transfer_from)
+    if (output / SETTINGS).exists():  # stopped before its first checkpoint: it starts from the same stage 1
+        reused = reused or json.loads((output / SETTINGS).read_text()).get("transfer_from")
+    reused_state = None
+    if reused is not None and not check_output(output, config, source):  # checked before anything is written
+        reused_state = transfer_start(reused, config, source, teacher.config.depth)
+    state = _start(output, config, source, command, reused) or reused_state or {
         "format": FORMAT, "stage": TRANSFER, "step": 0, "tensors": {}, "optimizer": {}, "history": [],
         "layer_errors": [], "kept": [], "perplexity": {}, "seconds": {},
     }
@@ -209,7 +263,7 @@ def convert(
     if state["stage"] == FINETUNE:
         _finetune_stage(job)
     result = ConversionResult(output, list(state["kept"]), list(state["layer_errors"]), list(state["history"]),
-                              dict(state["perplexity"]), dict(state["seconds"]))
+                              dict(state["perplexity"]), dict(state["seconds"]), state.get("transfer_from"))
     _write_results(output, result, config)
     return result
 
@@ -269,6 +323,7 @@ def _finetune_stage(job: _Job) -> None:
     converted = [index for index in range(depth) if index not in state["kept"]]
     plan = layer_plan(depth, converted, config.target, config.target_options)
     student = build_student(teacher, plan, config.seed)
+    job.measure("teacher", teacher)  # measured in stage 1, unless that stage was another conversion's
     load_tensors(student, {name: tensor for name, tensor in state["tensors"].items()
                            if ".lora_" not in name and _layer_of(name) in converted})
     job.measure("transferred", student)
@@ -294,7 +349,7 @@ def _finetune_stage(job: _Job) -> None:
 def _write_results(output: Path, result: ConversionResult, config: ConversionConfig) -> None:
     """results.json, history.csv and loss.png (conversion loss against training tokens, one panel a stage)."""
     summary = {"config": config.to_dict(), "kept_softmax": result.kept_softmax, "layer_errors": result.layer_errors,
-               "perplexity": result.perplexity, "seconds": result.seconds,
+               "perplexity": result.perplexity, "seconds": result.seconds, "transfer_from": result.transfer_from,
                "final_loss": {stage: [row["loss"] for row in result.history if row["stage"] == stage][-1:]
                               for stage in (TRANSFER, FINETUNE)}}
     (output / "results.json").write_text(json.dumps(summary, indent=2))
