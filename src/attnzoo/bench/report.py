@@ -85,8 +85,19 @@ def _figures(accuracy_path: Optional[str]) -> List[str]:
         "## Time", "", "![time against N](time.png)", "",
         "## Memory", "", "![peak memory against N](memory.png)", "",
         "## Approximation error", "", "![error against feature count](error.png)", "",
-        "The dotted line is uniform attention (every query averages the values): an approximation above it "
-        "carries less information about q and k than a plain average.",
+        "The error is `|output - softmax's output| / |softmax's output|` (Frobenius norms over the whole batch) on "
+        "the benchmark's inputs: q, k and v drawn from a standard normal. The dotted line is uniform attention "
+        "(every query averages the values): an approximation above it carries less information about q and k "
+        "than a plain average.",
+        "",
+        "Why some approximations sit above that floor on these inputs: with standard-normal q and k at head dim "
+        "d, the logits `q.k/sqrt(d)` have a spread of about 1 but `|q|^2/sqrt(d)` is about `sqrt(d)` (8 at d = "
+        "64). Positive random features (Performer's FAVOR+) estimate `exp(q.k/sqrt(d))` with a variance that grows "
+        "like `exp(|q|^2/sqrt(d) + |k|^2/sqrt(d))`, so a few hundred features give estimates far from the truth. "
+        "Transformer-VQ's codebook is EMA-trained on keys during training; here it is its untrained initial "
+        "codebook, so its error says what an untrained codebook costs, not what a trained one does. Trained "
+        "models' queries and keys are neither isotropic nor that long: accuracy after training (`attnzoo lra`, "
+        "`--accuracy`) is the measure of quality.",
         "",
         "## Speed, quality and memory", "", "![bubble chart](bubble.png)", "",
         ("Quality is the accuracy from `" + accuracy_path + "`." if accuracy_path else

@@ -60,6 +60,10 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Se
     return lines
 
 
+ERROR_LEGEND = ("error = |output - softmax's| / |softmax's| (Frobenius, the whole batch) on standard-normal q, k, v; "
+                "0 is exact, uniform attention (every query averages the values) is the floor to beat")
+
+
 def results_table(data: Dict[str, Any]) -> str:
     """The per-length blocks and the crossover summary, as plain text."""
     config = data["config"]
@@ -72,6 +76,7 @@ def results_table(data: Dict[str, Any]) -> str:
         *(["INTERRUPTED: only the rows measured before Ctrl-C"] if data.get("interrupted") else []),
         "speed = softmax time / mechanism time (forward+backward; >1 is faster); "
         "memory = mechanism peak / softmax peak (<1 is leaner)",
+        ERROR_LEGEND,
     ]
     header = ["mechanism", "fwd ms", "fwd+bwd ms", "peak MiB", "speed", "memory", "error", "note"]
     right = [False, True, True, True, True, True, True, False]
