@@ -504,3 +504,24 @@ def test_no_timing_round_starts_after_the_deadline_and_every_callable_gets_as_ma
     assert not failures and counts["a"] == counts["b"] and 1 <= counts["a"] < 9, counts
     timings, _ = time_interleaved(fns, inputs, False, "cpu", {"a": 3, "b": 3}, inner)
     assert [len(timing.forward) for timing in timings.values()] == [3, 3]
+    # A deadline already past cuts no round before min_rounds (the medians and spreads a report promises).
+    timings, _ = time_interleaved(fns, inputs, False, "cpu", repeats, inner, deadline_s=0.0, min_rounds=3)
+    assert [len(timing.forward) for timing in timings.values()] == [3, 3]
+
+
+def test_impossible_timings_are_flagged_in_the_row():
+    from attnzoo.bench.results import flag_timings
+
+    def row(mechanism, length, forward, both):
+        return {"mechanism": mechanism, "source": "attnzoo", "length": length, "forward_ms": forward,
+                "forward_backward_ms": both, "timing_note": None}
+
+    rows = [row("softmax", 256, 10.0, 85.0), row("softmax", 1024, 20.0, 60.0), row("softmax", 4096, 80.0, 300.0),
+            row("performer", 256, 161.0, 145.0), row("local", 256, 5.0, 10.5), row("local", 1024, 4.0, 10.0),
+            row("sinkhorn", 256, None, None)]
+    flag_timings(rows)
+    notes = {(r["mechanism"], r["length"]): r["timing_note"] for r in rows}
+    assert notes[("softmax", 256)] == "slower than at N=1024: timing unreliable"
+    assert notes[("performer", 256)].startswith("forward 161 ms above forward+backward")
+    assert notes[("local", 256)] is None  # within 10% of the longer length's: fixed costs, not noise
+    assert notes[("softmax", 1024)] is None and notes[("sinkhorn", 256)] is None

@@ -25,7 +25,7 @@ from .launch import METHODS, Launcher
 from .measure import DEFAULT_MIN_SAMPLE_S
 from .peers import PEERS, installed_peers
 from .targets import Entry, import_user_modules, mechanism_entry, peer_entry
-from .results import BASELINE, CSV_COLUMNS, SCHEMA, add_ratios, summarize
+from .results import BASELINE, CSV_COLUMNS, SCHEMA, add_ratios, flag_timings, summarize
 from .worker import finite
 
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -295,7 +295,7 @@ def _empty_row(config: CompareConfig, entry: Entry, length: int) -> Dict[str, An
 def _apply_time(row: Dict[str, Any], measured: Dict[str, Any]) -> None:
     row["status"], row["reason"] = measured.get("status", "failed"), measured.get("reason")
     for key in ("forward_ms", "forward_backward_ms", "error", "repeats", "forward_spread",
-                "forward_backward_spread", "forward_ms_samples", "forward_backward_ms_samples"):
+                "forward_backward_spread", "forward_ms_samples", "forward_backward_ms_samples", "timing_note"):
         if measured.get(key) is not None:
             row[key] = measured[key]
 
@@ -343,6 +343,7 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
     except KeyboardInterrupt:
         interrupted = True
         measured.close_interrupted()
+    flag_timings(measured.rows)
     add_ratios(measured.rows)
     finished = _dt.datetime.now(_dt.timezone.utc)
     data = {

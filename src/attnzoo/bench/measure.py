@@ -120,22 +120,23 @@ def calibrate(fn: AttentionFn, inputs: Inputs, causal: bool, device: str, min_sa
 
 
 def time_interleaved(fns: Dict[str, AttentionFn], inputs: Inputs, causal: bool, device: str,
-                     repeats: Dict[str, int], inner: Dict[str, int],
-                     deadline_s: Optional[float] = None) -> Tuple[Dict[str, Timing], Dict[str, BaseException]]:
+                     repeats: Dict[str, int], inner: Dict[str, int], deadline_s: Optional[float] = None,
+                     min_rounds: int = 1) -> Tuple[Dict[str, Timing], Dict[str, BaseException]]:
     """Median-ready samples of every callable, measured round-robin.
 
     Each round times every callable once, forward then forward+backward, so slow drifts of the machine
     (frequency scaling, other processes) hit all mechanisms alike and their ratios stay stable. A callable
     leaves the rounds once it has ``repeats[name]`` samples, or when it raises (returned in the second dict).
-    With ``deadline_s``, no round starts after that many seconds (the first always runs): on a machine busier
-    than the calibration foresaw, the callables get fewer samples, all alike, rather than the run taking longer.
+    With ``deadline_s``, no round starts after that many seconds once ``min_rounds`` rounds have run: on a
+    machine busier than the calibration foresaw, the callables get fewer samples (never fewer than
+    ``min_rounds``, or their ``repeats`` when less), all alike, rather than the run taking much longer.
     """
     timings = {name: Timing(inner=inner[name]) for name in fns}
     failures: Dict[str, BaseException] = {}
     names = list(fns)
     began = time.perf_counter()
     for round_index in range(max(repeats.values(), default=0)):
-        if round_index and deadline_s is not None and time.perf_counter() - began > deadline_s:
+        if round_index >= min_rounds and deadline_s is not None and time.perf_counter() - began > deadline_s:
             break
         # The starting mechanism rotates, so none always runs right after the same neighbour.
         shift = round_index % max(len(names), 1)

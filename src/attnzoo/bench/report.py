@@ -53,7 +53,8 @@ def _repeats_text(config: Dict[str, Any]) -> str:
     if config.get("timing_budget_s") is None:
         return f"Times are medians of {config['repeats']} repeats"
     return (f"Times are medians of up to {config['repeats']} repeats (as many as fit "
-            f"{config['timing_budget_s']:g} s per length for all mechanisms together, at least 3; each row's "
+            f"{config['timing_budget_s']:g} s per length for all mechanisms together, at least 3 unless a row's "
+            "note says why; each row's "
             "count is in results.json)")
 
 
@@ -136,7 +137,8 @@ def _measurements(data: Dict[str, Any]) -> List[str]:
         detail_rows.append([
             str(row["length"]), row["mechanism"], row["status"], _cell(row["forward_ms"]),
             _cell(row["forward_backward_ms"]), _cell(row["peak_memory_mib"]), _cell(row["speed_vs_softmax"], 2, "x"),
-            _cell(row["memory_vs_softmax"], 2, "x"), format_error(row), row["reason"] or "",
+            _cell(row["memory_vs_softmax"], 2, "x"), format_error(row),
+            "; ".join(text for text in (row.get("timing_note"), row["reason"]) if text),
         ])
     lines += _markdown_table(["N", "mechanism", "status", "fwd ms", "fwd+bwd ms", "peak MiB", "speed", "memory",
                               "error", "note"], detail_rows)

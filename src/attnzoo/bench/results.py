@@ -34,6 +34,7 @@ CSV_COLUMNS = [
     "causal", "device", "status", "reason", "forward_ms", "forward_backward_ms", "peak_memory_mib",
     "forward_peak_memory_mib", "error", "speed_vs_softmax", "forward_speed_vs_softmax", "memory_vs_softmax",
     "attnzoo_time_over_peer", "attnzoo_memory_over_peer", "repeats", "forward_spread", "forward_backward_spread",
+    "timing_note",
 ]
 
 
@@ -142,6 +143,32 @@ def speed_ratio(reference: Dict[str, Any], row: Dict[str, Any], column: str) -> 
         if paired:
             return statistics.median(paired)
     return _ratio(reference[column], row[column])
+
+
+# A time at a shorter length above the same mechanism's at the next longer length by more than this factor is
+# flagged (at short lengths fixed costs dominate, so nearly equal times are expected, not suspicious).
+INVERTED_MARGIN = 1.1
+
+
+def flag_timings(rows: List[Dict[str, Any]]) -> None:
+    """Add to ``timing_note`` what makes a row's timing untrustworthy: a forward slower than its forward and
+    backward, or a forward+backward more than :data:`INVERTED_MARGIN` times the same mechanism's at the next
+    longer length (the machine was busier while it ran: its ratios are off too)."""
+    def note(row: Dict[str, Any], text: str) -> None:
+        row["timing_note"] = f"{row['timing_note']}; {text}" if row.get("timing_note") else text
+
+    by_mechanism: Dict[Any, List[Dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("forward_ms") is None or row.get("forward_backward_ms") is None:
+            continue
+        if row["forward_ms"] > row["forward_backward_ms"]:
+            note(row, f"forward {row['forward_ms']:.3g} ms above forward+backward: timing unreliable")
+        by_mechanism.setdefault((row["mechanism"], row["source"]), []).append(row)
+    for own in by_mechanism.values():
+        own.sort(key=lambda row: row["length"])
+        for shorter, longer in zip(own, own[1:]):
+            if shorter["forward_backward_ms"] > INVERTED_MARGIN * longer["forward_backward_ms"]:
+                note(shorter, f"slower than at N={longer['length']}: timing unreliable")
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:

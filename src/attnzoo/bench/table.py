@@ -87,6 +87,8 @@ def results_table(data: Dict[str, Any]) -> str:
         body = []
         for row in rows:
             note = "" if row["status"] == "ok" and not row["reason"] else (row["reason"] or row["status"])
+            if row.get("timing_note"):
+                note = row["timing_note"] + (f"; {note}" if note else "")
             spread = row.get("forward_backward_spread")
             if spread is not None and spread > NOISY_SPREAD:
                 note = f"noisy timing (spread {100 * spread:.0f}%)" + (f"; {note}" if note else "")

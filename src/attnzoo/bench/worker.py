@@ -186,7 +186,8 @@ def time_job(job: Job) -> Result:
     entry_repeats = {key: min(rounds, int(budget / cost)) for key, cost in costs.items()}
     shared = job.get("timing_budget_s")
     timings, failures = time_interleaved(fns, inputs, causal, device, entry_repeats, inner,
-                                         deadline_s=None if shared is None else float(shared))
+                                         deadline_s=None if shared is None else float(shared),
+                                         min_rounds=MIN_REPEATS)
     for key, timing in timings.items():
         if key in failures:
             results[key] = _failure(failures[key])
@@ -197,6 +198,9 @@ def time_job(job: Job) -> Result:
                             forward_backward_spread=timing.spread(timing.forward_backward),
                             forward_ms_samples=[1e3 * t for t in timing.forward],
                             forward_backward_ms_samples=[1e3 * t for t in timing.forward_backward])
+        if len(timing.forward) < min(MIN_REPEATS, int(job["repeats"])):  # fewer than asked, and fewer than 3
+            results[key]["timing_note"] = (f"{len(timing.forward)} repeat{'s' if len(timing.forward) > 1 else ''}: "
+                                           f"one costs {costs[key]:.1f} s of the {budget:g} s --time-budget")
     return {"status": "ok", "entries": results, "uniform_error": uniform_error}
 
 
