@@ -52,7 +52,8 @@ class _LayerStack(nn.Module):
         for layer in configs:
             self._check_config(layer)
         self.config = config
-        self.layers = nn.ModuleList(self._built(layer, index, layers is not None) for index, layer in enumerate(configs))
+        scheduled = layers is not None
+        self.layers = nn.ModuleList(self._built(layer, index, scheduled) for index, layer in enumerate(configs))
         self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
 
     def _built(self, config: BlockConfig, index: int, scheduled: bool) -> nn.Module:
