@@ -323,16 +323,15 @@ def scheduled_configs(
     Errors name the schedule and the item."""
     pattern = repeat_to_depth(specs, depth, name)[: len(specs)]
     has_attention = any(spec.is_attention for spec in pattern)
-    made = {}
+    made: Dict[str, BlockConfig] = {}
     for spec in pattern:
-        key = format_item(spec)
-        if key in made:
+        if repr(spec) in made:  # an item repeated: one config (options of any type told apart by their repr)
             continue
         try:
-            made[key] = _scheduled_layer(base, spec, has_attention)
+            made[repr(spec)] = _scheduled_layer(base, spec, has_attention)
         except (TypeError, ValueError) as error:
-            raise type(error)(f"{name} item {key!r}: {error}") from None
-    return tuple(made[format_item(pattern[index % len(pattern)])] for index in range(depth))
+            raise type(error)(f"{name} item {format_item(spec)!r}: {error}") from None
+    return tuple(made[repr(pattern[index % len(pattern)])] for index in range(depth))
 
 
 def _schedule_replaces_the_layer_fields(config: "ModelConfig") -> None:

@@ -254,12 +254,9 @@ class TrainConfig:
         help="non-autoregressive decoding: the weight of the length head's loss; None: 0.1")
 
     def __post_init__(self) -> None:
-        if isinstance(self.layers, str) and self.layers.strip():  # recorded in one spelling: the compact one
-            try:
-                object.__setattr__(self, "layers", format_schedule(parse_schedule(self.layers, BLOCKS)))
-            except ValueError:
-                pass  # the check of the field says what is wrong
         check_declared(self)
+        if self.layers is not None:  # recorded in one spelling, the compact one (a frozen dataclass sets it so)
+            object.__setattr__(self, "layers", format_schedule(self.schedule))
 
     @property
     def schedule(self) -> Optional[Tuple[LayerSpec, ...]]:
