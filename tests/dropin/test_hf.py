@@ -302,3 +302,81 @@ def test_output_attentions_gives_softmax_weights_or_refuses(build):
     _, other = swapped(build, "performer", nb_features=8, seed=0)
     with pytest.raises(UnsupportedOptionError, match="output_attentions=True: performer"):
         other(ids, attention_mask=mask, output_attentions=True)
+
+
+# -- layers=: some decoder layers swapped, the rest kept ---------------------------------------------------------
+@pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama-gqa"])
+@pytest.mark.parametrize("mechanism,options", [("linear", {}), ("performer", {"nb_features": 16, "seed": 0})])
+def test_layers_swaps_exactly_those_layers_and_keeps_the_others(tmp_path, build, mechanism, options):
+    from attnzoo.dropin.hf import from_pretrained
+
+    theirs = randomize(build())
+    ours = copy.deepcopy(theirs)
+    report = use_attnzoo(ours, mechanism, layers=[1], **options)
+    paths = [path for path, module in ours.named_modules() if hasattr(module, MECHANISM_ATTRIBUTE)]
+    assert [path for path, _ in report.modules] == paths[1:] and [path for path, _ in report.kept] == paths[:1]
+    names = [getattr(ours.get_submodule(path), MECHANISM_ATTRIBUTE).name for path in paths]
+    assert names == ["softmax", mechanism]
+    assert ours.config.attnzoo == {"mechanism": mechanism, "options": options, "layers": [1]}
+    ids, mask = batch()
+    keep = mask.bool()
+    got = ours(ids, attention_mask=mask, output_hidden_states=True)
+    expected = theirs(ids, attention_mask=mask, output_hidden_states=True)
+    # the kept layer gives what the model's own attention gives (left padding included); the swapped one differs
+    torch.testing.assert_close(got.hidden_states[1][keep], expected.hidden_states[1][keep], atol=1e-10, rtol=0)
+    assert not torch.allclose(got.logits[keep], expected.logits[keep])
+    # decoding from the cache gives the full pass's logits, and generate() what it gives without the cache
+    prefix = ours(ids[:, :-1], attention_mask=mask[:, :-1], use_cache=True)
+    step = ours(ids[:, -1:], attention_mask=mask, past_key_values=prefix.past_key_values).logits[:, -1]
+    torch.testing.assert_close(step, got.logits[:, -1], atol=1e-10, rtol=1e-8)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kwargs), ours.generate(ids, use_cache=False, **kwargs))
+    ours.save_pretrained(tmp_path)
+    reloaded = from_pretrained(type(ours), tmp_path, dtype=torch.float64).eval()
+    assert reloaded.config.attnzoo["layers"] == [1]
+    torch.testing.assert_close(reloaded(ids, attention_mask=mask).logits, got.logits, atol=1e-12, rtol=1e-10)
+
+
+def test_layers_with_an_exact_mechanism_keep_the_others_under_the_models_mask():
+    theirs = randomize(llama())
+    ours = copy.deepcopy(theirs)
+    use_attnzoo(ours, "softmax", layers=[0])
+    ids, mask = batch()
+    keep = mask.bool()
+    torch.testing.assert_close(ours(ids, attention_mask=mask).logits[keep],
+                               theirs(ids, attention_mask=mask).logits[keep], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("layers, error, match", [
+    ([2], ValueError, r"^layers\[0\] = 2 is out of range: the model has 2 attention layers, 0 to 1"),
+    ([-1], ValueError, r"^layers\[0\] = -1 is out of range"),
+    ([1, 1], ValueError, r"^layers names layer 1 more than once"),
+    ([], TypeError, r"^layers must be a non-empty list of layer indices"),
+    ("1", TypeError, r"^layers must be a non-empty list"),
+    ([0, 1.0], TypeError, r"^layers\[1\] must be an integer layer index, got 1.0 \(float\)"),
+    ([True], TypeError, r"^layers\[0\] must be an integer layer index"),
+])
+def test_bad_layers_are_refused_and_leave_the_model_as_it_was(layers, error, match):
+    model = llama()
+    state, modules, implementation = snapshot(model)
+    with pytest.raises(error, match=match):
+        use_attnzoo(model, "linear", layers=layers)
+    after = snapshot(model)
+    assert after[1] == modules and after[2] == implementation and not hasattr(model.config, "attnzoo")
+    assert all(torch.equal(state[name], after[0][name]) for name in state)
+
+
+def test_a_kept_layer_under_a_sliding_window_needs_an_exact_mechanism():
+    # local honours the window of the layer it serves, but the kept layer's window comes with the model's own
+    # mask, which an inexact mechanism does not get.
+    model = mistral(window=4)
+    with pytest.raises(UnsupportedOptionError, match=r"^layers: model\.layers\.0\.self_attn is kept .*window=4"):
+        use_attnzoo(model, "local", layers=[1])
+    assert not hasattr(model.config, "attnzoo")
+    theirs = randomize(mistral(window=4))
+    ours = copy.deepcopy(theirs)
+    use_attnzoo(ours, "softmax", layers=[1])  # exact: every layer keeps the model's mask, window included
+    ids, mask = batch()
+    keep = mask.bool()
+    torch.testing.assert_close(ours(ids, attention_mask=mask).logits[keep],
+                               theirs(ids, attention_mask=mask).logits[keep], atol=1e-10, rtol=0)

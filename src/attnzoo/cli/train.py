@@ -113,11 +113,25 @@ def _import_for_run(run: Path, saved: Any, given: Optional[List[str]], option: s
 
     imports = import_modules(list(dict.fromkeys(recorded_imports(run) + list(given or []))))
     mechanism = saved.get("mechanism", "softmax") if isinstance(saved, dict) else "softmax"
-    if isinstance(saved, dict) and saved.get("block", "attention") == "attention" and mechanism not in available():
+    if isinstance(saved, dict) and isinstance(saved.get("layers"), str):  # a schedule: its items' mechanisms
+        try:
+            _schedule(saved["layers"])
+        except ValueError as error:
+            raise ValueError(f"{option} {run}: the run's {error}; give --import MODULE_OR_PATH with the module "
+                             "that registers it (the run recorded "
+                             + (f"only {', '.join(imports)})" if imports else "none)")) from None
+    elif isinstance(saved, dict) and saved.get("block", "attention") == "attention" and mechanism not in available():
         raise ValueError(f"{option} {run}: the run's mechanism {mechanism!r} is not registered: give --import "
                          "MODULE_OR_PATH with the module that registers it (the run recorded "
                          + (f"only {', '.join(imports)})" if imports else "none)"))
     return imports
+
+
+def _schedule(text: str, name: str = "layers") -> str:
+    """A ``--layers`` schedule in the one spelling a run records; an unknown item is an error naming it."""
+    from ..models.schedule import format_schedule, parse_schedule
+
+    return format_schedule(parse_schedule(text, BLOCKS, name))
 
 
 def _format_metrics(metrics: Dict[str, float]) -> str:
@@ -200,6 +214,8 @@ def _resume_settings(args: argparse.Namespace, given: Dict[str, Any]) -> Tuple[D
     run = Path(args.resume) if checkpoint is None else checkpoint.parent.parent  # OUTPUT/checkpoints/step-N
     imports = _import_for_run(run, saved, args.imports, "--resume")
     spelled = option_of_field()
+    if given.get("layers") is not None:  # compared in the spelling the run recorded
+        given = {**given, "layers": _schedule(given["layers"], "--layers")}
     conflicts = [f"{spelled.get(key, key)} {value!r} (the checkpoint has {saved.get(key)!r})"
                  for key, value in given.items() if saved.get(key) != value]
     if conflicts:
@@ -377,6 +393,8 @@ def _check_buildable(config: Any) -> Any:
         try:
             check_length_grouping(config, task, build_model(config, task))
         except TypeError as error:
+            if config.layers is not None:  # an item's options, the error naming the item
+                raise ValueError(name_option(str(error))) from None
             options = "--set" if config.block == "attention" else "--block-options"
             raise ValueError(f"{options}: {error}") from None
         except ValueError as error:  # a setting that does not fit the task (scheduled sampling off seq2seq)
@@ -402,7 +420,7 @@ def eval_command(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return EXIT_OK
     metrics, baseline = report["metrics"], report["baseline"]
-    model = report["mechanism"] if report["block"] == "attention" else report["block"]  # as TrainConfig.model_label
+    model = report["model"]  # TrainConfig.model_label
     print(f"{model} on {report['task']} ({report['split']} split): {_format_metrics(metrics)}")
     print("  baseline: " + ", ".join(f"{k} {v:.4f}" for k, v in baseline.items()))
     if "decoder" in report:

@@ -37,16 +37,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 from torch import nn
 
 from ..mechanisms.base import Mechanism, UnsupportedOptionError
 from ..mechanisms.registry import available, build_mechanism, mechanism_class
 from .hf_attention import (
-    IMPLEMENTATION, MECHANISM_ATTRIBUTE, RECORD_ATTRIBUTE, attention_forward, padding_mask, register,
+    IMPLEMENTATION, KEY_MASK_ONLY, MECHANISM_ATTRIBUTE, RECORD_ATTRIBUTE, attention_forward, padding_mask, register,
 )
 from .hf_save import load_mechanism_tensors
+
+DEFAULT_MECHANISM = "softmax"
+"""What the layers a swap of some ``layers`` leaves out run: exact softmax attention, as the model's own."""
 
 
 def _transformers():
@@ -154,18 +157,43 @@ def _check_scaling(path: str, module: nn.Module, instance: Mechanism, head_dim: 
 # -- the swap --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HFSwapReport:
-    """What :func:`use_attnzoo` did: the mechanism, its options, and every attention module it now serves
-    (path, architecture)."""
+    """What :func:`use_attnzoo` did: the mechanism, its options, every attention module it now serves with it
+    (path, architecture), and, for a swap of some ``layers`` only, the modules kept on softmax attention."""
 
     mechanism: str
     options: Dict[str, Any]
     modules: Tuple[Tuple[str, str], ...]
+    kept: Tuple[Tuple[str, str], ...] = ()
 
     def __str__(self) -> str:
         lines = [f"{len(self.modules)} attention module(s) of transformers run attnzoo {self.mechanism!r} "
                  f"(attn_implementation={IMPLEMENTATION!r}):"]
         lines += [f"  {path} ({kind})" for path, kind in self.modules]
+        if self.kept:
+            lines.append(f"{len(self.kept)} kept on softmax attention (attnzoo's exact softmax):")
+            lines += [f"  {path} ({kind})" for path, kind in self.kept]
         return "\n".join(lines)
+
+
+def check_layers(layers: Any, count: int) -> Optional[Tuple[int, ...]]:
+    """The decoder layers to swap, as given to :func:`use_attnzoo` (None: all ``count`` of them): distinct
+    integer indices in ``[0, count)``, layer i being the model's i-th attention module."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise TypeError(f"layers must be a non-empty list of layer indices (e.g. [0, 2]), or None for every layer, "
+                        f"got {layers!r}")
+    for position, index in enumerate(layers):
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"layers[{position}] must be an integer layer index, got {index!r} "
+                            f"({type(index).__name__})")
+        if not 0 <= index < count:
+            raise ValueError(f"layers[{position}] = {index} is out of range: the model has {count} attention "
+                             f"layers, 0 to {count - 1}")
+    repeated = sorted({index for index in layers if list(layers).count(index) > 1})
+    if repeated:
+        raise ValueError(f"layers names layer {repeated[0]} more than once: give each layer once")
+    return tuple(layers)
 
 
 def _found(model: nn.Module) -> List[Tuple[str, nn.Module, str]]:
@@ -183,57 +211,91 @@ def _found(model: nn.Module) -> List[Tuple[str, nn.Module, str]]:
     return found
 
 
-def _record(mechanism: str, options: Dict[str, Any]) -> Dict[str, Any]:
+def _record(mechanism: str, options: Dict[str, Any], layers: Optional[Tuple[int, ...]]) -> Dict[str, Any]:
     """The swap as the config records it; its options must be JSON values, since config.json holds them."""
     try:
         json.dumps(options)
     except (TypeError, ValueError) as error:
         raise TypeError(f"options of {mechanism} must be JSON values (numbers, strings, lists) so that the swap "
                         f"can be saved in the model's config: {error}") from error
-    return {"mechanism": mechanism, "options": dict(options)}
+    record = {"mechanism": mechanism, "options": dict(options)}
+    return record if layers is None else {**record, "layers": list(layers)}
 
 
-def use_attnzoo(model: nn.Module, mechanism: str, **options: Any) -> HFSwapReport:
-    """Run every self-attention of a ``transformers`` model (BERT-style encoder, GPT-2, Llama, Mistral, Qwen2)
+def _built_for(path: str, module: nn.Module, kind: str, mechanism: str, options: Dict[str, Any]) -> Mechanism:
+    """The mechanism one module runs, built and checked against what the module needs (module docstring)."""
+    heads, head_dim = _heads(module, kind)
+    instance = build_mechanism(mechanism, heads=heads, head_dim=head_dim,
+                               **_module_options(path, module, kind, mechanism, options))
+    if getattr(module, "is_causal", False) and not instance.capabilities.causal:
+        raise UnsupportedOptionError(f"{path} is causal self-attention and {mechanism} has no causal form "
+                                     f"(capabilities: {mechanism_class(mechanism).capabilities.summary})")
+    _check_scaling(path, module, instance, head_dim)
+    reference = next(module.parameters())
+    return instance.to(device=reference.device, dtype=reference.dtype).train(module.training)
+
+
+def _check_kept(kept: List[Tuple[str, nn.Module, str]], exact: bool, mechanism: str) -> None:
+    """A kept module under a sliding window needs transformers' own mask, which the model's layers share: it
+    is only made for an exact mechanism (:mod:`attnzoo.dropin.hf_attention`); otherwise every layer gets the
+    key mask, and a kept module runs causal softmax over it."""
+    if exact:
+        return
+    for path, module, kind in kept:
+        window = _sliding_window(module, kind)
+        if window is not None:
+            raise UnsupportedOptionError(
+                f"layers: {path} is kept on softmax attention within a sliding window (sliding_window={window}), "
+                f"which comes with the mask transformers makes for exact attention only, and {mechanism} is not "
+                f"exact: swap that layer too, or set model.config.sliding_window = None first")
+
+
+def use_attnzoo(model: nn.Module, mechanism: str, *, layers: Optional[Sequence[int]] = None,
+                **options: Any) -> HFSwapReport:
+    """Run the self-attention of a ``transformers`` model (BERT-style encoder, GPT-2, Llama, Mistral, Qwen2)
     through attnzoo ``mechanism``, via the library's attention-function registry (module docstring).
 
     Args:
         model: a ``transformers.PreTrainedModel`` of a supported architecture (:data:`ARCHITECTURES`).
         mechanism: a name from :func:`attnzoo.available`.
+        layers: the indices of the layers to swap (layer i: the model's i-th attention module, ``model.layers[i]``
+            of a Llama), each once; None: every layer. The other layers keep softmax attention, computed by
+            attnzoo's exact softmax (the attention function is one for the whole model), which gives what the
+            model's own attention gives; they are recorded in ``model.config.attnzoo`` with the swap.
         **options: the mechanism's options (JSON values: they are recorded in ``model.config.attnzoo``). A
             ``scale`` option defaults to each module's own scaling, a ``window`` option to the model's sliding
             window.
 
     Raises (the model left exactly as it was): TypeError for a model that is not a ``PreTrainedModel``;
     ValueError for an architecture without supported attention modules, or with cross-attention; errors for an
-    unknown mechanism or a bad option; :class:`~attnzoo.UnsupportedOptionError` for a decoder and a mechanism
-    without a causal form, a logit scale or a sliding window the mechanism cannot honour.
+    unknown mechanism or a bad option, and for ``layers`` out of range or repeated (naming it);
+    :class:`~attnzoo.UnsupportedOptionError` for a decoder and a mechanism without a causal form, a logit scale
+    or a sliding window the mechanism cannot honour.
     """
     transformers = _transformers()
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    cls = mechanism_class(mechanism)
+    mechanism_class(mechanism)
     found = _found(model)
-    record = _record(mechanism, options)
-    built = []  # every mechanism built (and so validated) before the model is touched
-    for path, module, kind in found:
-        heads, head_dim = _heads(module, kind)
-        instance = build_mechanism(mechanism, heads=heads, head_dim=head_dim,
-                                   **_module_options(path, module, kind, mechanism, options))
-        if getattr(module, "is_causal", False) and not instance.capabilities.causal:
-            raise UnsupportedOptionError(f"{path} is causal self-attention and {mechanism} has no causal form "
-                                         f"(capabilities: {cls.capabilities.summary})")
-        _check_scaling(path, module, instance, head_dim)
-        reference = next(module.parameters())
-        built.append((module, instance.to(device=reference.device, dtype=reference.dtype).train(module.training)))
+    chosen = check_layers(layers, len(found))
+    record = _record(mechanism, options, chosen)
+    swapped = [entry for index, entry in enumerate(found) if chosen is None or index in chosen]
+    kept = [entry for index, entry in enumerate(found) if chosen is not None and index not in chosen]
+    # Every mechanism built (and so validated) before the model is touched.
+    built = [(module, _built_for(path, module, kind, mechanism, options)) for path, module, kind in swapped]
+    exact = all(instance.capabilities.exact for _, instance in built)
+    _check_kept(kept, exact, mechanism)
+    built += [(module, _built_for(path, module, kind, DEFAULT_MECHANISM, {})) for path, module, kind in kept]
     register()
-    for module, instance in built:
+    for index, (module, instance) in enumerate(built):
         module.add_module(MECHANISM_ATTRIBUTE, instance)
+        setattr(module, KEY_MASK_ONLY, index >= len(swapped) and not exact)  # a kept module under the key mask
     setattr(model.config, RECORD_ATTRIBUTE, record)
     # Saved with the config, so that a plain from_pretrained of the checkpoint does not run silently on sdpa.
     model.config.attn_implementation = IMPLEMENTATION
     model.set_attn_implementation(IMPLEMENTATION)
-    return HFSwapReport(mechanism, dict(options), tuple((path, kind) for path, _, kind in found))
+    return HFSwapReport(mechanism, dict(options), tuple((path, kind) for path, _, kind in swapped),
+                        tuple((path, kind) for path, _, kind in kept))
 
 
 def from_pretrained(model_class: Type[Any], path: str, **kwargs: Any) -> Any:
@@ -251,10 +313,10 @@ def from_pretrained(model_class: Type[Any], path: str, **kwargs: Any) -> Any:
     if not isinstance(record, dict) or "mechanism" not in record:
         raise ValueError(f"{path}: its config records no attnzoo swap ({RECORD_ATTRIBUTE!r}); it was saved without "
                          f"one: load it with {model_class.__name__}.from_pretrained")
-    use_attnzoo(model, record["mechanism"], **(record.get("options") or {}))
+    use_attnzoo(model, record["mechanism"], layers=record.get("layers"), **(record.get("options") or {}))
     load_mechanism_tensors(model, path, MECHANISM_ATTRIBUTE)
     return model
 
 
 __all__ = ["ARCHITECTURES", "HFSwapReport", "IMPLEMENTATION", "MECHANISM_ATTRIBUTE", "attention_forward",
-           "from_pretrained", "padding_mask", "register", "scaling_route", "use_attnzoo"]
+           "check_layers", "from_pretrained", "padding_mask", "register", "scaling_route", "use_attnzoo"]

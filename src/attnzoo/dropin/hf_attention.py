@@ -43,8 +43,13 @@ MECHANISM_ATTRIBUTE = "attnzoo_mechanism"
 """The attribute (a submodule) of each attention module that holds its mechanism."""
 
 RECORD_ATTRIBUTE = "attnzoo"
-"""The attribute of a swapped model's config that records the swap: ``{"mechanism": name, "options": {...}}``;
-``save_pretrained`` writes it to config.json."""
+"""The attribute of a swapped model's config that records the swap: ``{"mechanism": name, "options": {...}}``
+(and ``"layers": [...]`` for a swap of some layers only); ``save_pretrained`` writes it to config.json."""
+
+KEY_MASK_ONLY = "attnzoo_key_mask_only"
+"""The attribute (a bool) of an attention module that a swap of some layers kept on softmax while the others run
+an inexact mechanism: the mask it is handed is then the key mask, so its exact softmax runs like any other
+mechanism (causal from the module, over the key padding) instead of under the mask."""
 
 _HF: Dict[str, Any] = {}
 """``transformers``' own ``sdpa_mask`` and its output collector, filled in when the functions are registered
@@ -151,10 +156,12 @@ def attention_forward(
     # Grouped-query attention (each key/value head serving `groups` query heads) stays grouped for a mechanism
     # that shares key/value heads natively, and for exact attention's fused path; otherwise it is repeated.
     native = mechanism.capabilities.grouped_kv == NATIVE_KV
-    exact_fused = mechanism.capabilities.exact and attention_mask is not None and not output_attentions
+    under_mask = mechanism.capabilities.exact and attention_mask is not None and not getattr(module, KEY_MASK_ONLY,
+                                                                                              False)
+    exact_fused = under_mask and not output_attentions
     if groups > 1 and not (native or exact_fused):
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    if mechanism.capabilities.exact and attention_mask is not None:
+    if under_mask:
         return _exact(module, mechanism, query, key, value, attention_mask, scaling, dropout, output_attentions)
     if output_attentions:
         raise UnsupportedOptionError(
@@ -283,5 +290,5 @@ def register() -> None:
     AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
 
 
-__all__ = ["IMPLEMENTATION", "MECHANISM_ATTRIBUTE", "RECORD_ATTRIBUTE", "attention_forward", "config_is_exact",
+__all__ = ["IMPLEMENTATION", "KEY_MASK_ONLY", "MECHANISM_ATTRIBUTE", "RECORD_ATTRIBUTE", "attention_forward", "config_is_exact",
            "load_hint", "padding_mask", "register"]

@@ -17,13 +17,14 @@ attention (``"flash_gau"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit
 from __future__ import annotations
 
 import inspect
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, replace
 from dataclasses import fields as dataclass_fields
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
 from .mamba2_options import mamba2_options
+from .schedule import LayerSpec, format_item, repeat_to_depth, schedule_of
 from .settings import boolean, check_rules, check_values, number, positive_int, probability, setting
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -287,6 +288,63 @@ def check_reversible(config: BlockConfig) -> None:
         )
 
 
+# -- per-layer schedules (attnzoo.models.schedule) ---------------------------------------------------------------
+def _scheduled_layer(base: BlockConfig, spec: LayerSpec, has_attention: bool) -> BlockConfig:
+    """The config of one layer of a schedule: ``base`` with the item's mechanism, or its block.
+
+    In a stack that also has attention layers, a block layer leaves out what only attention layers use
+    (kv_heads, the feed-forward options, and rotary positions for a Mamba-2 block); a stack of blocks alone
+    refuses them, as ``block=`` does."""
+    if spec.is_attention:
+        return replace(base, self_attention=AttentionSpec(spec.mechanism, spec.options), block="attention",
+                       block_options=None)
+    if base.cross_attention is not None:
+        raise ValueError(f"block {spec.block!r} has no cross-attention, and every layer of this stack attends to a "
+                         f"memory: give mechanisms only")
+    shared: Dict[str, Any] = {}
+    if has_attention:
+        shared = dict(ff_dim=None, activation="gelu", ff_chunks=1, kv_heads=None,
+                      rotary=base.rotary and spec.block != "mamba2")
+    return replace(base, self_attention=AttentionSpec(), block=spec.block, block_options=spec.options, **shared)
+
+
+def layer_spec(config: BlockConfig) -> LayerSpec:
+    """The schedule item a layer's config is: its mechanism and options, or its block and block options."""
+    if config.block == "attention":
+        return LayerSpec(config.self_attention.mechanism, config.self_attention.options)
+    return LayerSpec(options=config.block_options, block=config.block)
+
+
+def scheduled_configs(
+    base: BlockConfig, specs: Sequence[LayerSpec], depth: int, name: str = "layers"
+) -> Tuple[BlockConfig, ...]:
+    """One checked :class:`BlockConfig` per layer of a ``depth``-layer stack from the schedule ``specs`` (its
+    length dividing ``depth``): ``base`` with each item's mechanism and options, or its block and block options.
+    Errors name the schedule and the item."""
+    pattern = repeat_to_depth(specs, depth, name)[: len(specs)]
+    has_attention = any(spec.is_attention for spec in pattern)
+    made: Dict[str, BlockConfig] = {}
+    for spec in pattern:
+        if repr(spec) in made:  # an item repeated: one config (options of any type told apart by their repr)
+            continue
+        try:
+            made[repr(spec)] = _scheduled_layer(base, spec, has_attention)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{name} item {format_item(spec)!r}: {error}") from None
+    return tuple(made[repr(pattern[index % len(pattern)])] for index in range(depth))
+
+
+def _schedule_replaces_the_layer_fields(config: "ModelConfig") -> None:
+    """With ``layers``, the fields that say what every layer is stay at their defaults."""
+    if config.layers is None:
+        return
+    for option in ("self_attention", "self_attention_options", "block", "block_options"):
+        value = getattr(config, option)
+        if value != _DEFAULTS[option]:
+            raise ValueError(f"layers gives each layer's mechanism or block, so {option}={value!r} cannot be used "
+                             f"with it: put it in the schedule's items (e.g. 'local(window=64),softmax')")
+
+
 # -- the rules between a token model's fields, each declared by the field it concerns (``agrees``) -------------
 def _token_shift_needs_two_features(config: "ModelConfig") -> None:
     if config.token_shift and config.dim < 2:
@@ -300,7 +358,8 @@ def _learned_positions_need_max_length(config: "ModelConfig") -> None:
 
 def _reversible_layers_couple(config: "ModelConfig") -> None:
     if config.reversible:
-        check_reversible(config.block_config)
+        for layer in config.layer_configs or (config.block_config,):
+            check_reversible(layer)
 
 
 _LAYERS = "; checked by the layers' BlockConfig"  # the help of a field passed to the layers as it is
@@ -355,10 +414,20 @@ class ModelConfig:
     kv_heads: Optional[int] = setting(
         None, help="key/value heads of every self-attention, dividing heads (grouped-query attention); None: "
                    "heads" + _LAYERS)
+    layers: Optional[Tuple[LayerSpec, ...]] = setting(
+        None,
+        help="a per-layer schedule (attnzoo.models.schedule): a pattern of items repeated to depth (its length "
+             "dividing depth), each a mechanism with its options or a block kind with the block's, as LayerSpec "
+             "items or text ('gated_delta*3,softmax', 'local(window=64),block:mamba2'); None: every layer is "
+             "self_attention or block. kv_heads and the feed-forward options apply to its attention layers")
     block_config: BlockConfig = field(init=False, repr=False, compare=False)
+    layer_configs: Optional[Tuple[BlockConfig, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # The schedule as a tuple of checked items, read from its text (a frozen dataclass sets it so).
+        object.__setattr__(self, "layers", schedule_of(self.layers, BLOCKS))
         check_values(self)
+        _schedule_replaces_the_layer_fields(self)
         layers = BlockConfig(
             self.dim, self.heads, ff_dim=self.ff_dim, activation=self.activation, norm_first=self.norm_first,
             dropout=self.dropout, layer_norm_eps=self.layer_norm_eps, rotary=self.positional == "rotary",
@@ -367,7 +436,17 @@ class ModelConfig:
         )
         # A field worked out from the others (a frozen dataclass sets it through object.__setattr__).
         object.__setattr__(self, "block_config", layers)
+        scheduled = None if self.layers is None else scheduled_configs(layers, self.layers, self.depth)
+        object.__setattr__(self, "layer_configs", scheduled)
         check_rules(self)
+
+    @property
+    def layer_kinds(self) -> Tuple[str, ...]:
+        """Each layer's block (``"attention"``, ``"mamba2"``, ...), first layer first."""
+        return tuple(layer.block for layer in self.layer_configs or (self.block_config,) * self.depth)
+
+
+_DEFAULTS = {item.name: item.default for item in dataclass_fields(ModelConfig) if item.init}
 
 
 def check_model_config(config: object) -> ModelConfig:

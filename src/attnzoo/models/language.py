@@ -41,6 +41,9 @@ class LanguageModel(nn.Module):
         positional: "sinusoidal", "learned" (needs ``max_length``), "rotary" or "none".
         max_length: the longest sequence, required by ``positional="learned"``.
         self_attention, self_attention_options: mechanism name and options of every self-attention.
+        layers: a per-layer schedule in place of self_attention and block (a hybrid stack): a pattern of
+            mechanisms with their options and block kinds, repeated to ``depth``; see :class:`ModelConfig`
+            and :mod:`attnzoo.models.schedule`. Decoding, packed batches and kv_heads work as for one kind.
         reversible: a :class:`~attnzoo.models.reversible.ReversibleDecoder` (Kitaev et al. 2020) instead of a
             :class:`Decoder`: the same layers coupled reversibly, so training keeps the activations of one
             branch instead of every layer's (pre-norm only). Decoding works the same way.
@@ -66,7 +69,8 @@ class LanguageModel(nn.Module):
         self.config = check_model_config(config)
         self.vocab_size = config.vocab_size
         self.embedding = _embedding(config, config.max_length)
-        self.decoder = decoder_class(config.reversible).from_config(config.block_config, config.depth)
+        self.decoder = decoder_class(config.reversible).from_config(config.block_config, config.depth,
+                                                                    config.layer_configs)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
 
     @classmethod
@@ -128,7 +132,7 @@ class SequenceClassifier(nn.Module):
         check_positive_int("num_classes", num_classes)
         self.pooling = check_choice("pooling", pooling, POOLING_KINDS)
         use_cls = pooling == "cls"
-        if use_cls and config.block == "mamba2":
+        if use_cls and set(config.layer_kinds) == {"mamba2"}:
             # Its layers read left to right only: the vector put first would see no token.
             raise UnsupportedOptionError("pooling='cls' needs layers that read the whole sequence; block='mamba2' "
                                          "reads left to right, so the first position sees no token: use "
@@ -136,7 +140,8 @@ class SequenceClassifier(nn.Module):
         positions = None if config.max_length is None else config.max_length + int(use_cls)
         self.embedding = _embedding(config, positions)
         self.cls = nn.Parameter(torch.randn(1, 1, config.dim) * 0.02) if use_cls else None
-        self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth)
+        self.encoder = encoder_class(config.reversible).from_config(config.block_config, config.depth,
+                                                                    config.layer_configs)
         self.head = nn.Linear(config.dim, num_classes)
 
     @classmethod
@@ -209,7 +214,7 @@ class SequenceTagger(nn.Module):
         self.embedding = _embedding(config, config.max_length)  # token_shift reads backwards: causal-safe
         # A causal tagger is a decoder-only stack without memory: the same layers, with causal self-attention.
         stack_class = decoder_class(config.reversible) if causal else encoder_class(config.reversible)
-        self.encoder = stack_class.from_config(config.block_config, config.depth)
+        self.encoder = stack_class.from_config(config.block_config, config.depth, config.layer_configs)
         self.head = nn.Linear(config.dim, num_classes)
 
     @classmethod

@@ -10,19 +10,20 @@ cross-attention to the memory) -> head. Each attention slot takes its own mechan
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_number, check_positive_int
 from ..mechanisms.base import UnsupportedOptionError
-from .config import AttentionSpec, BlockConfig, attention_slot
+from .config import BLOCKS, AttentionSpec, BlockConfig, attention_slot, scheduled_configs
 from .embeddings import TokenEmbedding
 from .inputs import check_padding_mask, check_tokens
 from .nat import build_nat_parts, check_lengths
 from .pointer import CopyMemory, PointerGenerator
 from .reversible import decoder_class, encoder_class
+from .schedule import LayerSpec, schedule_of
 from .stacks import DecoderState
 
 
@@ -53,6 +54,19 @@ def _check_copy_options(copy_mechanism: bool, copy_map: Optional[Tensor], decodi
             f"got decoding={decoding!r}")
 
 
+def _stack(stack_class: Any, config: BlockConfig, depth: int, layers: Any, name: str, mechanism: str,
+           options: Optional[Dict[str, Any]]) -> nn.Module:
+    """One side's stack: every layer of ``config``, or the per-layer schedule ``layers`` (named ``name``)."""
+    schedule = schedule_of(layers, BLOCKS, name)
+    if schedule is None:
+        return stack_class.from_config(config, depth)
+    side = name.split("_")[0]
+    if mechanism != AttentionSpec.mechanism or options:
+        raise ValueError(f"{name} gives each {side} layer's mechanism, so {side}_self_attention and its options "
+                         f"cannot be used with it: put them in the schedule's items")
+    return stack_class.from_config(config, depth, scheduled_configs(config, schedule, depth, name))
+
+
 class Seq2SeqTransformer(nn.Module):
     """Encoder-decoder Transformer: source (batch, seq_src) and target (batch, seq_tgt) -> (batch, seq_tgt, vocab).
 
@@ -81,6 +95,11 @@ class Seq2SeqTransformer(nn.Module):
             and cross-attention (grouped-query attention: query head h reads key/value head
             ``h // (heads // kv_heads)``); the decoding state's self-attention cache (for a native mechanism) and
             the memory's projected keys and values then hold kv_heads heads. ``heads`` when None.
+        encoder_layers, decoder_layers: per-layer schedules (hybrid stacks, :mod:`attnzoo.models.schedule`) in
+            place of ``encoder_self_attention`` / ``decoder_self_attention`` (left at their defaults): a pattern
+            of items, :class:`~attnzoo.models.schedule.LayerSpec` or text (``"gated_delta*3,softmax"``),
+            repeated to the side's depth, which its length must divide. Every decoder layer keeps its
+            cross-attention, so the decoder's items are mechanisms; the encoder's may be block kinds too.
 
     Decoding: ``logits, state = model.prefill(src, tgt_prefix, src_padding_mask=...)`` encodes the source and
     projects its keys and values once; then ``model.step(token_t, state)``. A non-autoregressive model runs
@@ -117,6 +136,8 @@ class Seq2SeqTransformer(nn.Module):
         length: Optional[str] = None,
         max_target_length: Optional[int] = None,
         kv_heads: Optional[int] = None,
+        encoder_layers: Optional[Sequence[Union[LayerSpec, str]]] = None,
+        decoder_layers: Optional[Sequence[Union[LayerSpec, str]]] = None,
     ) -> None:
         super().__init__()
         check_bool("reversible", reversible)
@@ -143,8 +164,10 @@ class Seq2SeqTransformer(nn.Module):
             self_attention=AttentionSpec(encoder_self_attention, encoder_self_attention_options),
             cross_attention=None,
         )
-        self.encoder = encoder_class(reversible).from_config(encoder_config, encoder_depth)
-        self.decoder = decoder_class(reversible).from_config(decoder_config, decoder_depth)
+        self.encoder = _stack(encoder_class(reversible), encoder_config, encoder_depth, encoder_layers,
+                              "encoder_layers", encoder_self_attention, encoder_self_attention_options)
+        self.decoder = _stack(decoder_class(reversible), decoder_config, decoder_depth, decoder_layers,
+                              "decoder_layers", decoder_self_attention, decoder_self_attention_options)
         self.head = nn.Linear(dim, tgt_vocab_size, bias=False)
         self._build_copy(copy_map if copy_mechanism else None)
 

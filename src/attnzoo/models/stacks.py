@@ -2,19 +2,22 @@
 :class:`~attnzoo.models.config.BlockConfig`.
 
 Each stack holds ``depth`` layers of one kind, chosen by the config's ``block``: attention + feed-forward layers
-(:mod:`attnzoo.models.layers`) or gated attention units (:mod:`attnzoo.models.gau`). The reversible stacks of
+(:mod:`attnzoo.models.layers`), gated attention units (:mod:`attnzoo.models.gau`) or Mamba-2 blocks
+(:mod:`attnzoo.models.mamba2`); or, given one config per layer (a per-layer schedule,
+:mod:`attnzoo.models.schedule`), each layer of the kind and mechanism its own config says. The reversible stacks of
 :mod:`attnzoo.models.reversible` are subclasses of these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_positive_int
-from .config import AttentionSpec, BlockConfig, attention_slot
+from .config import AttentionSpec, BlockConfig, attention_slot, layer_spec
+from .schedule import format_item
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
 from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
 from .mamba2 import Mamba2Block, Mamba2DecoderLayer, Mamba2EncoderLayer, Mamba2State
@@ -39,27 +42,52 @@ class _LayerStack(nn.Module):
     mamba2_layer_type: ClassVar[Type[Mamba2Block]]
     """The layer of a stack whose config says ``block="mamba2"``."""
 
-    def __init__(self, config: BlockConfig, depth: int) -> None:
+    def __init__(self, config: BlockConfig, depth: int, layers: Optional[Sequence[BlockConfig]] = None) -> None:
         super().__init__()
         check_positive_int("depth", depth)
-        self._check_config(config)
+        configs = [config] * depth if layers is None else list(layers)
+        if len(configs) != depth or not all(isinstance(layer, BlockConfig) for layer in configs):
+            raise ValueError(f"layers must hold one BlockConfig per layer, {depth} of them (a ModelConfig's "
+                             f"layer_configs), got {len(configs)}")
+        for layer in configs:
+            self._check_config(layer)
         self.config = config
+        scheduled = layers is not None
+        self.layers = nn.ModuleList(self._built(layer, index, scheduled) for index, layer in enumerate(configs))
+        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+
+    def _built(self, config: BlockConfig, index: int, scheduled: bool) -> nn.Module:
+        """Layer ``index``, of the kind its config's ``block`` names; in a scheduled stack an error (a mechanism
+        option) names the layer and its item of the schedule."""
         layer_type = {"attention": self.layer_type, "mamba2": self.mamba2_layer_type}.get(config.block,
                                                                                         self.gated_layer_type)
-        self.layers = nn.ModuleList(layer_type(config) for _ in range(depth))
-        self.norm = nn.LayerNorm(config.dim, eps=config.layer_norm_eps) if config.norm_first else nn.Identity()
+        try:
+            return layer_type(config)
+        except (TypeError, ValueError) as error:
+            if not scheduled:
+                raise
+            raise type(error)(f"layers item {format_item(layer_spec(config))!r} (layer {index}): {error}") from None
+
+    @property
+    def all_attention(self) -> bool:
+        """Whether every layer is attention + feed-forward (no gated unit or Mamba-2 block)."""
+        return all(layer.config.block == "attention" for layer in self.layers)
 
     @classmethod
     def _check_config(cls, config: BlockConfig) -> None:
         """Refuse a config this kind of stack cannot run (naming the option); every config by default."""
 
     @classmethod
-    def from_config(cls: Type[StackT], config: BlockConfig, depth: int) -> StackT:
+    def from_config(
+        cls: Type[StackT], config: BlockConfig, depth: int, layers: Optional[Sequence[BlockConfig]] = None
+    ) -> StackT:
         """The stack of ``depth`` layers built from ``config``, for callers that hold a config already
-        (the token models build theirs once from their own arguments)."""
+        (the token models build theirs once from their own arguments). ``layers``: one config per layer (a
+        per-layer schedule, :func:`attnzoo.models.config.scheduled_configs`), ``config`` then holding what they
+        share; None: every layer is built from ``config``."""
         # Skips the subclass's keyword constructor: all it does is make the config that is given here.
         stack = cls.__new__(cls)
-        _LayerStack.__init__(stack, config, depth)
+        _LayerStack.__init__(stack, config, depth, layers)
         return stack
 
 
@@ -184,8 +212,9 @@ class Decoder(_LayerStack):
         padding_mask (batch, seq), memory_padding_mask (batch, seq_mem): bool, True = padding.
         ``causal=False``: bidirectional self-attention (non-autoregressive decoding). ``cu_seqlens``: the
         document offsets of a packed row (batch 1), each document attending only within itself."""
-        if not check_bool("causal", causal) and self.config.block != "attention":
-            raise ValueError(f"causal=False needs attention layers; block={self.config.block!r} units are causal")
+        if not check_bool("causal", causal) and not self.all_attention:
+            kinds = sorted({layer.config.block for layer in self.layers} - {"attention"})
+            raise ValueError(f"causal=False needs attention layers; block={kinds[0]!r} units are causal")
         # Gated units take no causal argument (they are causal only, refused above).
         bidirectional = {} if causal else {"causal": False}
         bidirectional.update(packed_options(cu_seqlens))

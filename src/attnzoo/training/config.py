@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..models.config import BLOCKS
+from ..models.schedule import LayerSpec, format_schedule, parse_schedule
 from ..models.nat import DECODING_MODES, LENGTH_MODES
 from .nat import check_decoding_settings
 from .settings import (
@@ -51,6 +52,36 @@ def _block_options_need_a_gated_block(config: "TrainConfig") -> None:
     if config.block == "attention" and config.block_options:
         raise ValueError("block_options given but block is 'attention': they are options of a gated unit "
                          f"(block {' or '.join(BLOCKS[1:])})")
+
+
+def _schedule_text(name: str, value: Any) -> None:
+    if value is not None:
+        parse_schedule(value, BLOCKS, name)
+
+
+def _schedule_replaces_mechanism_and_block(config: "TrainConfig") -> None:
+    if config.layers is None:
+        return
+    for field, default in (("mechanism", "softmax"), ("mechanism_options", {}), ("block", "attention"),
+                           ("block_options", {})):
+        if getattr(config, field) != default:
+            raise ValueError(f"layers gives each layer's mechanism or block with its options, so {field} "
+                             f"{getattr(config, field)!r} cannot be used with it: put it in the schedule's items")
+    count = len(config.schedule)
+    if config.depth % count:
+        raise ValueError(f"layers has {count} items ({config.layers}), which does not divide depth {config.depth}: "
+                         "give a pattern whose length divides the depth")
+
+
+def _schedule_fits(name: str, value: Any, task: Any) -> Optional[str]:
+    """A seq2seq task's decoder layers all attend to the source: its schedule names mechanisms only."""
+    if task.kind != "seq2seq":
+        return None
+    blocks = [item for item in parse_schedule(value, BLOCKS, name) if not item.is_attention]
+    if not blocks:
+        return None
+    return (f"{name} item {str(blocks[0])!r} cannot train on {task.name}: its model, a Seq2SeqTransformer, "
+            f"uses the schedule on both sides and its decoder layers cross-attend, which a block does not")
 
 
 def _heads_divide_dim(config: "TrainConfig") -> None:
@@ -120,6 +151,13 @@ class TrainConfig:
     block_options: Dict[str, Any] = setting(
         default_factory=dict, check=option_dict, agrees=_block_options_need_a_gated_block, flag=False,
         help="options of a gated or Mamba-2 block (chunk_size, state_dim, ...)")
+    layers: Optional[str] = setting(
+        None, check=_schedule_text, agrees=_schedule_replaces_mechanism_and_block, fits_task=_schedule_fits,
+        metavar="SCHEDULE",
+        help="a per-layer schedule in place of --mechanism and --block (a hybrid stack, docs/hybrids.md): "
+             "ITEM[,ITEM...] repeated to --depth (its length dividing it), each ITEM a mechanism or block:KIND, "
+             "with optional (OPTION=VALUE,...) and *COUNT, e.g. 'gated_delta*3,softmax', "
+             "'local(window=64),block:mamba2'; a seq2seq task takes mechanisms only, on both sides")
     dim: int = setting(64, check=positive_int, help="model width")
     depth: int = setting(2, check=positive_int, help="layers (on each side of a seq2seq model)")
     heads: int = setting(4, check=positive_int, agrees=_heads_divide_dim, help="attention heads, dividing dim")
@@ -217,10 +255,32 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_declared(self)
+        if self.layers is not None:  # recorded in one spelling, the compact one (a frozen dataclass sets it so)
+            object.__setattr__(self, "layers", format_schedule(self.schedule))
+
+    @property
+    def schedule(self) -> Optional[Tuple[LayerSpec, ...]]:
+        """The items of ``layers`` (None without a schedule)."""
+        return None if self.layers is None else parse_schedule(self.layers, BLOCKS)
+
+    def attention_items(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """Each distinct (mechanism, options) of the model's attention layers, as given: the schedule's, or
+        the one mechanism (none with a gated or Mamba-2 block)."""
+        if self.layers is None:
+            return [(self.mechanism, dict(self.mechanism_options))] if self.block == "attention" else []
+        items: List[Tuple[str, Dict[str, Any]]] = []
+        for spec in self.schedule:
+            item = (spec.mechanism, dict(spec.options or {}))
+            if spec.is_attention and item not in items:
+                items.append(item)
+        return items
 
     @property
     def model_label(self) -> str:
-        """What the model attends with, for messages: the mechanism, or the gated unit of ``block``."""
+        """What the model attends with, for messages and directory names: the mechanism, the gated unit of
+        ``block``, or the schedule's kinds joined by ``+``."""
+        if self.layers is not None:
+            return "+".join(dict.fromkeys(spec.kind for spec in self.schedule))
         return self.mechanism if self.block == "attention" else self.block
 
     @property

@@ -543,7 +543,8 @@ def evaluate_checkpoint(
         model = model.to(device)
     metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
                        decoding=decoding, pack=config.pack)
-    report = {"task": task.name, "mechanism": config.mechanism, "block": config.block, "split": split,
+    report = {"task": task.name, "mechanism": config.mechanism, "block": config.block, "layers": config.layers,
+              "model": config.model_label, "split": split,
               "metrics": metrics, "baseline": task.baseline(), "config": config.as_dict()}
     if task.kind == "seq2seq":
         report["decoder"] = decoding.describe()

@@ -1,15 +1,17 @@
-"""The model a task is trained with: a classifier, a tagger or a language model around one mechanism."""
+"""The model a task is trained with: a classifier, a tagger or a language model around one mechanism, or
+around a per-layer schedule of mechanisms and blocks (``layers``)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
-from typing import Any, Dict, List, Optional
+from dataclasses import fields, replace
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from ..mechanisms import UnsupportedOptionError, build_mechanism, mechanism_class, shapes_only
 from ..models import LanguageModel, ModelConfig, Seq2SeqTransformer, SequenceClassifier, SequenceTagger
+from ..models.schedule import LayerSpec, format_item
 from ..tasks import Task
 from .config import TrainConfig
 from .settings import task_refusal
@@ -20,25 +22,57 @@ def model_length(config: TrainConfig, task: Task) -> int:
     return task.seq_len + int(task.kind == "classify" and config.pooling == "cls")
 
 
-def mechanism_options_for(config: TrainConfig, task: Task) -> Dict[str, Any]:
-    """The mechanism's options, with its length option (if it has one) set to the task's length unless given."""
-    options = dict(config.mechanism_options)
-    length_option = mechanism_class(config.mechanism).length_option
+def mechanism_options_for(config: TrainConfig, task: Task, mechanism: Optional[str] = None,
+                          options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A mechanism's options (``config``'s own unless given, as for an item of its schedule), with its length
+    option (if it has one) set to the task's length unless given."""
+    name = config.mechanism if mechanism is None else mechanism
+    options = dict(config.mechanism_options if options is None else options)
+    length_option = mechanism_class(name).length_option
     if length_option is not None and length_option not in options:
         options[length_option] = model_length(config, task)
     return options
 
 
-def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
-    """Why this mechanism (with these options) cannot train on this task: empty when it can.
+def _who(config: TrainConfig, mechanism: str, options: Dict[str, Any]) -> str:
+    """How a refusal names the mechanism: by name, or as the item of the schedule (``layers item 'x'``)."""
+    if config.layers is None:
+        return mechanism
+    return f"layers item {format_item(LayerSpec(mechanism, options or None))!r}"
 
-    Asks the mechanism itself (:meth:`~attnzoo.Mechanism.unsupported_reasons`) about the calls the model will
+
+def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
+    """Why the mechanisms (with their options) cannot train on this task: empty when they can; with a schedule,
+    each reason names its item.
+
+    Asks each mechanism itself (:meth:`~attnzoo.Mechanism.unsupported_reasons`) about the calls the model will
     make: causal attention for a task whose model is causal (:attr:`~attnzoo.tasks.Task.needs_causal_model`:
     language modelling, or a tag task that asks for it), key padding for a task that pads, its length.
     Invalid options raise their own errors (a typo is not an unsupported task)."""
+    reasons = []
+    for mechanism, options in config.attention_items():
+        found = _mechanism_reasons(config, task, mechanism, options)
+        reasons += found if config.layers is None else [f"{_who(config, mechanism, options)}: {r}" for r in found]
+    return reasons
+
+
+def _built(config: TrainConfig, task: Task, name: str, options: Dict[str, Any]) -> Any:
+    """The mechanism of one attention item, built with the task's length; with a schedule, an invalid option is
+    an error naming the item."""
     try:
-        mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
-                                    **mechanism_options_for(config, task))
+        return build_mechanism(name, config.heads, config.dim // config.heads,
+                               **mechanism_options_for(config, task, name, options))
+    except UnsupportedOptionError:
+        raise
+    except (TypeError, ValueError) as error:
+        if config.layers is None:
+            raise
+        raise type(error)(f"{_who(config, name, options)}: {error}") from None
+
+
+def _mechanism_reasons(config: TrainConfig, task: Task, name: str, options: Dict[str, Any]) -> List[str]:
+    try:
+        mechanism = _built(config, task, name, options)
     except UnsupportedOptionError as error:  # valid options that cannot serve this length (rank > length)
         return [str(error)]
     length = model_length(config, task)
@@ -61,23 +95,32 @@ def unsupported_reasons(config: TrainConfig, task: Task) -> List[str]:
 
 
 def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
-    """Why ``config.pack`` cannot train ``task`` with this mechanism (None when it can, or without pack)."""
+    """Why ``config.pack`` cannot train ``task`` with these mechanisms (None when it can, or without pack)."""
     if not config.pack:
         return None
     reason = task.packing_refusal()
     if reason is not None:
         return f"{task.name} cannot be packed: {reason}"
-    if config.block != "attention":  # gated units and Mamba-2 blocks run each document alone
-        return None
-    if mechanism_class(config.mechanism).length_option is not None:
-        return (f"{config.mechanism}'s learned tables span the task's length, and a packed row holds a whole batch "
-                f"(batch_size * seq_len positions)")
-    mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
-                                **mechanism_options_for(config, task))
-    if not mechanism.capabilities.packed:
-        return (f"{mechanism.name} does not take packed batches (capability packing="
-                f"{mechanism.capabilities.packing!r}): a document's output would depend on the others")
+    # Gated units and Mamba-2 blocks run each document alone: only the attention layers are asked.
+    for name, options in config.attention_items():
+        who = _who(config, name, options)
+        if mechanism_class(name).length_option is not None:
+            return (f"{who}: {name}'s learned tables span the task's length, and a packed row holds a whole batch "
+                    f"(batch_size * seq_len positions)")
+        mechanism = _built(config, task, name, options)
+        if not mechanism.capabilities.packed:
+            return (f"{who if config.layers is not None else mechanism.name} does not take packed batches "
+                    f"(capability packing={mechanism.capabilities.packing!r}): a document's output would depend "
+                    f"on the others")
     return None
+
+
+def model_schedule(config: TrainConfig, task: Task) -> Optional[Tuple[LayerSpec, ...]]:
+    """The items of ``config.layers`` with each mechanism's length option filled in (None without one)."""
+    if config.layers is None:
+        return None
+    return tuple(replace(spec, options=mechanism_options_for(config, task, spec.mechanism, dict(spec.options or {}))
+                         or None) if spec.is_attention else spec for spec in config.schedule)
 
 
 # The TrainConfig fields a token model's ModelConfig has too, under the same name and meaning: a setting
@@ -92,9 +135,11 @@ def model_config(config: TrainConfig, task: Task) -> ModelConfig:
     own attention: block options instead of mechanism options)."""
     shared = {name: getattr(config, name) for name in SHARED_WITH_MODEL}
     attention = config.block == "attention"
-    shared.update(block_options=None if attention else dict(config.block_options))
+    shared.update(block_options=None if attention else dict(config.block_options),
+                  layers=model_schedule(config, task))
     return ModelConfig(vocab_size=task.vocab_size, max_length=task.seq_len, self_attention=config.mechanism,
-                       self_attention_options=mechanism_options_for(config, task) if attention else None, **shared)
+                       self_attention_options=mechanism_options_for(config, task) if attention and config.layers is None
+                       else None, **shared)
 
 
 def _copy_map(config: TrainConfig, task: Task) -> Optional[torch.Tensor]:
@@ -114,7 +159,7 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     """The model for ``task``: a :class:`SequenceClassifier` (kind "classify"), a :class:`SequenceTagger`
     ("tag"), a :class:`LanguageModel` ("lm") or a :class:`Seq2SeqTransformer` ("seq2seq", ``depth`` layers
     on each side), every self-attention slot using ``config.mechanism``, or every layer a gated unit of
-    ``config.block`` (not for seq2seq).
+    ``config.block`` (not for seq2seq), or each layer what the schedule ``config.layers`` says.
 
     The tagger is causal when the task's options ask for it (:attr:`~attnzoo.tasks.Task.needs_causal_model`):
     ``attnzoo eval`` and ``--resume`` rebuild the task from the options the run recorded, so they rebuild
@@ -130,7 +175,8 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         raise UnsupportedOptionError(f"pack is refused: {refused}")
     reasons = unsupported_reasons(config, task)
     if reasons:
-        raise UnsupportedOptionError(f"{config.mechanism} cannot train on {task.name}: " + "; ".join(reasons))
+        who = "layers" if config.layers is not None else config.mechanism
+        raise UnsupportedOptionError(f"{who} cannot train on {task.name}: " + "; ".join(reasons))
     if task.kind == "classify":
         return SequenceClassifier(model_config(config, task), task.num_classes, pooling=config.pooling)
     if task.kind == "tag":
@@ -138,17 +184,21 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
     if task.kind == "lm":
         return LanguageModel(model_config(config, task))
     if task.kind == "seq2seq":
-        # The mechanism serves both self-attention slots; cross-attention stays exact softmax (grouped by
-        # kv_heads too).
-        options = mechanism_options_for(config, task)
+        # The mechanism (or the schedule) serves both self-attention slots; cross-attention stays exact softmax
+        # (grouped by kv_heads too).
         common: Dict[str, Any] = dict(dim=config.dim, heads=config.heads, kv_heads=config.kv_heads,
                                       ff_dim=config.ff_dim, dropout=config.dropout, positional=config.positional,
                                       max_length=max(task.seq_len, task.target_len))
         if config.decoding != "autoregressive":  # the widest decoded row is the task's widest target
             common.update(decoding=config.decoding, length=config.length_mode, max_target_length=task.target_len)
+        if config.layers is not None:
+            schedule = model_schedule(config, task)
+            common.update(encoder_layers=schedule, decoder_layers=schedule)
+        else:
+            options = mechanism_options_for(config, task)
+            common.update(encoder_self_attention=config.mechanism, encoder_self_attention_options=options,
+                          decoder_self_attention=config.mechanism, decoder_self_attention_options=options)
         return Seq2SeqTransformer(task.vocab_size, task.num_classes, encoder_depth=config.depth,
-                                  decoder_depth=config.depth, encoder_self_attention=config.mechanism,
-                                  encoder_self_attention_options=options, decoder_self_attention=config.mechanism,
-                                  decoder_self_attention_options=options, copy_mechanism=config.copy_mechanism,
+                                  decoder_depth=config.depth, copy_mechanism=config.copy_mechanism,
                                   copy_map=copy_map, **common)
     raise ValueError(f"task {task.name} has an unknown kind {task.kind!r}")

@@ -28,13 +28,12 @@ def data_parallel_reasons(config: TrainConfig, world_size: int) -> List[str]:
     if config.batch_size % world_size:
         reasons.append(f"batch_size {config.batch_size} is the global batch and must be divisible by the "
                        f"{world_size} ranks (each trains on an equal share)")
-    try:
-        with torch.random.fork_rng(devices=[]):
-            mechanism = build_mechanism(config.mechanism, config.heads, config.dim // config.heads,
-                                        **config.mechanism_options)
-    except (TypeError, ValueError):
-        mechanism = None
-    if mechanism is not None:
+    for name, options in config.attention_items():  # the one mechanism, or each of the schedule's
+        try:
+            with torch.random.fork_rng(devices=[]):
+                mechanism = build_mechanism(name, config.heads, config.dim // config.heads, **options)
+        except (TypeError, ValueError):
+            continue
         reasons += mechanism_reasons(mechanism)
     if config.scheduled_sampling != "none":
         reasons.append(f"scheduled_sampling {config.scheduled_sampling!r} draws its mixing mask for the rank's "
