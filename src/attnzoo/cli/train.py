@@ -413,7 +413,7 @@ def eval_command(args: argparse.Namespace) -> int:
         task_name = saved.get("task") if isinstance(saved, dict) else None
         decoding = _decoder_settings(args, task_name)
         device = _training_device(args.device, task_name) if task_name is not None else None
-        report = evaluate_checkpoint(args.checkpoint, args.split, decoding, device)
+        report = evaluate_checkpoint(args.checkpoint, args.split, decoding, device, progress=not args.json)
     except (CheckpointError, ValueError, TypeError) as error:
         return usage_error("eval", str(error))
     if args.json:

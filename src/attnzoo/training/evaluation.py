@@ -8,7 +8,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -152,10 +152,18 @@ def on_device(device: torch.device, *tensors: Optional[Tensor]) -> Tuple[Optiona
 
 
 @torch.no_grad()
+def _evaluation_bar(enabled: bool, batches: int, split: str) -> Any:
+    """A tqdm bar of the evaluation's batches (disabled: a no-op one), left off the screen when done."""
+    from tqdm import tqdm
+
+    return tqdm(total=batches, desc=f"evaluating the {split} split", unit="batch", leave=False, disable=not enabled,
+                dynamic_ncols=True, mininterval=0.5)
+
+
 def evaluate(
     model: nn.Module, task: Task, split: str = "validation", *, batch_size: int = 64,
     max_batches: Optional[int] = None, precision: str = "float32", decoding: DecoderSettings = GREEDY,
-    pack: bool = False,
+    pack: bool = False, progress: bool = False,
 ) -> Dict[str, float]:
     """Loss and the task's metric (accuracy, or bits per byte) of ``model`` on a split, in order, over its
     first ``max_batches`` batches (None: all of it). The model is put back in its training mode afterwards.
@@ -166,7 +174,8 @@ def evaluate(
     copy (``rare_ids``, as copy-names) also their ``rare_token_recall``. A non-autoregressive model decodes in
     one pass (``decoding`` must be greedy) and reports its ``length_loss`` instead of the guide loss.
     ``pack``: the split packed, a batch of ``batch_size`` examples (or packed rows) one packed row
-    (:mod:`attnzoo.training.packing`), as a run trained with ``pack`` reads it."""
+    (:mod:`attnzoo.training.packing`), as a run trained with ``pack`` reads it. ``progress``: a bar of the
+    batches on stderr (gone when done)."""
     data = split_of(task, split, pack)
     device = next(model.parameters()).device
     was_training = model.training
@@ -180,10 +189,13 @@ def evaluate(
         raise UnsupportedOptionError(f"decoder {decoding.describe()}: a non-autoregressive model decodes in one "
                                      "parallel pass; leave the decoder options at greedy")
     generator = decoding.generator()
+    batches = -(-len(data) // batch_size) if max_batches is None else min(max_batches, -(-len(data) // batch_size))
+    bar = _evaluation_bar(progress, batches, split)
     try:
         for number, start in enumerate(range(0, len(data), batch_size)):
             if max_batches is not None and number >= max_batches:
                 break
+            bar.update(1)
             index = torch.arange(start, min(start + batch_size, len(data)))
             inputs, targets, mask, offsets = take_batch(data, index, pack, device)
             with autocast(precision, device):
@@ -203,6 +215,7 @@ def evaluate(
                     references += [strip_output(row.tolist(), task.eos_id) for row in targets]
             tally.add(loss_and_tally(task.kind, logits, targets)[1])
     finally:
+        bar.close()
         model.train(was_training)
     metrics = tally.metrics(task)
     if task.kind == "seq2seq":

@@ -296,7 +296,7 @@ def _validate(run: _Run) -> Dict[str, float]:
     if run.ranks.is_main:
         validation = evaluate(run.model, run.task, "validation", batch_size=config.batch_size,
                               max_batches=config.eval_batches, precision=config.precision, decoding=run.decoding,
-                              pack=config.pack)
+                              pack=config.pack, progress=run.bar is not None)
     return run.ranks.broadcast(validation)
 
 
@@ -365,7 +365,7 @@ def _finish(run: _Run, command: Optional[Sequence[str]]) -> TrainResult:
                                       max_batches=config.eval_batches, precision=config.precision,
                                       decoding=run.decoding, pack=config.pack)
         test = evaluate(run.model, task, "test", batch_size=config.batch_size, precision=config.precision,
-                        decoding=run.decoding, pack=config.pack)
+                        decoding=run.decoding, pack=config.pack, progress=run.bar is not None)
     validation, test = run.ranks.broadcast((run.validation, test))
     result = TrainResult(
         config=config, steps=run.step, validation=validation, test=test, baseline=task.baseline(),
@@ -534,15 +534,16 @@ def load_trained(path: Union[str, Path]) -> Tuple[nn.Module, Task, TrainConfig]:
 
 def evaluate_checkpoint(
     path: Union[str, Path], split: str = "test", decoding: DecoderSettings = GREEDY,
-    device: Optional[torch.device] = None,
+    device: Optional[torch.device] = None, progress: bool = False,
 ) -> Dict[str, Any]:
     """Metrics of a saved model on a split (a seq2seq model's decoded by ``decoding``), with the task's
-    baseline and the run's config; on ``device`` (:func:`training_device`; None: the CPU)."""
+    baseline and the run's config; on ``device`` (:func:`training_device`; None: the CPU); ``progress``: a bar
+    of the batches."""
     model, task, config = load_trained(path)
     if device is not None:
         model = model.to(device)
     metrics = evaluate(model, task, split, batch_size=config.batch_size, precision=config.precision,
-                       decoding=decoding, pack=config.pack)
+                       decoding=decoding, pack=config.pack, progress=progress)
     report = {"task": task.name, "mechanism": config.mechanism, "block": config.block, "layers": config.layers,
               "model": config.model_label, "split": split,
               "metrics": metrics, "baseline": task.baseline(), "config": config.as_dict()}
