@@ -3,7 +3,7 @@ in the Long Range Arena paper.
 
 Every mechanism with a quality value (an approximation error against softmax, or a task accuracy from
 ``--accuracy``) has a bubble, coloured by its kind, and a label placed beside it where it covers neither
-another label nor a bubble (a leader line joins a label placed further out); the figure says which mechanisms
+another label nor a bubble (a leader line joins a label not right beside it); the figure says which mechanisms
 have no value and why. Errors are drawn at their measured values, softmax's rounding error included, with
 uniform attention's error as a labelled floor.
 """
@@ -37,10 +37,11 @@ ROUNDING = 1e-3  # an error below this is rounding: labelled exact, drawn at its
 KIND_COLORS = {EXACT: "black", APPROXIMATE: "tab:blue", OWN: "tab:orange"}
 KIND_NAMES = {EXACT: "exact softmax", APPROXIMATE: "approximation of softmax", OWN: "attention of its own"}
 OTHER_COLOR = "tab:gray"
+KIND_ORDER = [EXACT, APPROXIMATE, OWN, None]  # the colour legend's order
 SMALLEST, LARGEST = 40.0, 1600.0  # bubble areas (points squared) of no memory and of the most memory
 UNIFORM_LABEL = "floor: uniform attention (ignores q, k)"
 # Directions (degrees) a label may take from its bubble, the nearest first; then the same further out.
-ANGLES = (0, 180, 30, 330, 150, 210, 90, 270, 60, 300, 120, 240)
+ANGLES = (0, 180, 90, 270, 30, 330, 150, 210, 60, 300, 120, 240)
 Candidate = Tuple[Bbox, float, float, str, str, float]  # box, anchor x, y (pixels), ha, va, distance
 
 
@@ -89,7 +90,7 @@ def _circle_overlaps(box: Bbox, circle: Tuple[float, float, float]) -> bool:
 
 def _candidates(x: float, y: float, radius: float, width: float, height: float) -> Iterator[Candidate]:
     """Boxes of a label's size around a circle, each touching the circle of ``distance`` from the centre only
-    at its anchor, in the order tried: right, left, the diagonals, above, below; then further out."""
+    at its anchor, in the order tried: right, left, above, below, the diagonals; then further out."""
     for ring in (0.0, 0.6, 1.3, 2.2, 3.5, 5.0, 7.0):
         distance = radius + 3 + ring * height
         for angle in ANGLES:
@@ -103,22 +104,23 @@ def _candidates(x: float, y: float, radius: float, width: float, height: float) 
 
 
 def _cost(box: Bbox, own: int, circles: Sequence[Tuple[float, float, float]], taken: Sequence[Bbox],
-          inside: Bbox) -> float:
-    """How badly a label's box covers: its own bubble or another label (10 each), another bubble (2), or
-    leaves the axes (10)."""
-    cost = 10.0 * sum(box.overlaps(other) for other in taken)
+          inside: Bbox, lines: Sequence[Bbox]) -> float:
+    """How badly a label's box covers: its own bubble or another label (10 each), another bubble (2), a
+    reference line (1), or leaves the axes (10)."""
+    cost = 10.0 * sum(box.overlaps(other) for other in taken) + sum(box.overlaps(line) for line in lines)
     cost += sum(10.0 if index == own else 2.0
                 for index, circle in enumerate(circles) if _circle_overlaps(box, circle))
     outside = box.x0 < inside.x0 or box.x1 > inside.x1 or box.y0 < inside.y0 or box.y1 > inside.y1
     return cost + (10.0 if outside else 0.0)
 
 
-def place_labels(ax: Any, items: Sequence[Tuple[str, float, float, float]],
-                 taken: Optional[List[Bbox]] = None) -> List[Any]:
+def place_labels(ax: Any, items: Sequence[Tuple[str, float, float, float]], taken: Optional[List[Bbox]] = None,
+                 lines: Sequence[Bbox] = ()) -> List[Any]:
     """Label each bubble (text, x, y in data, radius in points) beside it: the nearest position that covers no
-    other label, no bubble and stays in the axes, else the one that covers least; the most crowded bubbles
-    choose first. A label placed away from its bubble gets a leader line. The axes' limits and place must be
-    final. Returns the labels (annotations), in the order of ``items``."""
+    other label (nor the boxes ``taken``), no bubble, no reference line (``lines``, boxes in pixels) and stays
+    in the axes, else the one that covers least; the most crowded bubbles choose first. A label other than
+    one right beside its bubble (left, right, above or below) gets a leader line. The axes' limits and place must be final.
+    Returns the labels (annotations), in the order of ``items``."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     scale = fig.dpi / 72  # pixels per point
@@ -133,7 +135,7 @@ def place_labels(ax: Any, items: Sequence[Tuple[str, float, float, float]],
         probe.remove()
         best: Optional[Tuple[float, Candidate]] = None
         for candidate in _candidates(*circles[index], size.width + 2, size.height + 2):
-            cost = _cost(candidate[0], index, circles, taken, ax.bbox)
+            cost = _cost(candidate[0], index, circles, taken, ax.bbox, lines)
             if best is None or cost + candidate[5] / 1000 < best[0]:
                 best = (cost + candidate[5] / 1000, candidate)
             if cost == 0:
@@ -145,7 +147,7 @@ def place_labels(ax: Any, items: Sequence[Tuple[str, float, float, float]],
         leader = dict(arrowstyle="-", color="dimgray", linewidth=0.6, shrinkA=0, shrinkB=radius)
         labels[index] = ax.annotate(text, (x, y), xytext=((px - cx) / scale, (py - cy) / scale),
                                     textcoords="offset points", ha=ha, va=va, fontsize=LABEL_SIZE,
-                                    arrowprops=leader if distance > r + 3 + size.height * 0.5 else None)
+                                    arrowprops=None if "center" in (ha, va) and distance < r + 4 else leader)
     return labels
 
 
@@ -179,10 +181,14 @@ def _floor_label(ax: Any, level: float, circles: Sequence[Tuple[float, float, fl
     return best[2]
 
 
+def _kind_place(kind: Optional[str]) -> int:
+    return KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
+
+
 def _legends(ax: Any, kinds: Sequence[Optional[str]], peers: bool, memory: Sequence[float]) -> None:
     """Beside the axes: the kinds' colours, and the bubble area of the least, middle and most memory."""
     handles = [ax.scatter([], [], s=60, color=KIND_COLORS.get(kind, OTHER_COLOR), alpha=0.45, edgecolors="black",
-                          label=KIND_NAMES.get(kind, "kind not recorded")) for kind in sorted(set(kinds), key=str)]
+                          label=KIND_NAMES.get(kind, "kind not recorded")) for kind in sorted(set(kinds), key=_kind_place)]
     if peers:
         handles.append(ax.scatter([], [], s=60, color="white", edgecolors="black", linestyle="--",
                                   label="peer library (dashed edge)"))
@@ -240,12 +246,16 @@ def draw_bubble(data: Dict[str, Any],
     circles = [(*ax.transData.transform((x, q)), math.sqrt(s) / 2 * fig.dpi / 72)
                for (_, q), x, s in zip(points, speed, sizes)]
     taken = [_floor_label(ax, uniform, circles)] if uniform else []
+    lines = []
+    if uniform:
+        level = ax.transData.transform((1.0, uniform))[1]
+        lines.append(Bbox([[ax.bbox.x0, level - 1], [ax.bbox.x1, level + 1]]))
     items = []
     for (row, quality), x, size in zip(points, speed, sizes):
         exact = not accuracy and quality < ROUNDING
         items.append((row["mechanism"] + (" (exact: rounding error)" if exact else ""), x, quality,
                       math.sqrt(size) / 2))
-    labels = place_labels(ax, items, taken)
+    labels = place_labels(ax, items, taken, lines)
     quality_name = "accuracy" if accuracy else "approximation error"
     fig.suptitle(f"Speed against {quality_name}, bubble area = peak memory (N={length})\n{subtitle(data)}",
                  fontsize=10)

@@ -53,8 +53,8 @@ def row_is_own(name: str) -> bool:
 
 
 def _plain(value: float, _: Any = None) -> str:
-    """A tick: a plain number from 0.001 to 10000, a power of ten beyond."""
-    if value == 0 or 1e-3 <= abs(value) < 1e5:
+    """A tick: a plain number from 0.001 to 999999, a power of ten beyond."""
+    if value == 0 or 1e-3 <= abs(value) < 1e6:
         return f"{value:g}"
     exponent = math.floor(math.log10(abs(value)) + 1e-9)
     mantissa = value / 10 ** exponent
@@ -62,7 +62,7 @@ def _plain(value: float, _: Any = None) -> str:
 
 
 def plain_log_ticks(axis: Any) -> None:
-    """Log axis ticks as plain numbers (0.01, 1, 100) rather than powers of ten, within 0.001 to 10000."""
+    """Log axis ticks as plain numbers (0.01, 1, 100) rather than powers of ten, from 0.001 to 999999."""
     plain = ticker.FuncFormatter(_plain)
     low, high = sorted(abs(v) for v in axis.get_view_interval())
     decades = math.log10(high / low) if low > 0 else 10.0

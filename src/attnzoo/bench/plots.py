@@ -31,6 +31,7 @@ from .plot_parts import (  # noqa: E402
     panel_styles,
     panels,
     plain_log_ticks,
+    row_is_own,
     subtitle,
 )
 from .results import BASELINE  # noqa: E402
@@ -109,11 +110,11 @@ def draw_lines(data: Dict[str, Any], columns: Columns, ylabel: str, title: str) 
     a column per measure. Returns the figure and each panel's line labels, by (row, column)."""
     rows = data["rows"]
     groups = panels(rows) or [("softmax alone", [])]
-    height = PANEL_HEIGHT * len(groups) + 1.3
+    height = PANEL_HEIGHT * len(groups) + 1.5
     fig, axes = plt.subplots(len(groups), len(columns), figsize=(FIGURE_WIDTH, height), sharex=True,
                              sharey=True, squeeze=False, dpi=DPI)
-    fig.subplots_adjust(left=0.065, right=0.865, top=1 - 0.95 / height, bottom=0.55 / height, wspace=0.62,
-                        hspace=0.55 * 2.9 / PANEL_HEIGHT)
+    fig.subplots_adjust(left=0.065, right=0.865, top=1 - 1.15 / height, bottom=0.55 / height, wspace=0.62,
+                        hspace=0.55)
     notes = _stop_notes(rows)
     lengths = sorted({row["length"] for row in rows})
     ends = {}
@@ -122,17 +123,22 @@ def draw_lines(data: Dict[str, Any], columns: Columns, ylabel: str, title: str) 
         for place, (group, units) in enumerate(groups):
             ax = axes[place][index]
             ends[place, index] = _draw_panel(ax, series, units, notes)
-            ax.set_title(f"{heading} \N{EM DASH} {group}", fontsize=9.5, loc="left")
+            ax.set_title(heading, fontsize=9, loc="left", pad=3)
             ax.set_yscale("log")
             _length_axis(ax, lengths)
             ax.tick_params(labelbottom=True, labelleft=True, labelsize=8)
-            if index == 0:
+            if index == 0:  # the family over its row of panels, the measure's name beside it
+                ax.annotate(group, (0, 1), xycoords="axes fraction", xytext=(0, 17), textcoords="offset points",
+                            fontsize=10, fontweight="bold", ha="left", va="bottom")
                 ax.set_ylabel(ylabel, fontsize=9)
         axes[-1][index].set_xlabel("sequence length N")
     plain_log_ticks(axes[0][0].yaxis)
     fig.canvas.draw()  # settles the limits: the labels are placed against them
     labels = {key: label_line_ends(axes[key[0]][key[1]], found) for key, found in ends.items()}
-    fig.suptitle(f"{title}\n{subtitle(data)}", fontsize=10, y=1 - 0.12 / height, va="top")
+    key = "softmax (black) in every panel as the reference"
+    if any(not row_is_own(row["mechanism"]) for row in rows):
+        key += "; dashed with hollow markers: a peer library, in its attnzoo counterpart's colour"
+    fig.suptitle(f"{title}\n{key}\n{subtitle(data)}", fontsize=10, y=1 - 0.1 / height, va="top")
     note = _missing_note(rows, columns)
     if note:
         fig.text(0.065, 0.05 / height, note, fontsize=8, ha="left", va="top")
@@ -148,7 +154,7 @@ def plot_time(data: Dict[str, Any], path: Path) -> None:
         message_figure(path, "Time against sequence length", "No configuration was timed.")
         return
     fig, _ = draw_lines(data, TIME_COLUMNS, "median time per call (ms)",
-                        "Time against sequence length (lower is faster; softmax, black, in every panel)")
+                        "Time against sequence length (lower is faster)")
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
 
@@ -159,8 +165,7 @@ def plot_memory(data: Dict[str, Any], path: Path) -> None:
         return
     method = "GPU allocator peak" if data["config"]["device"].startswith("cuda") else "resident-set peak"
     fig, _ = draw_lines(data, MEMORY_COLUMNS, "peak memory above inputs (MiB)",
-                        f"Peak memory against sequence length ({method}, each configuration in a fresh process; "
-                        "softmax, black, in every panel)")
+                        f"Peak memory against sequence length ({method}, each configuration in a fresh process)")
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
 
