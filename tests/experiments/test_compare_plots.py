@@ -166,6 +166,7 @@ def test_bubble_with_accuracy_places_forty_labels_clear_of_bubbles():
         plt.close(fig)
 
 
+@pytest.mark.slow
 def test_write_plots_writes_four_figures_of_reasonable_width(tmp_path):
     data = synthetic_result()
     paths = plots.write_plots(data, tmp_path, accuracy=None)

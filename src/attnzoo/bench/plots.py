@@ -173,10 +173,11 @@ def plot_memory(data: Dict[str, Any], path: Path) -> None:
 def _floor(ax: Any, xs: Sequence[float], ys: Sequence[float]) -> Tuple[str, float, float, Any]:
     """Uniform attention's error (the output of attention that ignores q and k) as a dotted line, the region
     above it shaded: no better than that floor. Returns its line end, to label with the lines."""
-    ax.plot(xs, ys, color=UNIFORM_COLOR, linestyle=":", linewidth=1.6)
-    xlim, ylim = ax.get_xlim(), ax.get_ylim()
-    ax.fill_between([xlim[0], *xs, xlim[1]], [ys[0], *ys, ys[-1]], max(ylim[1], max(ys) * 1.5),
-                    color=UNIFORM_COLOR, alpha=0.12, linewidth=0)
+    xlim = ax.get_xlim()
+    across, levels = [xlim[0], *xs, xlim[1]], [ys[0], *ys, ys[-1]]  # from edge to edge
+    ax.plot(across, levels, color=UNIFORM_COLOR, linestyle=":", linewidth=1.6)
+    ylim = ax.get_ylim()
+    ax.fill_between(across, levels, max(ylim[1], max(ys) * 1.5), color=UNIFORM_COLOR, alpha=0.12, linewidth=0)
     ax.set_xlim(xlim)
     ax.set_ylim(ylim[0], max(ylim[1], max(ys) * 1.5))
     return UNIFORM_LABEL, xs[-1], ys[-1], UNIFORM_COLOR
