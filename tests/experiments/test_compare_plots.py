@@ -144,7 +144,7 @@ def test_bubble_names_every_mechanism_with_an_error_at_its_value():
         plt.close(fig)
 
 
-def test_bubble_with_accuracy_places_forty_labels_clear_of_bubbles():
+def test_bubble_with_accuracy_places_forty_labels_clear_of_bubbles(tmp_path):
     data = synthetic_result()
     rng = random.Random(1)
     accuracy = {row["mechanism"]: rng.uniform(0.3, 0.7) for row in data["rows"]}
@@ -162,6 +162,8 @@ def test_bubble_with_accuracy_places_forty_labels_clear_of_bubbles():
             box = _boxes([label])[0]
             nearest = (min(max(x, box.x0), box.x1) - x) ** 2 + (min(max(y, box.y0), box.y1) - y) ** 2
             assert nearest >= (radius - 1) ** 2, f"{label.get_text()} covers its bubble"
+        fig.savefig(tmp_path / "bubble.png", dpi=fig.dpi, bbox_inches="tight")
+        assert png_size(tmp_path / "bubble.png")[0] <= MAX_BUBBLE_WIDTH
     finally:
         plt.close(fig)
 
