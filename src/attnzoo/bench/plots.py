@@ -1,14 +1,17 @@
 """The PNG figures of ``attnzoo compare`` (matplotlib, Agg backend: no display needed).
 
-time.png    time against N, log-log, one line per mechanism (forward and forward+backward panels)
-memory.png  peak memory against N, log-log
-error.png   error against exact softmax as the feature count / rank grows, for approximate mechanisms
+time.png    time against N, log-log: a row of panels per family of mechanisms (forward, forward+backward),
+            softmax in every panel as the reference, each line named at its end
+memory.png  peak memory against N, log-log, panelled as time.png (inference, training)
+error.png   error against exact softmax as the feature count / rank grows, and against N, for approximate
+            mechanisms; uniform attention's error drawn as the floor
 bubble.png  speed (x) against quality (y), bubble area = peak memory, as in the Long Range Arena paper
+            (:mod:`attnzoo.bench.bubble`)
 """
 
 from __future__ import annotations
 
-import math
+import textwrap
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -16,93 +19,33 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
-from matplotlib import ticker  # noqa: E402
-from matplotlib.transforms import Bbox  # noqa: E402
 
-from ..mechanisms import APPROXIMATE, OWN  # noqa: E402
+from ..mechanisms import APPROXIMATE  # noqa: E402
+from .bubble import plot_bubble  # noqa: E402
+from .plot_parts import (  # noqa: E402
+    DPI,
+    baseline_style,
+    end_label,
+    label_line_ends,
+    message_figure,
+    panel_styles,
+    panels,
+    plain_log_ticks,
+    row_is_own,
+    subtitle,
+)
 from .results import BASELINE  # noqa: E402
 
-EXACT_FLOOR = 1e-3  # errors below this are rounding; plotted at this floor and labelled exact
+__all__ = ["plot_bubble", "plot_error", "plot_memory", "plot_time", "write_plots"]
 
-
-def _subtitle(data: Dict[str, Any]) -> str:
-    config, machine = data["config"], data["machine"]
-    return (f"batch {config['batch']}, {config['heads']} heads, head dim {config['head_dim']}, {config['dtype']}, "
-            f"{'causal' if config['causal'] else 'non-causal'}; {machine['cpu']}, {machine['threads']} threads, "
-            f"torch {machine['torch']}")
-
-
-def _styles(rows: Sequence[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
-    """One colour per attnzoo mechanism; a peer takes its counterpart's colour, hollow markers, dashed line."""
-    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
-    markers = "osD^v<>pPX*h"
-    counterparts = {row["mechanism"]: row.get("counterpart") for row in rows}
-    names = list(counterparts)
-    own = [name for name in names if row_is_own(name)]
-    styles: Dict[str, Dict[str, Any]] = {}
-    for index, name in enumerate(own):
-        styles[name] = dict(color="black" if name == BASELINE else palette[index % len(palette)],
-                            marker=markers[index % len(markers)], linestyle="-",
-                            linewidth=2.6 if name == BASELINE else 1.6)
-    spare = len(own)
-    for index, name in enumerate(n for n in names if not row_is_own(n)):
-        twin = styles.get(counterparts[name] or "")
-        if twin is not None:
-            color = twin["color"]
-        else:
-            color, spare = palette[spare % len(palette)], spare + 1
-        styles[name] = dict(color=color, marker=markers[(index + 3) % len(markers)], linestyle="--", linewidth=1.3,
-                            markerfacecolor="white")
-    return styles
-
-
-def row_is_own(name: str) -> bool:
-    return not name.startswith("peer:")
-
-
-def _plain_log_ticks(axis: Any) -> None:
-    """Log axis ticks as plain numbers (0.01, 1, 100) rather than powers of ten."""
-    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
-    low, high = sorted(abs(v) for v in axis.get_view_interval())
-    decades = math.log10(high / low) if low > 0 else 10.0
-    # Within about two decades 1-2-5 ticks keep the axis readable; wider ranges get one tick per decade.
-    axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades < 2.5 else (1.0,)))
-    axis.set_major_formatter(plain)
-    axis.set_minor_formatter(ticker.NullFormatter())
-
-
-def _place_labels(fig: Any, ax: Any, items: Sequence[Tuple[str, float, float, float]]) -> None:
-    """Label each bubble (text, x, y, radius in points) beside it, on the first side that covers neither an
-    earlier label nor another bubble."""
-    fig.canvas.draw()  # settles the layout, so positions measured now are final
-    renderer = fig.canvas.get_renderer()
-    pixels_per_point = fig.dpi / 72
-    bubbles = []
-    for _, x, y, radius in items:
-        cx, cy = ax.transData.transform((x, y))
-        r = radius * pixels_per_point
-        bubbles.append(Bbox([[cx - r, cy - r], [cx + r, cy + r]]))
-    taken: List[Any] = []
-    for text, x, y, radius in items:
-        gap = radius + 3
-        best = None
-        for dx, dy, ha, va in ((gap, 0, "left", "center"), (-gap, 0, "right", "center"),
-                               (0, gap, "center", "bottom"), (0, -gap, "center", "top")):
-            label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
-                                fontsize=8)
-            box = label.get_window_extent(renderer)
-            collisions = sum(box.overlaps(other) for other in taken + bubbles)
-            collisions += 0 if ax.bbox.containsx(box.x0) and ax.bbox.containsx(box.x1) else 2
-            if best is None or collisions < best[0]:
-                if best is not None:
-                    best[1].remove()
-                best = (collisions, label, box)
-            else:
-                label.remove()
-            if collisions == 0:
-                break
-        assert best is not None
-        taken.append(best[2])
+PANEL_HEIGHT = 2.9  # inches per row of panels
+FIGURE_WIDTH = 13.0  # inches: two panels, each with its lines' names in the margin to its right
+UNIFORM_COLOR = "gray"
+UNIFORM_LABEL = "uniform attention (floor: ignores q, k)"
+Columns = Sequence[Tuple[str, str]]  # (column of results.json, the panel's heading)
+TIME_COLUMNS = (("forward_ms", "forward"), ("forward_backward_ms", "forward + backward"))
+MEMORY_COLUMNS = (("forward_peak_memory_mib", "forward (inference)"),
+                  ("peak_memory_mib", "forward + backward (training)"))
 
 
 def _series(rows: Sequence[Dict[str, Any]], column: str) -> Dict[str, Tuple[List[int], List[float]]]:
@@ -116,7 +59,7 @@ def _series(rows: Sequence[Dict[str, Any]], column: str) -> Dict[str, Tuple[List
 
 
 def _stop_notes(rows: Sequence[Dict[str, Any]]) -> Dict[str, str]:
-    """Mechanism -> why its line ends early ("oom at 4096"), for the legend."""
+    """Mechanism -> why its line ends early ("oom at 4096"), for its label."""
     notes: Dict[str, str] = {}
     for row in sorted(rows, key=lambda row: row["length"]):
         if row["status"] in ("oom", "timeout", "failed", "unsupported") and row["mechanism"] not in notes:
@@ -125,201 +68,196 @@ def _stop_notes(rows: Sequence[Dict[str, Any]]) -> Dict[str, str]:
     return notes
 
 
-def _lines_panel(ax: Any, data: Dict[str, Any], column: str, styles: Dict[str, Dict[str, Any]], ylabel: str,
-                 title: str) -> None:
-    notes = _stop_notes(data["rows"])
-    for name, (xs, ys) in _series(data["rows"], column).items():
-        label = f"{name} ({notes[name]})" if name in notes else name
-        if xs:
-            ax.plot(xs, ys, label=label, markersize=5, **styles[name])
+def _length_axis(ax: Any, lengths: Sequence[int]) -> None:
+    """A log axis with a tick at each length, the last near the right edge where the lines' names begin."""
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    _plain_log_ticks(ax.yaxis)
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    lengths = sorted({row["length"] for row in data["rows"]})
+    ax.set_xlim(lengths[0] / (1.12 if len(lengths) > 1 else 2.0), lengths[-1] * 1.12)
     ax.set_xticks(lengths)
     ax.set_xticklabels([str(n) for n in lengths])
+    ax.grid(True, which="both", alpha=0.3)
 
 
-def _legend_right(fig: Any, ax: Any, data: Dict[str, Any], column: str) -> None:
-    """The legend beside the panels, and below them the mechanisms that have no point at all, and why."""
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(0.995, 0.5), fontsize=8, frameon=False)
-    missing = []
-    for name, (xs, _) in _series(data["rows"], column).items():
-        if not xs:
-            row = next(row for row in data["rows"] if row["mechanism"] == name)
-            missing.append(f"{name}: {row['reason'] or row['status']}")
-    if missing:
-        fig.text(0.01, -0.02, "not shown: " + "; ".join(missing), fontsize=8, ha="left", va="top", wrap=True)
+def _draw_panel(ax: Any, series: Dict[str, Tuple[List[int], List[float]]], units: Sequence[Sequence[str]],
+                notes: Dict[str, str]) -> List[Tuple[str, float, float, Any]]:
+    """Softmax and each unit's lines; returns the line ends to label."""
+    styles = panel_styles(units)
+    ends = []
+    for name in [BASELINE] + [name for unit in units for name in unit]:
+        xs, ys = series.get(name, ([], []))
+        if xs:
+            ax.plot(xs, ys, markersize=4, **styles[name])
+            ends.append((end_label(name, notes.get(name)), xs[-1], ys[-1], styles[name]["color"]))
+    return ends
+
+
+def _missing_note(rows: Sequence[Dict[str, Any]], columns: Columns) -> str:
+    """The mechanisms with no point at all in a column, and why."""
+    parts = []
+    for column, heading in columns:
+        series = _series(rows, column)
+        missing = []
+        for name, (xs, _) in series.items():
+            if not xs:
+                row = next(row for row in rows if row["mechanism"] == name)
+                missing.append(f"{name} ({row['reason'] or row['status']})")
+        if missing:
+            parts.append(f"no {heading} measurement: " + "; ".join(missing))
+    return "\n".join(textwrap.fill(part, 190) for part in parts)
+
+
+def draw_lines(data: Dict[str, Any], columns: Columns, ylabel: str, title: str) -> Tuple[Any, Dict[Any, List[Any]]]:
+    """time.png or memory.png, unsaved: a row of panels per family (:func:`~attnzoo.bench.plot_parts.panels`),
+    a column per measure. Returns the figure and each panel's line labels, by (row, column)."""
+    rows = data["rows"]
+    groups = panels(rows) or [("softmax alone", [])]
+    height = PANEL_HEIGHT * len(groups) + 1.5
+    fig, axes = plt.subplots(len(groups), len(columns), figsize=(FIGURE_WIDTH, height), sharex=True,
+                             sharey=True, squeeze=False, dpi=DPI)
+    fig.subplots_adjust(left=0.065, right=0.865, top=1 - 1.15 / height, bottom=0.55 / height, wspace=0.62,
+                        hspace=0.55)
+    notes = _stop_notes(rows)
+    lengths = sorted({row["length"] for row in rows})
+    ends = {}
+    for index, (column, heading) in enumerate(columns):
+        series = _series(rows, column)
+        for place, (group, units) in enumerate(groups):
+            ax = axes[place][index]
+            ends[place, index] = _draw_panel(ax, series, units, notes)
+            ax.set_title(heading, fontsize=9, loc="left", pad=3)
+            ax.set_yscale("log")
+            _length_axis(ax, lengths)
+            ax.tick_params(labelbottom=True, labelleft=True, labelsize=8)
+            if index == 0:  # the family over its row of panels, the measure's name beside it
+                ax.annotate(group, (0, 1), xycoords="axes fraction", xytext=(0, 17), textcoords="offset points",
+                            fontsize=10, fontweight="bold", ha="left", va="bottom")
+                ax.set_ylabel(ylabel, fontsize=9)
+        axes[-1][index].set_xlabel("sequence length N")
+    plain_log_ticks(axes[0][0].yaxis)
+    fig.canvas.draw()  # settles the limits: the labels are placed against them
+    labels = {key: label_line_ends(axes[key[0]][key[1]], found) for key, found in ends.items()}
+    key = "softmax (black) in every panel as the reference"
+    if any(not row_is_own(row["mechanism"]) for row in rows):
+        key += "; dashed with hollow markers: a peer library, in its attnzoo counterpart's colour"
+    fig.suptitle(f"{title}\n{key}\n{subtitle(data)}", fontsize=10, y=1 - 0.1 / height, va="top")
+    note = _missing_note(rows, columns)
+    if note:
+        fig.text(0.065, 0.05 / height, note, fontsize=8, ha="left", va="top")
+    return fig, labels
+
+
+def _any_point(data: Dict[str, Any], columns: Columns) -> bool:
+    return any(xs for column, _ in columns for xs, _ in _series(data["rows"], column).values())
 
 
 def plot_time(data: Dict[str, Any], path: Path) -> None:
-    styles = _styles(data["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
-    _lines_panel(axes[0], data, "forward_ms", styles, "median time per call (ms)", "forward")
-    _lines_panel(axes[1], data, "forward_backward_ms", styles, "median time per call (ms)", "forward + backward")
-    fig.suptitle(f"Time against sequence length (lower is faster)\n{_subtitle(data)}", fontsize=10)
-    _legend_right(fig, axes[1], data, "forward_backward_ms")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    if not _any_point(data, TIME_COLUMNS):
+        message_figure(path, "Time against sequence length", "No configuration was timed.")
+        return
+    fig, _ = draw_lines(data, TIME_COLUMNS, "median time per call (ms)",
+                        "Time against sequence length (lower is faster)")
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
 
 
 def plot_memory(data: Dict[str, Any], path: Path) -> None:
-    styles = _styles(data["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
-    _lines_panel(axes[0], data, "forward_peak_memory_mib", styles, "peak memory above inputs (MiB)",
-                 "forward (inference, no autograd graph)")
-    _lines_panel(axes[1], data, "peak_memory_mib", styles, "peak memory above inputs (MiB)",
-                 "forward + backward (training)")
+    if not _any_point(data, MEMORY_COLUMNS):
+        message_figure(path, "Peak memory against sequence length", "No configuration had its memory measured.")
+        return
     method = "GPU allocator peak" if data["config"]["device"].startswith("cuda") else "resident-set peak"
-    fig.suptitle(f"Peak memory against sequence length ({method}, each configuration in a fresh process)\n"
-                 f"{_subtitle(data)}", fontsize=10)
-    _legend_right(fig, axes[1], data, "peak_memory_mib")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig, _ = draw_lines(data, MEMORY_COLUMNS, "peak memory above inputs (MiB)",
+                        f"Peak memory against sequence length ({method}, each configuration in a fresh process)")
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
 
 
-def _message_figure(path: Path, title: str, message: str) -> None:
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.axis("off")
-    ax.set_title(title)
-    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, fontsize=11)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+def _floor(ax: Any, xs: Sequence[float], ys: Sequence[float]) -> Tuple[str, float, float, Any]:
+    """Uniform attention's error (the output of attention that ignores q and k) as a dotted line, the region
+    above it shaded: no better than that floor. Returns its line end, to label with the lines."""
+    xlim = ax.get_xlim()
+    across, levels = [xlim[0], *xs, xlim[1]], [ys[0], *ys, ys[-1]]  # from edge to edge
+    ax.plot(across, levels, color=UNIFORM_COLOR, linestyle=":", linewidth=1.6)
+    ylim = ax.get_ylim()
+    ax.fill_between(across, levels, max(ylim[1], max(ys) * 1.5), color=UNIFORM_COLOR, alpha=0.12, linewidth=0)
+    ax.set_xlim(xlim)
+    ax.set_ylim(ylim[0], max(ylim[1], max(ys) * 1.5))
+    return UNIFORM_LABEL, xs[-1], ys[-1], UNIFORM_COLOR
+
+
+def _sweep_panel(ax: Any, sweeps: Sequence[Dict[str, Any]]) -> List[Tuple[str, float, float, Any]]:
+    """Error against each sweep's option (features, rank, landmarks); returns the line ends to label."""
+    if not sweeps:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no approximate mechanism takes a\nfeature-count or rank option", ha="center",
+                va="center")
+        return []
+    names = [f"{sweep['mechanism']} ({sweep['option']})" for sweep in sweeps]
+    styles = panel_styles([[name] for name in names])
+    ends = []
+    for sweep, name in zip(sweeps, names):
+        points = [p for p in sweep["points"] if p.get("error")]
+        xs, ys = [p["value"] for p in points], [p["error"] for p in points]
+        ax.plot(xs, ys, markersize=5, **styles[name])
+        ends.append((name, xs[-1], ys[-1], styles[name]["color"]))
+    values = sorted({p["value"] for sweep in sweeps for p in sweep["points"]})
+    _length_axis(ax, values)
+    ax.set_yscale("log")
+    uniform = next((sweep["uniform_error"] for sweep in sweeps if sweep.get("uniform_error")), None)
+    if uniform:
+        ends.append(_floor(ax, [values[0], values[-1]], [uniform, uniform]))
+    plain_log_ticks(ax.yaxis)
+    ax.set_title(f"error against feature count / rank at N={sweeps[0]['length']}", fontsize=10)
+    ax.set_xlabel("features / rank / landmarks (the mechanism's option)")
+    ax.set_ylabel("relative error ||out - softmax|| / ||softmax||")
+    return ends
+
+
+def _length_panel(ax: Any, data: Dict[str, Any],
+                  rows: Sequence[Dict[str, Any]]) -> List[Tuple[str, float, float, Any]]:
+    """Error against N at default options; returns the line ends to label."""
+    series = _series(rows, "error")
+    styles = panel_styles([unit for _, units in panels(rows) for unit in units])
+    ends = []
+    for name, (xs, ys) in series.items():
+        if xs:
+            ax.plot(xs, ys, markersize=5, **styles.get(name, baseline_style()))
+            ends.append((name, xs[-1], ys[-1], styles.get(name, baseline_style())["color"]))
+    _length_axis(ax, sorted({row["length"] for row in data["rows"]}))
+    ax.set_yscale("log")
+    uniform = sorted((item["length"], item["error"]) for item in data.get("uniform_error", []) if item.get("error"))
+    if uniform:
+        ends.append(_floor(ax, [n for n, _ in uniform], [e for _, e in uniform]))
+    plain_log_ticks(ax.yaxis)
+    ax.set_xlabel("sequence length N (default options)")
+    ax.set_ylabel("relative error against exact softmax")
+    ax.set_title("error against sequence length", fontsize=10)
+    return ends
+
+
+def draw_error(data: Dict[str, Any]) -> Optional[Tuple[Any, List[Any]]]:
+    """error.png, unsaved: the figure and its line labels, or None when no approximate mechanism has an error."""
+    sweeps = [sweep for sweep in data.get("sweeps", []) if any(p.get("error") for p in sweep["points"])]
+    rows = [row for row in data["rows"] if row.get("kind") == APPROXIMATE and row.get("error")]
+    if not sweeps and not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(FIGURE_WIDTH, 5.2), dpi=DPI)
+    fig.subplots_adjust(left=0.07, right=0.86, top=0.84, bottom=0.11, wspace=0.62)
+    ends = [_sweep_panel(axes[0], sweeps), _length_panel(axes[1], data, rows)]
+    fig.canvas.draw()  # settles the limits: the labels are placed against them
+    labels = [label for ax, found in zip(axes, ends) for label in label_line_ends(ax, found)]
+    fig.suptitle("Approximation error against exact softmax on the same random inputs (lower is better; shaded: "
+                 "no better than the floor, uniform attention)\n" + subtitle(data), fontsize=10)
+    return fig, labels
 
 
 def plot_error(data: Dict[str, Any], path: Path) -> None:
     """Error against the swept option (left) and, for approximate mechanisms, against N (right)."""
-    sweeps = [sweep for sweep in data.get("sweeps", []) if any(p.get("error") for p in sweep["points"])]
-    approximate_rows = [row for row in data["rows"] if row.get("kind") == APPROXIMATE and row.get("error")]
-    if not sweeps and not approximate_rows:
-        _message_figure(path, "Approximation error against exact softmax",
-                        "No approximate mechanism was measured,\nso there is no approximation error to show.")
+    drawn = draw_error(data)
+    if drawn is None:
+        message_figure(path, "Approximation error against exact softmax",
+                       "No approximate mechanism was measured,\nso there is no approximation error to show.")
         return
-    styles = _styles(data["rows"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
-    ax = axes[0]
-    uniform_levels = []
-    for sweep in sweeps:
-        points = [p for p in sweep["points"] if p.get("error")]
-        style = dict(styles.get(sweep["mechanism"], {}), linestyle="-")
-        ax.plot([p["value"] for p in points], [p["error"] for p in points], markersize=5,
-                label=f"{sweep['mechanism']} ({sweep['option']})", **style)
-        if sweep.get("uniform_error"):
-            uniform_levels.append(sweep["uniform_error"])
-    if uniform_levels:
-        ax.axhline(uniform_levels[0], color="gray", linestyle=":", linewidth=1.5,
-                   label="uniform attention (ignores q, k)")
-    if sweeps:
-        values = sorted({p["value"] for sweep in sweeps for p in sweep["points"]})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(values)
-        ax.set_xticklabels([str(v) for v in values])
-        ax.set_yscale("log")
-        _plain_log_ticks(ax.yaxis)
-        ax.legend(fontsize=8)
-        ax.set_title(f"error against feature count / rank at N={sweeps[0]['length']}")
-    else:
-        ax.axis("off")
-        ax.text(0.5, 0.5, "no approximate mechanism takes a\nfeature-count or rank option", ha="center",
-                va="center")
-    ax.set_xlabel("features / rank / landmarks (the mechanism's option)")
-    ax.set_ylabel("relative error ||out - softmax|| / ||softmax||")
-    ax.grid(True, which="both", alpha=0.3)
-
-    ax = axes[1]
-    for name, (xs, ys) in _series(approximate_rows, "error").items():
-        ax.plot(xs, ys, label=name, markersize=5, **styles[name])
-    uniform = [(item["length"], item["error"]) for item in data.get("uniform_error", []) if item.get("error")]
-    if uniform:
-        ax.plot(*zip(*uniform), color="gray", linestyle=":", linewidth=1.5, label="uniform attention")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    _plain_log_ticks(ax.yaxis)
-    lengths = sorted({row["length"] for row in data["rows"]})
-    ax.set_xticks(lengths)
-    ax.set_xticklabels([str(n) for n in lengths])
-    ax.set_xlabel("sequence length N (default options)")
-    ax.set_ylabel("relative error against exact softmax")
-    ax.set_title("error against sequence length")
-    ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.suptitle("Approximation error against exact softmax on the same random inputs (lower is better; "
-                 "above the dotted line the output carries less about q, k than a plain average)\n"
-                 + _subtitle(data), fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _bubble_length(data: Dict[str, Any]) -> Optional[int]:
-    """The longest length at which softmax was measured: every ratio there has its baseline."""
-    measured = [row["length"] for row in data["rows"] if row["mechanism"] == BASELINE and row["forward_backward_ms"]]
-    return max(measured) if measured else None
-
-
-def plot_bubble(data: Dict[str, Any], path: Path, accuracy: Optional[Dict[str, float]] = None) -> None:
-    """Speed against quality with bubble area proportional to peak memory, at the longest softmax length."""
-    length = _bubble_length(data)
-    rows = [row for row in data["rows"] if row["length"] == length and row["forward_backward_ms"]
-            and row["peak_memory_mib"] is not None]
-    own = sorted({row["mechanism"] for row in rows if row.get("kind") == OWN})
-    if accuracy:
-        points = [(row, accuracy[row["mechanism"]]) for row in rows if row["mechanism"] in accuracy]
-        ylabel, title_quality = "accuracy (from --accuracy; higher is better)", "accuracy"
-    else:
-        # An attention of its own has no approximation error: its distance from softmax is no quality measure.
-        points = [(row, max(row["error"], EXACT_FLOOR)) for row in rows
-                  if row.get("error") is not None and row.get("kind") != OWN]
-        ylabel, title_quality = "relative error against exact softmax (log; better is up)", "approximation error"
-    if not points:
-        _message_figure(path, "Speed, quality and memory", "Nothing to plot: no mechanism has both a time and a "
-                        "quality measurement." if length else "Softmax, the baseline, was not measured.")
-        return
-    tokens_per_s = [row["batch"] * row["length"] / (row["forward_backward_ms"] / 1e3) for row, _ in points]
-    memory = [row["peak_memory_mib"] for row, _ in points]
-    largest = max(max(memory), 1e-9)
-    sizes = [60 + 2400 * m / largest for m in memory]  # area proportional to memory, smallest still visible
-    styles = _styles(data["rows"])
-    fig, ax = plt.subplots(figsize=(10, 6.5), constrained_layout=True)
-    labels = []
-    for (row, quality), x, size in zip(points, tokens_per_s, sizes):
-        style = styles[row["mechanism"]]
-        ax.scatter([x], [quality], s=size, color=style["color"], alpha=0.45, edgecolors="black", linewidths=0.8,
-                   linestyle="--" if style["linestyle"] == "--" else "-")
-        label = row["mechanism"] + (" (exact)" if not accuracy and row["error"] < EXACT_FLOOR else "")
-        labels.append((label, x, quality, math.sqrt(size / math.pi)))  # radius in points of this area
-    ax.set_xscale("log")
-    ax.set_xlabel(f"speed: tokens per second, forward+backward at N={length} (log; faster to the right)")
-    ax.set_ylabel(ylabel)
-    if not accuracy:
-        ax.set_yscale("log")
-        ax.invert_yaxis()
-        _plain_log_ticks(ax.yaxis)
-        uniform = next((item["error"] for item in data.get("uniform_error", [])
-                        if item["length"] == length and item.get("error")), None)
-        if uniform:
-            ax.axhline(uniform, color="gray", linestyle=":", linewidth=1.5)
-            ax.annotate("uniform attention (ignores q, k)", (0.01, uniform), xycoords=("axes fraction", "data"),
-                        xytext=(0, 3), textcoords="offset points", fontsize=8, color="dimgray")
-    _plain_log_ticks(ax.xaxis)
-    ax.grid(True, which="both", alpha=0.3)
-    for reference in sorted({min(memory), largest}):
-        ax.scatter([], [], s=60 + 2400 * reference / largest, color="gray", alpha=0.4, edgecolors="black",
-                   label=f"{reference:.1f} MiB")
-    ax.legend(title="peak memory (bubble area)", loc="best", fontsize=8, labelspacing=2.2, borderpad=1.2)
-    ax.margins(0.15)
-    _place_labels(fig, ax, labels)
-    note = ("\nnot shown, as attentions of their own have no approximation error (give --accuracy to place them): "
-            + ", ".join(own) if not accuracy and own else "")
-    fig.suptitle(f"Speed against {title_quality}, bubble area = peak memory (N={length})\n{_subtitle(data)}"
-                 + note, fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig, _ = drawn
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -332,4 +270,3 @@ def write_plots(data: Dict[str, Any], output: Path, accuracy: Optional[Dict[str,
     plot_error(data, paths["error"])
     plot_bubble(data, paths["bubble"], accuracy)
     return paths
-
