@@ -51,7 +51,7 @@ def test_held_to_the_whole_conformance_suite(toy_class):
 
 def test_listed(tmp_path):
     code = (f"import sys; sys.path.insert(0, {str(TOY.parent)!r}); import toy_new_mechanism; "
-            "from attnzoo.cli import main; sys.exit(main(['list']))")
+            "from attnzoo.cli import main; sys.exit(main(['list', '--wide']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("toy-quantized"))

@@ -105,8 +105,8 @@ def packing_refusal(config: TrainConfig, task: Task) -> Optional[str]:
     for name, options in config.attention_items():
         who = _who(config, name, options)
         if mechanism_class(name).length_option is not None:
-            return (f"{who}: {name}'s learned tables span the task's length, and a packed row holds a whole batch "
-                    f"(batch_size * seq_len positions)")
+            return (f"{who + ': ' if config.layers is not None else ''}{name}'s learned tables span the task's "
+                    f"length, and a packed row holds a whole batch (batch_size * seq_len positions)")
         mechanism = _built(config, task, name, options)
         if not mechanism.capabilities.packed:
             return (f"{who if config.layers is not None else mechanism.name} does not take packed batches "
