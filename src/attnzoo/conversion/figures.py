@@ -12,6 +12,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
 
+SMOOTHING = 10  # steps in the running mean drawn over each stage's losses
+
+
+def _running_mean(values: Sequence[float], width: int) -> list:
+    """The mean of each ``width`` consecutive values (len(values) - width + 1 of them)."""
+    return [sum(values[i - width + 1 : i + 1]) / width for i in range(width - 1, len(values))]
+
+
 def plot_history(history: Sequence[Dict[str, Any]], layer_errors: Sequence[float], kept: Sequence[int],
                  path: Path) -> None:
     """Write the three panels (stage 1 loss, stage 2 loss, per-layer error) to ``path``."""
@@ -20,7 +28,12 @@ def plot_history(history: Sequence[Dict[str, Any]], layer_errors: Sequence[float
                                (axes[1], "finetune", "stage 2: low-rank fine-tune")):
         rows = [row for row in history if row["stage"] == stage]
         if rows:
-            axis.plot([row["tokens"] for row in rows], [row["loss"] for row in rows], lw=1.2)
+            tokens, losses = [row["tokens"] for row in rows], [row["loss"] for row in rows]
+            axis.plot(tokens, losses, lw=0.8, alpha=0.45, color="tab:blue", label="each step")
+            if len(rows) >= SMOOTHING:  # the windows alternate prose and code: the steps zigzag
+                axis.plot(tokens[SMOOTHING - 1:], _running_mean(losses, SMOOTHING), lw=1.8, color="tab:blue",
+                          label=f"mean of the last {SMOOTHING}")
+                axis.legend(fontsize=8)
             axis.set_yscale("log")
         else:
             axis.text(0.5, 0.5, "no steps", ha="center", va="center", transform=axis.transAxes)
