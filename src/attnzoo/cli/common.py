@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional, Sequence, Tuple, Union
 
+# One reading of a command-line value (true/false, none, numbers, text), the same in --set and --layers.
+from ..models.schedule import parse_value
+
 EXIT_OK = 0
 EXIT_FAILED_ROWS = 1
 EXIT_USAGE = 2
@@ -68,19 +71,6 @@ def describe(error: BaseException) -> str:
 
 
 # -- values ----------------------------------------------------------------------------------------------------
-def parse_value(raw: str) -> Any:
-    """A command-line value: true/false, none, an int, a float, else the string itself."""
-    text = raw.strip()
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    if text.lower() == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 def parse_options(text: str) -> Dict[str, Any]:
