@@ -71,8 +71,6 @@ def describe(error: BaseException) -> str:
 
 
 # -- values ----------------------------------------------------------------------------------------------------
-
-
 def parse_options(text: str) -> Dict[str, Any]:
     """Options given as a JSON object (``'{"size": 16}'``) or as ``key=value`` pairs separated by commas
     (``size=16,seed=1``)."""
