@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli_runs import run_cli
 from attnzoo.cli import main
 from attnzoo.tasks import load
 from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
@@ -29,13 +30,7 @@ def weights(output):
     return load_file(str(find_checkpoint(output) / "model.safetensors"))
 
 
-def _cli(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:  # argparse's own errors
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_cli = run_cli  # attnzoo in-process: (exit code, stdout, stderr)
 
 
 def test_a_mixed_stack_resumes_bit_identically_and_records_its_schedule(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import attnzoo
+from cli_runs import run_cli
 from attnzoo import UnsupportedOptionError
 from attnzoo.cli import main
 from attnzoo.training import (
@@ -231,13 +232,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint_in_place(run_di
 
 
 # -- command line --------------------------------------------------------------------------------------------
-def _cli(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:  # argparse's own errors
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+_cli = run_cli  # attnzoo in-process: (exit code, stdout, stderr)
 
 
 def test_version(capsys):
