@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from cli_runs import run_cli
-from attnzoo.cli import main
 from attnzoo.tasks import load
 from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
 from attnzoo.training.checkpoint import read_config
