@@ -224,12 +224,18 @@ def test_padding_on_either_side_across_window_blocks(side):
     torch.testing.assert_close(together[:, :, real], alone, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("sinks", [0, 4])
-def test_decoding_past_the_ring_wrap_and_branching(sinks):
-    mechanism = build_mechanism("lolcats", 2, 8, window=6, feature_dim=3, sink_tokens=sinks).double()
+def _drawn(**options):
+    """A float64 ``lolcats`` (2 heads of 8) with every parameter drawn from N(0, 1), so that each one matters."""
+    mechanism = build_mechanism("lolcats", 2, 8, **options).double()
     with torch.no_grad():
         for parameter in mechanism.parameters():
             parameter.normal_()
+    return mechanism
+
+
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_decoding_past_the_ring_wrap_and_branching(sinks):
+    mechanism = _drawn(window=6, feature_dim=3, sink_tokens=sinks)
     q, k, v = _inputs(length=40)
     with torch.no_grad():
         full = mechanism(q, k, v, causal=True)
@@ -254,10 +260,7 @@ def test_decoding_past_the_ring_wrap_and_branching(sinks):
 def test_decoding_with_sinks_from_a_prompt_shorter_than_them(prompt):
     """The sinks written while decoding (a prompt shorter than them, or none) and the keys that leave the
     window after them joining the linear state: the steps equal the parallel form."""
-    mechanism = build_mechanism("lolcats", 2, 8, window=3, feature_dim=3, sink_tokens=3).double()
-    with torch.no_grad():
-        for parameter in mechanism.parameters():
-            parameter.normal_()
+    mechanism = _drawn(window=3, feature_dim=3, sink_tokens=3)
     q, k, v = _inputs(length=16)
     with torch.no_grad():
         full = mechanism(q, k, v, causal=True)
