@@ -115,16 +115,27 @@ def check_output(output: Union[str, os.PathLike], config: ConversionConfig, sour
     return (Path(output) / CHECKPOINT).exists()
 
 
-def _start(output: Path, config: ConversionConfig, source: Mapping[str, Any],
-           command: Optional[Sequence[str]], transfer_from: Optional[str]) -> Optional[Dict[str, Any]]:
-    """Write (or check) the folder's settings; returns the checkpoint to resume from, or None."""
-    resuming = check_output(output, config, source)
+def _start(output: Path, config: ConversionConfig, source: Mapping[str, Any], command: Optional[Sequence[str]],
+           transfer_from: Optional[str], resuming: bool) -> Optional[Dict[str, Any]]:
+    """Write the folder's settings (:func:`check_output` has checked them and said whether it is ``resuming``);
+    returns the checkpoint to resume from, or None."""
     output.mkdir(parents=True, exist_ok=True)
     if not (output / SETTINGS).exists():
         settings = {**_settings(config, source), "command": list(command) if command else None,
                     "transfer_from": transfer_from}
         (output / SETTINGS).write_text(json.dumps(settings, indent=2))
     return torch.load(output / CHECKPOINT, weights_only=True) if resuming else None
+
+
+def _stage_1_source(output: Path, given: Optional[Union[str, os.PathLike]]) -> Optional[str]:
+    """The conversion whose stage 1 this one starts from: ``given``, or what the folder's settings recorded (a
+    conversion stopped before its first checkpoint starts from the same one); another one than recorded is
+    refused."""
+    recorded = json.loads((output / SETTINGS).read_text()).get("transfer_from") if (output / SETTINGS).exists() \
+        else None
+    if given is not None and recorded is not None and str(given) != recorded:
+        raise ValueError(f"--transfer-from {given}: output {str(output)!r} started from {recorded}")
+    return str(given) if given is not None else recorded
 
 
 def transfer_start(folder: Union[str, os.PathLike], config: ConversionConfig, source: Mapping[str, Any],
@@ -246,13 +257,12 @@ def convert(
         if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.shape[1] != config.seq_len:
             raise ValueError(f"{name} must be a (n, seq_len={config.seq_len}) tensor of token ids")
     teacher.requires_grad_(False).eval()
-    reused = None if transfer_from is None else str(transfer_from)
-    if (output / SETTINGS).exists():  # stopped before its first checkpoint: it starts from the same stage 1
-        reused = reused or json.loads((output / SETTINGS).read_text()).get("transfer_from")
+    resuming = check_output(output, config, source)  # before anything is written
+    reused = _stage_1_source(output, transfer_from)
     reused_state = None
-    if reused is not None and not check_output(output, config, source):  # checked before anything is written
+    if reused is not None and not resuming:
         reused_state = transfer_start(reused, config, source, teacher.config.depth)
-    state = _start(output, config, source, command, reused) or reused_state or {
+    state = _start(output, config, source, command, reused, resuming) or reused_state or {
         "format": FORMAT, "stage": TRANSFER, "step": 0, "tensors": {}, "optimizer": {}, "history": [],
         "layer_errors": [], "kept": [], "perplexity": {}, "seconds": {},
     }

@@ -23,6 +23,7 @@ measurement), ``lm-eval.md`` (the tables) and the figures ``lm-eval-perplexity.p
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,15 +201,15 @@ def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
         layers = ([(variant.mechanism, dict(variant.options))] if variant.converted is None
                   else converted_layers(descriptions[variant.converted][1]))
         option = OPTION["variants" if variant.converted is None else "converted"]
-        for mechanism, options in layers:
+        distinct = {json.dumps(layer, sort_keys=True, default=str): layer for layer in layers}  # each kind once
+        for mechanism, options in distinct.values():
             reason = _slot_refusal(model_config, mechanism, options, max(_variant_lengths(config)), option,
                                    variant.label)
             if reason is not None:
                 cannot_decode[variant.label] = reason
     if needs_tokenizer and TOKENIZER_FIELD not in file.array_lengths:
         raise ValueError(f"{OPTION['gguf']}: {path.name} holds no tokenizer ({TOKENIZER_FIELD}), which lm-eval needs")
-    return Prepared(path, file, model_config, variants, cannot_decode,
-                    {folder: descriptions[folder] for folder in descriptions})
+    return Prepared(path, file, model_config, variants, cannot_decode, descriptions)
 
 
 def _converted_description(folder: str, path: Path) -> Tuple[Path, Dict[str, Any]]:
