@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from attnzoo.cli import main
+from resumed_runs import same_weights, whole_and_resumed
 from attnzoo.tasks import IGNORE_INDEX, load
-from attnzoo.training import TrainConfig, batch_indices, build_model, find_checkpoint, train
+from attnzoo.training import TrainConfig, batch_indices, build_model, train
 from attnzoo.training.evaluation import loss_and_tally, model_logits, take
 from attnzoo.training.length_groups import LengthGroupedOrder, example_lengths, trimmed_batch
 
@@ -89,17 +89,8 @@ def test_the_loss_of_a_trimmed_batch_is_the_padded_batch_loss(task, options):
 @pytest.mark.parametrize("task, options", [("copy", COPY), ("listops", LISTOPS)])
 def test_an_interrupted_grouped_run_resumes_to_bit_identical_parameters(tmp_path, task, options):
     config = TrainConfig(task, task_options=options, group_by_length=True, dropout=0.1, **SMALL)
-    whole = train(config, tmp_path / "whole", progress=False)
-
-    def stop_at_4(step, metrics):
-        if step == 4:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(config, tmp_path / "cut", progress=False, on_step=stop_at_4)
-    resumed = train(None, tmp_path / "cut", resume=True, progress=False)
-    a, b = (load_file(str(find_checkpoint(tmp_path / run) / "model.safetensors")) for run in ("whole", "cut"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    whole, resumed = whole_and_resumed(config, tmp_path, stop_at=4)
+    assert same_weights(tmp_path)
     assert resumed.test["loss"] == whole.test["loss"] and resumed.config.group_by_length
     # and it trained on other batches than the ungrouped run
     plain = train(TrainConfig(task, task_options=options, dropout=0.1, **SMALL), None, progress=False)

@@ -8,12 +8,11 @@ import json
 import re
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from cli_runs import run_cli
+from resumed_runs import same_weights, whole_and_resumed
 from attnzoo.tasks import load
-from attnzoo.training import TrainConfig, build_model, find_checkpoint, train
+from attnzoo.training import TrainConfig, build_model, find_checkpoint
 from attnzoo.training.checkpoint import read_config
 
 GATED, SOFTMAX = "gated_delta", "softmax"
@@ -25,10 +24,6 @@ SMALL = ["--dim", "16", "--depth", "2", "--heads", "2", "--batch-size", "4", "--
          "--eval-batches", "1", "--quiet"]
 
 
-def weights(output):
-    return load_file(str(find_checkpoint(output) / "model.safetensors"))
-
-
 _cli = run_cli  # attnzoo in-process: (exit code, stdout, stderr)
 
 
@@ -38,17 +33,8 @@ def test_a_mixed_stack_resumes_bit_identically_and_records_its_schedule(tmp_path
     assert config.layers == RECORDED and config.model_label == f"{GATED}+mamba2"
     model = build_model(config, load("bytes", **BYTES))
     assert [type(layer).__name__ for layer in model.decoder.layers] == ["DecoderLayer", "Mamba2DecoderLayer"]
-    whole = train(config, tmp_path / "whole", progress=False)
-
-    def stop_at_two(step, metrics):
-        if step == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(config, tmp_path / "cut", progress=False, on_step=stop_at_two)
-    resumed = train(None, tmp_path / "cut", resume=True, progress=False)
-    a, b = weights(tmp_path / "whole"), weights(tmp_path / "cut")
-    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    whole, resumed = whole_and_resumed(config, tmp_path, stop_at=2)
+    assert same_weights(tmp_path)
     assert resumed.test == whole.test
     assert read_config(find_checkpoint(tmp_path / "cut"))["train"]["layers"] == RECORDED
 
