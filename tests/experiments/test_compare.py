@@ -23,6 +23,7 @@ from attnzoo.bench.measure import (
     make_inputs,
     reference_output,
     relative_error,
+    scaled_logits,
     uniform_attention,
 )
 from attnzoo.bench.peers import PEERS, build_peer, peer_installed
@@ -105,6 +106,15 @@ def test_relative_error_of_exact_attention_is_rounding_and_uniform_attention_is_
         assert relative_error(uniform_attention(inputs.v.double(), causal), reference) > 0.1
 
 
+@pytest.mark.parametrize("logit_std", [1.0, 0.5, 0.25])
+def test_scaled_logits_give_the_logits_that_spread_and_keep_v(logit_std):
+    inputs = make_inputs(1, 4, 512, 64, torch.float64, "cpu", seed=2)
+    scaled = scaled_logits(inputs, logit_std)
+    logits = scaled.q @ scaled.k.transpose(-1, -2) / 64 ** 0.5
+    assert float(logits.std()) == pytest.approx(logit_std, rel=0.05)
+    assert scaled.v is inputs.v and scaled.grad_out is inputs.grad_out
+
+
 def test_uniform_attention_averages_the_visible_values():
     v = torch.arange(12, dtype=torch.float64).view(1, 1, 4, 3)
     assert torch.equal(uniform_attention(v, False)[0, 0, 0], v[0, 0].mean(0))
@@ -177,7 +187,8 @@ def test_config_validation_names_the_setting():
     ("budget_s", math.nan), ("budget_s", math.inf), ("budget_s", 0), ("budget_s", -1.0), ("budget_s", "10"),
     ("threads", -1), ("threads", 1.5), ("repeats", 0), ("batch", 0), ("heads", True), ("head_dim", 0),
     ("head_dim", 8.0), ("lengths", [16, -1]), ("lengths", []), ("lengths", [16.5]), ("sweep_values", [0]),
-    ("sweep_length", 0), ("min_sample_s", math.nan), ("memory_fraction", 0), ("memory_fraction", 1.5),
+    ("sweep_length", 0), ("sweep_logit_stds", [0.0]), ("sweep_logit_stds", [math.inf]),
+    ("sweep_logit_stds", ["1"]), ("min_sample_s", math.nan), ("memory_fraction", 0), ("memory_fraction", 1.5),
     ("seed", 0.5), ("device", "cuda:x"), ("device", "meta"), ("launch", "thread"), ("dtype", "int8"),
 ])
 def test_config_validation_checks_type_finiteness_and_range_of_every_setting(setting, value):
@@ -362,16 +373,22 @@ def test_end_to_end_writes_every_file_and_turns_failures_into_rows(tmp_path):
         assert rows[("toy_noncausal", n)]["error"] < 1e-5  # exact softmax under another name
         assert rows[("toy_truncated", n)]["error"] > 0.05  # sees only 8 of the keys
 
-    sweep = next(item for item in data["sweeps"] if item["mechanism"] == "toy_truncated")
-    assert sweep["option"] == "nb_features"
-    errors = [point["error"] for point in sweep["points"]]
-    assert errors[0] > 0.05 and errors[-1] < 1e-5  # 16 features of 32 keys, then all of them
+    sweeps = {item["logit_std"]: item for item in data["sweeps"] if item["mechanism"] == "toy_truncated"}
+    assert set(sweeps) == {1.0, 0.25}  # the timing inputs, and q and k scaled to a flatter softmax
+    for sweep in sweeps.values():
+        assert sweep["option"] == "nb_features"
+        errors = [point["error"] for point in sweep["points"]]
+        assert errors[0] > 0.01 and errors[-1] < 1e-5  # 16 features of 32 keys, then all of them
+    # A flatter softmax is nearer uniform attention, and so is what sees only half of the keys.
+    assert sweeps[0.25]["uniform_error"] < sweeps[1.0]["uniform_error"]
+    assert sweeps[0.25]["points"][0]["error"] < sweeps[1.0]["points"][0]["error"]
 
     with (out / "results.csv").open() as handle:
         csv_rows = list(csv.DictReader(handle))
     assert len(csv_rows) == len(data["rows"]) and list(csv_rows[0]) == CSV_COLUMNS
     report = (out / "report.md").read_text()
     assert data["command"] in report and "![time against N](time.png)" in report
+    assert "### The error sweep" in report and "| toy_truncated (nb_features) | 0.25 |" in report
     assert f"cores busy with other processes at the start {data['machine']['cores_busy_elsewhere']}" in report
     assert "toy mechanism always fails" in result.stdout  # the reason is in the terminal table too
 

@@ -7,6 +7,7 @@ panel holds more lines than colours and markers tell apart, and errors sit at th
 from __future__ import annotations
 
 import random
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -164,6 +165,36 @@ def test_bubble_with_accuracy_places_forty_labels_clear_of_bubbles(tmp_path):
             assert nearest >= (radius - 1) ** 2, f"{label.get_text()} covers its bubble"
         fig.savefig(tmp_path / "bubble.png", dpi=fig.dpi, bbox_inches="tight")
         assert png_size(tmp_path / "bubble.png")[0] <= MAX_BUBBLE_WIDTH
+    finally:
+        plt.close(fig)
+
+
+def test_error_figure_has_a_panel_per_logit_spread_and_the_caption(tmp_path):
+    data = synthetic_result()
+    approximate = sorted({row["mechanism"] for row in data["rows"] if row["kind"] == APPROXIMATE
+                          and row["source"] == "attnzoo"})[:4]
+    data["sweeps"] = [dict(mechanism=name, option="rank", length=LENGTHS[0], logit_std=std,
+                           uniform_error=0.8 * std, points=[dict(value=v, error=(index + 1) * std / v ** 0.5)
+                                                            for v in (16, 32, 64, 128)])
+                      for std in (1.0, 0.25) for index, name in enumerate(approximate)]
+    fig, labels = plots.draw_error(data)
+    try:
+        fig.canvas.draw()
+        titled = [ax for ax in fig.axes if ax.get_title()]
+        assert [re.search(r"logit std ([\d.]+)", ax.get_title()).group(1) for ax in titled[:2]] == ["1", "0.25"]
+        for ax in titled[:2]:  # every sweep named in both sweep panels, at its measured last error
+            texts = [label for label in labels if label.axes is ax]
+            assert {text.get_text() for text in texts} == {f"{name} (rank)" for name in approximate} | {
+                plots.UNIFORM_LABEL}
+            assert not _overlapping(texts)
+        # A mechanism keeps its colour in every panel: its name's colour in the sweeps and against N.
+        by_panel = [{text.get_text().split(" (")[0]: text.get_color() for text in labels if text.axes is ax}
+                    for ax in titled[:3]]
+        for name in approximate:
+            assert by_panel[0][name] == by_panel[1][name] == by_panel[2][name], name
+        assert any("Why some sit above that floor" in text.get_text() for ax in fig.axes for text in ax.texts)
+        fig.savefig(tmp_path / "error.png", dpi=fig.dpi, bbox_inches="tight")
+        assert png_size(tmp_path / "error.png")[0] <= MAX_LINES_WIDTH
     finally:
         plt.close(fig)
 

@@ -32,10 +32,10 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # Under three minutes on two CPU cores however many mechanisms are registered: the timed repeats of one
     # length share 20 s (up to 9 each, at least 3, shorter samples when many mechanisms must share them).
     "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=10.0,
-                  timing_budget_s=20.0, sweep_values=[16, 32, 64, 128, 256]),
+                  timing_budget_s=20.0, sweep_values=[16, 32, 64, 128, 256], sweep_logit_stds=[1.0, 0.25]),
     # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
     "full": dict(lengths=[512, 1024, 2048, 4096, 8192, 16384], batch=1, heads=8, head_dim=64, repeats=7,
-                 budget_s=120.0, sweep_values=[16, 32, 64, 128, 256, 512, 1024]),
+                 budget_s=120.0, sweep_values=[16, 32, 64, 128, 256, 512, 1024], sweep_logit_stds=[1.0, 0.25]),
 }
 
 
@@ -63,6 +63,9 @@ class CompareConfig:
     sweep: bool = True
     sweep_length: Optional[int] = None  # None: the middle of ``lengths``
     sweep_values: List[int] = field(default_factory=lambda: list(PRESETS["quick"]["sweep_values"]))
+    # The spreads of the logits q.k/sqrt(d) the sweep is measured at: 1 is the timing inputs' (standard-normal q
+    # and k), where softmax is peaked and random features have a large variance; 0.25 is a flatter softmax.
+    sweep_logit_stds: List[float] = field(default_factory=lambda: list(PRESETS["quick"]["sweep_logit_stds"]))
     min_sample_s: float = DEFAULT_MIN_SAMPLE_S
     memory_fraction: float = 0.8
     imports: List[str] = field(default_factory=list)
@@ -111,6 +114,10 @@ class CompareConfig:
             raise ConfigError("sweep_values", "must list at least one feature count when sweep is on")
         for value in self.sweep_values:
             check_number("sweep_values", value, integer=True, minimum=1)
+        if self.sweep and not self.sweep_logit_stds:
+            raise ConfigError("sweep_logit_stds", "must list at least one logit spread when sweep is on")
+        for value in self.sweep_logit_stds:
+            check_number("sweep_logit_stds", value, minimum=0, exclusive_minimum=True)
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ConfigError("dtype", f"must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
         self._validate_device()
@@ -327,7 +334,7 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
     lengths = sorted(set(config.lengths))
     sweeps = sweep_plan(config, entries) if config.sweep else []
     if progress_total:
-        progress_total(len(lengths) * (1 + len(entries)) + len(sweeps))
+        progress_total(len(lengths) * (1 + len(entries)) + len(sweeps) * len(config.sweep_logit_stds))
     measured = _Measured()
     preload = list(config.imports)
     if not config.device.startswith("cuda"):
@@ -424,17 +431,19 @@ def _measure_lengths(launcher: Launcher, config: CompareConfig, entries: List[En
 
 def _measure_sweeps(launcher: Launcher, config: CompareConfig, sweeps: List[Tuple[Entry, str]], report: Progress,
                     measured: _Measured) -> None:
-    """Each (entry, option) sweep's error against the option's values, into ``measured.sweeps``."""
-    for entry, option in sweeps:
-        report(f"sweep {entry['name']}.{option}")
-        job = dict(_job_base(config, config.resolved_sweep_length()), kind="sweep", entry=entry,
-                   option=option, values=list(config.sweep_values))
-        result = launcher.run(job, timeout_s=len(config.sweep_values) * config.budget_s + 60)
-        measured.sweeps.append({"mechanism": entry["name"], "option": option,
-                                "length": config.resolved_sweep_length(),
-                                "causal": config.causal, "status": result.get("status"),
-                                "reason": result.get("reason"), "points": result.get("points", []),
-                                "uniform_error": result.get("uniform_error")})
+    """Each (entry, option) sweep's error against the option's values at each logit spread, into
+    ``measured.sweeps``."""
+    for logit_std in config.sweep_logit_stds:
+        for entry, option in sweeps:
+            report(f"sweep {entry['name']}.{option} (logit std {logit_std:g})")
+            job = dict(_job_base(config, config.resolved_sweep_length()), kind="sweep", entry=entry,
+                       option=option, values=list(config.sweep_values), logit_std=logit_std)
+            result = launcher.run(job, timeout_s=len(config.sweep_values) * config.budget_s + 60)
+            measured.sweeps.append({"mechanism": entry["name"], "option": option,
+                                    "length": config.resolved_sweep_length(), "logit_std": logit_std,
+                                    "causal": config.causal, "status": result.get("status"),
+                                    "reason": result.get("reason"), "points": result.get("points", []),
+                                    "uniform_error": result.get("uniform_error")})
 
 
 def _time_length(launcher: Launcher, config: CompareConfig, base: Dict[str, Any], active: List[Entry],

@@ -51,6 +51,16 @@ def make_inputs(batch: int, heads: int, length: int, head_dim: int, dtype: torch
     return Inputs(q, k, v, grad_out)
 
 
+def scaled_logits(inputs: Inputs, logit_std: float) -> Inputs:
+    """The same inputs with q and k each scaled by ``sqrt(logit_std)``, so that the logits ``q.k/sqrt(d)`` of
+    standard-normal q and k have standard deviation ``logit_std`` (1: the inputs unchanged; below 1, a flatter
+    softmax)."""
+    if logit_std == 1.0:
+        return inputs
+    factor = math.sqrt(logit_std)
+    return Inputs(inputs.q * factor, inputs.k * factor, inputs.v, inputs.grad_out)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(torch.device(device))

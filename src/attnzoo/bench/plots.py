@@ -3,8 +3,9 @@
 time.png    time against N, log-log: a row of panels per family of mechanisms (forward, forward+backward),
             softmax in every panel as the reference, each line named at its end
 memory.png  peak memory against N, log-log, panelled as time.png (inference, training)
-error.png   error against exact softmax as the feature count / rank grows, and against N, for approximate
-            mechanisms; uniform attention's error drawn as the floor
+error.png   error against exact softmax as the feature count / rank grows (at each logit spread swept), and
+            against N, for approximate mechanisms; uniform attention's error drawn as the floor; a caption
+            saying what the error is and why some approximations sit above that floor
 bubble.png  speed (x) against quality (y), bubble area = peak memory, as in the Long Range Arena paper
             (:mod:`attnzoo.bench.bubble`)
 """
@@ -41,7 +42,7 @@ __all__ = ["plot_bubble", "plot_error", "plot_memory", "plot_time", "write_plots
 PANEL_HEIGHT = 2.9  # inches per row of panels
 FIGURE_WIDTH = 13.0  # inches: two panels, each with its lines' names in the margin to its right
 UNIFORM_COLOR = "gray"
-UNIFORM_LABEL = "uniform attention (floor: ignores q, k)"
+UNIFORM_LABEL = "uniform attention (floor)"
 Columns = Sequence[Tuple[str, str]]  # (column of results.json, the panel's heading)
 TIME_COLUMNS = (("forward_ms", "forward"), ("forward_backward_ms", "forward + backward"))
 MEMORY_COLUMNS = (("forward_peak_memory_mib", "forward (inference)"),
@@ -183,21 +184,31 @@ def _floor(ax: Any, xs: Sequence[float], ys: Sequence[float]) -> Tuple[str, floa
     return UNIFORM_LABEL, xs[-1], ys[-1], UNIFORM_COLOR
 
 
-def _sweep_panel(ax: Any, sweeps: Sequence[Dict[str, Any]]) -> List[Tuple[str, float, float, Any]]:
-    """Error against each sweep's option (features, rank, landmarks); returns the line ends to label."""
+def _logit_std(sweep: Dict[str, Any]) -> float:
+    """The logit spread a sweep was measured at (results written before it was recorded: 1, the timing inputs')."""
+    return float(sweep.get("logit_std", 1.0))
+
+
+def _sweep_name(sweep: Dict[str, Any]) -> str:
+    return f"{sweep['mechanism']} ({sweep['option']})"
+
+
+def _sweep_panel(ax: Any, sweeps: Sequence[Dict[str, Any]], styles: Dict[str, Dict[str, Any]],
+                 logit_std: float) -> List[Tuple[str, float, float, Any]]:
+    """Error against each sweep's option (features, rank, landmarks) at one logit spread; returns the line
+    ends to label."""
     if not sweeps:
         ax.axis("off")
         ax.text(0.5, 0.5, "no approximate mechanism takes a\nfeature-count or rank option", ha="center",
                 va="center")
         return []
-    names = [f"{sweep['mechanism']} ({sweep['option']})" for sweep in sweeps]
-    styles = panel_styles([[name] for name in names])
     ends = []
-    for sweep, name in zip(sweeps, names):
+    for sweep in sweeps:
+        name, style = _sweep_name(sweep), styles[sweep["mechanism"]]
         points = [p for p in sweep["points"] if p.get("error")]
         xs, ys = [p["value"] for p in points], [p["error"] for p in points]
-        ax.plot(xs, ys, markersize=5, **styles[name])
-        ends.append((name, xs[-1], ys[-1], styles[name]["color"]))
+        ax.plot(xs, ys, markersize=5, **style)
+        ends.append((name, xs[-1], ys[-1], style["color"]))
     values = sorted({p["value"] for sweep in sweeps for p in sweep["points"]})
     _length_axis(ax, values)
     ax.set_yscale("log")
@@ -205,17 +216,18 @@ def _sweep_panel(ax: Any, sweeps: Sequence[Dict[str, Any]]) -> List[Tuple[str, f
     if uniform:
         ends.append(_floor(ax, [values[0], values[-1]], [uniform, uniform]))
     plain_log_ticks(ax.yaxis)
-    ax.set_title(f"error against feature count / rank at N={sweeps[0]['length']}", fontsize=10)
+    inputs = "the timing inputs" if logit_std == 1.0 else "q, k scaled down: a flatter softmax"
+    ax.set_title(f"against feature count / rank, N={sweeps[0]['length']}, logit std {logit_std:g} ({inputs})",
+                 fontsize=10)
     ax.set_xlabel("features / rank / landmarks (the mechanism's option)")
     ax.set_ylabel("relative error ||out - softmax|| / ||softmax||")
     return ends
 
 
-def _length_panel(ax: Any, data: Dict[str, Any],
-                  rows: Sequence[Dict[str, Any]]) -> List[Tuple[str, float, float, Any]]:
+def _length_panel(ax: Any, data: Dict[str, Any], rows: Sequence[Dict[str, Any]],
+                  styles: Dict[str, Dict[str, Any]]) -> List[Tuple[str, float, float, Any]]:
     """Error against N at default options; returns the line ends to label."""
     series = _series(rows, "error")
-    styles = panel_styles([unit for _, units in panels(rows) for unit in units])
     ends = []
     for name, (xs, ys) in series.items():
         if xs:
@@ -229,21 +241,57 @@ def _length_panel(ax: Any, data: Dict[str, Any],
     plain_log_ticks(ax.yaxis)
     ax.set_xlabel("sequence length N (default options)")
     ax.set_ylabel("relative error against exact softmax")
-    ax.set_title("error against sequence length", fontsize=10)
+    ax.set_title("against sequence length, logit std 1 (the timing inputs)", fontsize=10)
     return ends
 
 
+ERROR_CAPTION = (
+    "error = |output - softmax's output| / |softmax's output| (Frobenius norms over the batch; exact softmax in "
+    "float64) on the same random q, k, v. Dotted, shaded above: uniform attention, which ignores q and k; an "
+    "approximation above it tells less about q and k than a plain average.\n\n"
+    "Why some sit above that floor at logit std 1: standard-normal q and k at head dim d have |q|^2/sqrt(d) "
+    "near sqrt(d) (8 at d = 64), and positive random features (Performer's FAVOR+) estimate exp(q.k/sqrt(d)) "
+    "with a variance growing like exp(|q|^2/sqrt(d) + |k|^2/sqrt(d)), so a few hundred features are far off. "
+    "With q and k scaled so that the logits spread 0.25, softmax is flatter and the estimates close in as "
+    "features grow. Transformer-VQ's codebook is its untrained initial one here. Trained models' q and k are "
+    "neither isotropic nor that long: accuracy after training (attnzoo lra, --accuracy) measures quality."
+)
+
+
 def draw_error(data: Dict[str, Any]) -> Optional[Tuple[Any, List[Any]]]:
-    """error.png, unsaved: the figure and its line labels, or None when no approximate mechanism has an error."""
+    """error.png, unsaved: the figure and its line labels, or None when no approximate mechanism has an error.
+
+    One panel per logit spread of the sweeps (error against the feature count / rank), one of error against N
+    at default options, and the caption saying what the error is and why some approximations sit above the
+    floor; two panels a row."""
     sweeps = [sweep for sweep in data.get("sweeps", []) if any(p.get("error") for p in sweep["points"])]
     rows = [row for row in data["rows"] if row.get("kind") == APPROXIMATE and row.get("error")]
     if not sweeps and not rows:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(FIGURE_WIDTH, 5.2), dpi=DPI)
-    fig.subplots_adjust(left=0.07, right=0.86, top=0.84, bottom=0.11, wspace=0.62)
-    ends = [_sweep_panel(axes[0], sweeps), _length_panel(axes[1], data, rows)]
+    stds = sorted({_logit_std(sweep) for sweep in sweeps}, reverse=True) or [1.0]
+    # One style per mechanism in every panel; a peer library takes its counterpart's, hollow.
+    units = [unit for _, units in panels(rows) for unit in units]
+    units += [[name] for name in dict.fromkeys(sweep["mechanism"] for sweep in sweeps)
+              if not any(name in unit for unit in units)]
+    styles = panel_styles(units)
+    rows_of_panels = (len(stds) + 3) // 2  # the sweeps, the length panel and the caption, two a row
+    fig, axes = plt.subplots(rows_of_panels, 2, figsize=(FIGURE_WIDTH, 4.6 * rows_of_panels + 0.6), dpi=DPI,
+                             squeeze=False)
+    fig.subplots_adjust(left=0.07, right=0.86, top=1 - 0.75 / (4.6 * rows_of_panels + 0.6), bottom=0.07,
+                        wspace=0.62, hspace=0.42)
+    cells = list(axes.flat)
+    ends = [_sweep_panel(ax, [s for s in sweeps if _logit_std(s) == std], styles, std)
+            for ax, std in zip(cells, stds)]
+    length_ax = cells[len(stds)]
+    ends.append(_length_panel(length_ax, data, rows, styles))
+    for ax in cells[len(stds) + 1:]:
+        ax.axis("off")
+    caption = cells[-1]
+    caption.text(0.0, 1.0, "\n".join(textwrap.fill(part, 62) for part in ERROR_CAPTION.split("\n")),
+                 transform=caption.transAxes, va="top", ha="left", fontsize=8.5)
     fig.canvas.draw()  # settles the limits: the labels are placed against them
-    labels = [label for ax, found in zip(axes, ends) for label in label_line_ends(ax, found)]
+    drawn = cells[:len(stds) + 1]
+    labels = [label for ax, found in zip(drawn, ends) for label in label_line_ends(ax, found)]
     fig.suptitle("Approximation error against exact softmax on the same random inputs (lower is better; shaded: "
                  "no better than the floor, uniform attention)\n" + subtitle(data), fontsize=10)
     return fig, labels

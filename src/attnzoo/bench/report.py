@@ -81,7 +81,7 @@ def _setting(data: Dict[str, Any]) -> List[str]:
     ]
 
 
-def _figures(accuracy_path: Optional[str]) -> List[str]:
+def _figures(data: Dict[str, Any], accuracy_path: Optional[str]) -> List[str]:
     return [
         "## Time", "", "![time against N](time.png)", "",
         "## Memory", "", "![peak memory against N](memory.png)", "",
@@ -100,12 +100,33 @@ def _figures(accuracy_path: Optional[str]) -> List[str]:
         "models' queries and keys are neither isotropic nor that long: accuracy after training (`attnzoo lra`, "
         "`--accuracy`) is the measure of quality.",
         "",
+        "The sweep is also measured on q and k scaled so that the logits spread less (logit std below 1: a "
+        "flatter softmax, with shorter q and k), where the estimators are not swamped by their variance; the "
+        "table below has both.",
+        "",
+        *_sweep_table(data),
         "## Speed, quality and memory", "", "![bubble chart](bubble.png)", "",
         ("Quality is the accuracy from `" + accuracy_path + "`." if accuracy_path else
          "Quality is the approximation error against softmax (no `--accuracy` file was given); for mechanisms "
          "that are not approximations of softmax it is a distance, not a quality."),
         "",
     ]
+
+
+def _sweep_table(data: Dict[str, Any]) -> List[str]:
+    """The error sweep's numbers: a row per mechanism and logit spread, a column per option value."""
+    sweeps = [sweep for sweep in data.get("sweeps", []) if sweep.get("points")]
+    if not sweeps:
+        return []
+    values = sorted({point["value"] for sweep in sweeps for point in sweep["points"]})
+    rows = []
+    for sweep in sorted(sweeps, key=lambda sweep: (-float(sweep.get("logit_std", 1.0)), sweep["mechanism"])):
+        errors = {point["value"]: point.get("error") for point in sweep["points"]}
+        rows.append([f"{sweep['mechanism']} ({sweep['option']})", f"{float(sweep.get('logit_std', 1.0)):g}",
+                     *(_cell(errors.get(value), 3) for value in values), _cell(sweep.get("uniform_error"), 3)])
+    return (["### The error sweep", "", f"Relative error against softmax at N={sweeps[0]['length']} as the "
+             "option grows; `uniform` is uniform attention's error on the same inputs, the floor.", ""]
+            + _markdown_table(["mechanism (option)", "logit std", *map(str, values), "uniform"], rows) + [""])
 
 
 def _summary(data: Dict[str, Any]) -> List[str]:
@@ -153,7 +174,7 @@ def _measurements(data: Dict[str, Any]) -> List[str]:
 
 def render_report(data: Dict[str, Any], accuracy_path: Optional[str] = None) -> str:
     """report.md: the command and machine, the setting, the figures, the summary and every measurement."""
-    return "\n".join(_header(data) + _setting(data) + _figures(accuracy_path) + _summary(data)
+    return "\n".join(_header(data) + _setting(data) + _figures(data, accuracy_path) + _summary(data)
                      + _measurements(data))
 
 

@@ -9,8 +9,9 @@ A job is one of
   plus each output's error against exact softmax on the same inputs;
 * ``{"kind": "memory", "entry": {...}, ...}``: the peak memory of one entry at one length; the orchestrator
   starts a fresh process for each, so nothing that ran before can inflate or hide a peak;
-* ``{"kind": "sweep", "entry": {...}, "option": "nb_features", "values": [...], ...}``: error against
-  exact softmax as one integer option varies.
+* ``{"kind": "sweep", "entry": {...}, "option": "nb_features", "values": [...], "logit_std": 1.0, ...}``:
+  error against exact softmax as one integer option varies, on q and k scaled so that the logits have that
+  standard deviation (1: the timing inputs).
 
 Common fields: length, batch, heads, head_dim, dtype, causal, device, threads, seed, imports (modules that
 register extra mechanisms), memory_fraction (CPU: the share of available memory a worker may take before
@@ -41,6 +42,7 @@ from .measure import (
     parse_dtype,
     reference_output,
     relative_error,
+    scaled_logits,
     uniform_attention,
     run_forward,
     run_forward_backward,
@@ -230,7 +232,7 @@ def memory_job(job: Job) -> Result:
 def sweep_job(job: Job) -> Result:
     """Error against exact softmax for each value of one integer option (feature count, rank, landmarks)."""
     causal = bool(job["causal"])
-    inputs = _inputs(job)
+    inputs = scaled_logits(_inputs(job), float(job.get("logit_std", 1.0)))
     reference = reference_output(inputs, causal)
     points: List[Result] = []
     for value in job["values"]:

@@ -18,6 +18,7 @@ from .common import (
     add_import_option,
     check_output_dir,
     describe,
+    float_list,
     import_modules,
     int_list,
     job_progress,
@@ -98,7 +99,8 @@ def _compare_config(args: argparse.Namespace) -> Any:
         args.preset, mechanisms=args.mechanisms, lengths=args.lengths, batch=args.batch, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, device=args.device,
         repeats=args.repeats, threads=args.threads, budget_s=args.time_budget, peers=args.peers,
-        sweep=not args.no_sweep, imports=args.imports or None, launch=args.launch,
+        sweep=not args.no_sweep, sweep_logit_stds=args.sweep_logit_stds, imports=args.imports or None,
+        launch=args.launch,
         options=options_by_mechanism(args.settings) or None,
     )
     import_modules(config.imports)
@@ -231,6 +233,9 @@ def add_compare_command(commands: Any) -> None:
                          help="an option of one mechanism, also given to its peer library (repeatable); "
                               "attnzoo list --options names them")
     compare.add_argument("--no-sweep", action="store_true", help="skip the error against feature count sweep")
+    compare.add_argument("--sweep-logit-stds", type=float_list, metavar="S,S,...",
+                         help="spreads of the logits q.k/sqrt(d) the error sweep is measured at, q and k scaled "
+                              "to each (default: 1 (the timing inputs), 0.25 (a flatter softmax))")
     compare.add_argument("--launch", choices=["fork", "subprocess"], default="fork",
                          help="fresh process per job: forked from a server that imported torch once (default) "
                               "or a new interpreter per job")
