@@ -49,6 +49,11 @@ class MultiHeadAttention(nn.Module):
         rotary_pairs: which channels the rotary embedding turns together, ``"interleaved"`` (x[2i], x[2i+1]), the
             default, or ``"halves"`` (x[i], x[i + head_dim/2]), the layout of transformers' Llama-type
             checkpoints (see :class:`RotaryEmbedding`); only with ``rotary=True``.
+        output_gate: gated attention (Qiu et al. 2025, as in Qwen3-Next): each head's output is multiplied,
+            channel by channel, by ``sigmoid(x W_g + b_g)`` computed from the layer input x (the queries' input
+            in cross-attention), before the output projection. It works with any mechanism and adds a
+            ``gate_proj`` of ``dim -> heads * head_dim`` (with a bias when ``bias``). False: no gate, no
+            parameters added.
         **mechanism_options: passed to the mechanism; an option it does not take raises a TypeError that
             lists the valid ones (see :func:`attnzoo.mechanism_options`).
 
@@ -71,6 +76,7 @@ class MultiHeadAttention(nn.Module):
         rotary: bool = False,
         rotary_base: Optional[float] = None,
         rotary_pairs: Optional[str] = None,
+        output_gate: bool = False,
         **mechanism_options: Any,
     ) -> None:
         super().__init__()
@@ -88,6 +94,7 @@ class MultiHeadAttention(nn.Module):
         self.context_dim = dim if context_dim is None else check_positive_int("context_dim", context_dim)
         check_bool("bias", bias)
         check_bool("rotary", rotary)
+        check_bool("output_gate", output_gate)
         rotary_settings: Dict[str, Any] = {}
         for name, value in (("rotary_base", rotary_base), ("rotary_pairs", rotary_pairs)):
             if value is not None and not rotary:
@@ -104,6 +111,8 @@ class MultiHeadAttention(nn.Module):
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.rotary = RotaryEmbedding(head_dim, **rotary_settings) if rotary else None
         self.mechanism = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **mechanism_options)
+        # Registered after every other part, so that a model without the gate keeps its parameter order.
+        self.gate_proj = nn.Linear(dim, inner, bias=bias) if output_gate else None
         refused = self.mechanism.grouping_reason(kv_heads)
         if refused:
             raise UnsupportedOptionError(f"kv_heads={kv_heads}: {refused}")
@@ -120,6 +129,14 @@ class MultiHeadAttention(nn.Module):
     def _merge_heads(self, x: Tensor) -> Tensor:
         batch, _, seq, _ = x.shape
         return x.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+
+    def _output(self, heads_out: Tensor, x: Tensor) -> Tensor:
+        """The layer's output from the mechanism's (batch, heads, seq, head_dim) and the layer input x (batch,
+        seq, dim): heads merged, gated by ``sigmoid(gate_proj(x))`` when there is a gate, dropout, projection."""
+        merged = self._merge_heads(heads_out)
+        if self.gate_proj is not None:
+            merged = merged * torch.sigmoid(self.gate_proj(x))
+        return self.out_proj(self.dropout(merged))
 
     def _check_input(self, name: str, x: Tensor, width: int) -> None:
         check_floating(name, x)
@@ -179,7 +196,7 @@ class MultiHeadAttention(nn.Module):
             q, k = self._rotate(q, spans), self._rotate(k, spans)
         out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None,
                              **options)
-        return self.out_proj(self.dropout(self._merge_heads(out)))
+        return self._output(out, x)
 
     def _rotate(self, x: Tensor, spans: Optional[List[Tuple[int, int]]]) -> Tensor:
         """Rotary embeddings of x (batch, heads, seq, head_dim): positions from 0, or from 0 in each document
@@ -217,7 +234,7 @@ class MultiHeadAttention(nn.Module):
         self._check_input("x", x, self.dim)
         q = self._split_heads(self.q_proj(x))
         out = self.mechanism(q, k, v, causal=False, key_padding_mask=key_padding_mask, cross=True)
-        return self.out_proj(self.dropout(self._merge_heads(out)))
+        return self._output(out, x)
 
     # -- incremental decoding (causal self-attention) ------------------------------------------------------
     def prefill(self, x: Tensor) -> Tuple[Tensor, AttentionState]:
@@ -227,7 +244,7 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         out, state = self.mechanism.prefill(q, k, v)
-        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(state)
+        return self._output(out, x), AttentionState(state)
 
     def prefill_packed(self, x: Tensor, cu_seqlens: Tensor) -> Tuple[Tensor, List[AttentionState]]:
         """:meth:`prefill` of a packed row x (1, seq, dim) of prompts at offsets ``cu_seqlens``: the output, each
@@ -238,7 +255,7 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q, k = self._rotate(q, spans), self._rotate(k, spans)
         out, states = self.mechanism.prefill_packed(q, k, v, cu_seqlens=cu_seqlens)
-        return self.out_proj(self.dropout(self._merge_heads(out))), [AttentionState(state) for state in states]
+        return self._output(out, x), [AttentionState(state) for state in states]
 
     def step(self, x_t: Tensor, state: Optional[AttentionState]) -> Tuple[Tensor, AttentionState]:
         """One decoding step: x_t (batch, 1, dim) -> (y_t (batch, 1, dim), new state). Start with state=None."""
@@ -261,8 +278,10 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, start=position), self.rotary(k, start=position)
         out, mechanism_state = self.mechanism.step(q, k, v, inner)
-        return self.out_proj(self.dropout(self._merge_heads(out))), AttentionState(mechanism_state)
+        return self._output(out, x_t), AttentionState(mechanism_state)
 
     def extra_repr(self) -> str:
         grouped = f", kv_heads={self.kv_heads}" if self.kv_heads != self.heads else ""
-        return f"dim={self.dim}, heads={self.heads}{grouped}, head_dim={self.head_dim}, mechanism={self.mechanism.name!r}"
+        gated = ", output_gate=True" if self.gate_proj is not None else ""
+        return (f"dim={self.dim}, heads={self.heads}{grouped}, head_dim={self.head_dim}, "
+                f"mechanism={self.mechanism.name!r}{gated}")

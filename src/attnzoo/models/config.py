@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
 from .mamba2_options import mamba2_options
-from .schedule import LayerSpec, format_item, repeat_to_depth, schedule_of
+from .schedule import LAYER_OPTION, LayerSpec, format_item, repeat_to_depth, schedule_of
 from .settings import boolean, check_rules, check_values, number, positive_int, probability, setting
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
@@ -171,6 +171,8 @@ class BlockConfig:
             heads; the same options are refused with it, and ``rotary`` too (an SSM has no queries and keys).
         block_options: the gated unit's options (see :func:`gated_unit_options`) or the Mamba-2 block's (see
             :func:`attnzoo.models.mamba2_options.mamba2_options`); only with such a block.
+        output_gate: gated attention on the self-attention (``MultiHeadAttention(output_gate=True)``: a sigmoid
+            gate from the layer input on each head's output, Qiu et al. 2025); attention layers only.
 
     Every option is checked when the config is made: a yes/no option must be a bool (``norm_first="False"`` is
     a TypeError, not a truthy yes), numbers are checked for type, finiteness and range, and each error names
@@ -192,6 +194,7 @@ class BlockConfig:
     block: str = "attention"
     block_options: Optional[Mapping[str, Any]] = None
     kv_heads: Optional[int] = None
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         check_positive_int("dim", self.dim)
@@ -207,6 +210,7 @@ class BlockConfig:
         check_probability("dropout", self.dropout)
         check_number("layer_norm_eps", self.layer_norm_eps, minimum=0.0, exclusive_minimum=True)
         check_bool("rotary", self.rotary)
+        check_bool("output_gate", self.output_gate)
         _check_attention("self_attention", self.self_attention)
         if self.cross_attention is not None:
             _check_attention("cross_attention", self.cross_attention)
@@ -225,6 +229,9 @@ class BlockConfig:
                 "a gated attention unit is single-head"
             raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: {unit}; leave "
                              f"kv_heads at None")
+        if self.output_gate and self.block != "attention":
+            raise ValueError(f"output_gate=True cannot be used with block={self.block!r}: it gates an attention "
+                             f"layer's heads, and this block has its own gating")
         if self.block == "attention":
             if grouped and capabilities(self.self_attention.mechanism).grouped_kv == NO_GROUPED_KV:
                 raise UnsupportedOptionError(
@@ -296,14 +303,16 @@ def _scheduled_layer(base: BlockConfig, spec: LayerSpec, has_attention: bool) ->
     (kv_heads, the feed-forward options, and rotary positions for a Mamba-2 block); a stack of blocks alone
     refuses them, as ``block=`` does."""
     if spec.is_attention:
-        return replace(base, self_attention=AttentionSpec(spec.mechanism, spec.options), block="attention",
-                       block_options=None)
+        # The one option of the layer rather than of the mechanism: an item may gate its attention or not.
+        output_gate = (spec.options or {}).get(LAYER_OPTION, base.output_gate)
+        return replace(base, self_attention=AttentionSpec(spec.mechanism, spec.mechanism_options or None),
+                       block="attention", block_options=None, output_gate=output_gate)
     if base.cross_attention is not None:
         raise ValueError(f"block {spec.block!r} has no cross-attention, and every layer of this stack attends to a "
                          f"memory: give mechanisms only")
     shared: Dict[str, Any] = {}
     if has_attention:
-        shared = dict(ff_dim=None, activation="gelu", ff_chunks=1, kv_heads=None,
+        shared = dict(ff_dim=None, activation="gelu", ff_chunks=1, kv_heads=None, output_gate=False,
                       rotary=base.rotary and spec.block != "mamba2")
     return replace(base, self_attention=AttentionSpec(), block=spec.block, block_options=spec.options, **shared)
 
@@ -311,7 +320,10 @@ def _scheduled_layer(base: BlockConfig, spec: LayerSpec, has_attention: bool) ->
 def layer_spec(config: BlockConfig) -> LayerSpec:
     """The schedule item a layer's config is: its mechanism and options, or its block and block options."""
     if config.block == "attention":
-        return LayerSpec(config.self_attention.mechanism, config.self_attention.options)
+        options = dict(config.self_attention.options or {})
+        if config.output_gate:
+            options[LAYER_OPTION] = True
+        return LayerSpec(config.self_attention.mechanism, options or None)
     return LayerSpec(options=config.block_options, block=config.block)
 
 
@@ -414,6 +426,11 @@ class ModelConfig:
     kv_heads: Optional[int] = setting(
         None, help="key/value heads of every self-attention, dividing heads (grouped-query attention); None: "
                    "heads" + _LAYERS)
+    output_gate: bool = setting(
+        False, check=boolean,
+        help="gated attention: a sigmoid gate from the layer input on each head's output, before the output "
+             "projection (Qiu et al. 2025, as in Qwen3-Next), on every attention layer; a schedule's item may set "
+             "its own (softmax(output_gate=true))" + _LAYERS)
     layers: Optional[Tuple[LayerSpec, ...]] = setting(
         None,
         help="a per-layer schedule (attnzoo.models.schedule): a pattern of items repeated to depth (its length "
@@ -433,6 +450,7 @@ class ModelConfig:
             dropout=self.dropout, layer_norm_eps=self.layer_norm_eps, rotary=self.positional == "rotary",
             self_attention=AttentionSpec(self.self_attention, self.self_attention_options),
             ff_chunks=self.ff_chunks, block=self.block, block_options=self.block_options, kv_heads=self.kv_heads,
+            output_gate=self.output_gate,
         )
         # A field worked out from the others (a frozen dataclass sets it through object.__setattr__).
         object.__setattr__(self, "block_config", layers)

@@ -118,15 +118,16 @@ class _Block(nn.Module):
 
     def _attention(
         self, spec: AttentionSpec, *, rotary: bool = False, context_dim: Optional[int] = None,
-        kv_heads: Optional[int] = None,
+        kv_heads: Optional[int] = None, output_gate: bool = False,
     ) -> MultiHeadAttention:
         return MultiHeadAttention(
             self.config.dim, self.config.heads, spec.mechanism, rotary=rotary, context_dim=context_dim,
-            kv_heads=kv_heads, **(spec.options or {}),
+            kv_heads=kv_heads, output_gate=output_gate, **(spec.options or {}),
         )
 
     def _self_attention(self) -> MultiHeadAttention:
-        return self._attention(self.config.self_attention, rotary=self.config.rotary, kv_heads=self.config.kv_heads)
+        return self._attention(self.config.self_attention, rotary=self.config.rotary, kv_heads=self.config.kv_heads,
+                               output_gate=self.config.output_gate)
 
     def _feed_forward(self) -> FeedForward:
         config = self.config

@@ -32,6 +32,9 @@ ATTENTION = "attention"
 """The block of an attention layer (attention + feed-forward): an item naming a mechanism."""
 
 BLOCK_PREFIX = "block:"
+LAYER_OPTION = "output_gate"
+"""The option of an attention item that belongs to its layer, not to its mechanism: ``softmax(output_gate=true)``
+gates that layer's heads (``MultiHeadAttention(output_gate=True)``)."""
 DEFAULT_MECHANISM = "softmax"
 
 _ITEM = re.compile(r"^\s*(?P<block>block:)?\s*(?P<kind>[A-Za-z0-9_.\-]+)\s*(?:\((?P<options>[^()]*)\))?\s*"
@@ -52,6 +55,12 @@ class LayerSpec:
     @property
     def is_attention(self) -> bool:
         return self.block == ATTENTION
+
+    @property
+    def mechanism_options(self) -> Dict[str, Any]:
+        """An attention item's options for its mechanism: ``options`` without the layer's own
+        (:data:`LAYER_OPTION`)."""
+        return {key: value for key, value in (self.options or {}).items() if key != LAYER_OPTION}
 
     @property
     def kind(self) -> str:

@@ -95,6 +95,8 @@ class Seq2SeqTransformer(nn.Module):
             and cross-attention (grouped-query attention: query head h reads key/value head
             ``h // (heads // kv_heads)``); the decoding state's self-attention cache (for a native mechanism) and
             the memory's projected keys and values then hold kv_heads heads. ``heads`` when None.
+        output_gate: gated attention (``MultiHeadAttention(output_gate=True)``) on the encoder's and the
+            decoder's self-attention; a schedule's item may set its own (``softmax(output_gate=true)``).
         encoder_layers, decoder_layers: per-layer schedules (hybrid stacks, :mod:`attnzoo.models.schedule`) in
             place of ``encoder_self_attention`` / ``decoder_self_attention`` (left at their defaults): a pattern
             of items, :class:`~attnzoo.models.schedule.LayerSpec` or text (``"gated_delta*3,softmax"``),
@@ -136,6 +138,7 @@ class Seq2SeqTransformer(nn.Module):
         length: Optional[str] = None,
         max_target_length: Optional[int] = None,
         kv_heads: Optional[int] = None,
+        output_gate: bool = False,
         encoder_layers: Optional[Sequence[Union[LayerSpec, str]]] = None,
         decoder_layers: Optional[Sequence[Union[LayerSpec, str]]] = None,
     ) -> None:
@@ -156,7 +159,7 @@ class Seq2SeqTransformer(nn.Module):
             layer_norm_eps=layer_norm_eps, rotary=self.src_embedding.rotary, ff_chunks=ff_chunks,
             self_attention=AttentionSpec(decoder_self_attention, decoder_self_attention_options),
             cross_attention=attention_slot("cross_attention", cross_attention, cross_attention_options),
-            kv_heads=kv_heads,
+            kv_heads=kv_heads, output_gate=output_gate,
         )
         # The encoder differs in its self-attention slot only, and has no memory to attend to.
         encoder_config = replace(

@@ -180,8 +180,7 @@ def sequence_parallel_self_attention(
 
     q, k, v = (split(projection(x)) for projection in (attention.q_proj, attention.k_proj, attention.v_proj))
     out = sequence_parallel_attention(attention.mechanism, q, k, v, key_padding_mask, group=group)
-    merged = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], attention.heads * attention.head_dim)
-    return attention.out_proj(attention.dropout(merged))
+    return attention._output(out, x)  # the output gate (if any) is per position too
 
 
 def assert_replicated(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:

@@ -164,6 +164,11 @@ class TrainConfig:
     kv_heads: Optional[int] = setting(
         None, check=number(integer=True, minimum=1, optional=True), agrees=_kv_heads_divide_heads,
         help="key/value heads of the self-attention, dividing heads (grouped-query attention); None: heads")
+    output_gate: bool = setting(
+        False, check=boolean,
+        help="gated attention: a sigmoid gate from the layer input on each head's output before the output "
+             "projection (Qiu et al. 2025), on every self-attention; with --layers an item may set its own, "
+             "e.g. 'gated_delta*3,softmax(output_gate=true)'")
     ff_dim: Optional[int] = setting(
         None, check=number(integer=True, minimum=1, optional=True),
         help="feed-forward hidden width; None: 4 * dim")
@@ -270,7 +275,7 @@ class TrainConfig:
             return [(self.mechanism, dict(self.mechanism_options))] if self.block == "attention" else []
         items: List[Tuple[str, Dict[str, Any]]] = []
         for spec in self.schedule:
-            item = (spec.mechanism, dict(spec.options or {}))
+            item = (spec.mechanism, spec.mechanism_options)
             if spec.is_attention and item not in items:
                 items.append(item)
         return items

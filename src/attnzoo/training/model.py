@@ -187,6 +187,7 @@ def build_model(config: TrainConfig, task: Task) -> nn.Module:
         # The mechanism (or the schedule) serves both self-attention slots; cross-attention stays exact softmax
         # (grouped by kv_heads too).
         common: Dict[str, Any] = dict(dim=config.dim, heads=config.heads, kv_heads=config.kv_heads,
+                                      output_gate=config.output_gate,
                                       ff_dim=config.ff_dim, dropout=config.dropout, positional=config.positional,
                                       max_length=max(task.seq_len, task.target_len))
         if config.decoding != "autoregressive":  # the widest decoded row is the task's widest target
