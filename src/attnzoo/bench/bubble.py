@@ -25,10 +25,10 @@ from ..mechanisms import APPROXIMATE, EXACT, OWN  # noqa: E402
 from .plot_parts import (  # noqa: E402
     DPI,
     LABEL_SIZE,
-    declared_kind,
     message_figure,
     plain_log_ticks,
     row_is_own,
+    row_kind,
     subtitle,
 )
 from .results import BASELINE  # noqa: E402
@@ -59,7 +59,7 @@ def _choose(data: Dict[str, Any], accuracy: Optional[Dict[str, float]],
             length: Optional[int]) -> Tuple[List[Tuple[Dict[str, Any], float]], List[str]]:
     """The bubbles (row, quality) at ``length``, and the figure's notes on the mechanisms without one."""
     # results written before rows recorded their kind: the kind the mechanism declares
-    at_length = [dict(row, kind=row.get("kind") or declared_kind(row["mechanism"])) for row in data["rows"]
+    at_length = [dict(row, kind=row_kind(row)) for row in data["rows"]
                  if row["length"] == length]
     timed = [row for row in at_length if row["forward_backward_ms"] and row["peak_memory_mib"] is not None]
     untimed = [f"{row['mechanism']} ({row['status']})" for row in at_length if row not in timed]

@@ -21,6 +21,7 @@ from matplotlib import colors as mcolors  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from ..mechanisms import APPROXIMATE, EXACT, OWN, capabilities  # noqa: E402
+from .peers import PEERS  # noqa: E402
 from .results import BASELINE  # noqa: E402
 
 DPI = 110
@@ -91,6 +92,16 @@ def declared_kind(name: str) -> Optional[str]:
         return None
 
 
+def row_kind(row: Dict[str, Any]) -> Optional[str]:
+    """A row's kind: as recorded, else (results written before rows recorded it) the kind its mechanism
+    declares, or for a peer library's row its attnzoo counterpart's; None when none is known."""
+    if row.get("kind") or row_is_own(row["mechanism"]):
+        return row.get("kind") or declared_kind(row["mechanism"])
+    peer = PEERS.get(row.get("source") or "")
+    counterpart = row.get("counterpart") or (peer.counterpart() if peer else None)
+    return declared_kind(counterpart) if counterpart else None
+
+
 def family(name: str, kind: Optional[str]) -> str:
     """The panel family of a mechanism: its kind, and for an attention of its own what it declares besides (a
     linear-attention recurrence, or softmax logits over a pattern of positions)."""
@@ -117,7 +128,7 @@ def _units(rows: Sequence[Dict[str, Any]]) -> Dict[str, List[List[str]]]:
     kinds: Dict[str, Optional[str]] = {}
     counterparts: Dict[str, Optional[str]] = {}
     for row in rows:
-        kinds.setdefault(row["mechanism"], row.get("kind") or declared_kind(row["mechanism"]))
+        kinds.setdefault(row["mechanism"], row_kind(row))
         counterparts.setdefault(row["mechanism"], row.get("counterpart"))
     peers: Dict[str, List[str]] = {}
     for name in sorted(kinds):

@@ -33,6 +33,7 @@ from .plot_parts import (  # noqa: E402
     panels,
     plain_log_ticks,
     row_is_own,
+    row_kind,
     subtitle,
 )
 from .results import BASELINE  # noqa: E402
@@ -197,11 +198,6 @@ def _sweep_panel(ax: Any, sweeps: Sequence[Dict[str, Any]], styles: Dict[str, Di
                  logit_std: float) -> List[Tuple[str, float, float, Any]]:
     """Error against each sweep's option (features, rank, landmarks) at one logit spread; returns the line
     ends to label."""
-    if not sweeps:
-        ax.axis("off")
-        ax.text(0.5, 0.5, "no approximate mechanism takes a\nfeature-count or rank option", ha="center",
-                va="center")
-        return []
     ends = []
     for sweep in sweeps:
         name, style = _sweep_name(sweep), styles[sweep["mechanism"]]
@@ -261,14 +257,14 @@ ERROR_CAPTION = (
 def draw_error(data: Dict[str, Any]) -> Optional[Tuple[Any, List[Any]]]:
     """error.png, unsaved: the figure and its line labels, or None when no approximate mechanism has an error.
 
-    One panel per logit spread of the sweeps (error against the feature count / rank), one of error against N
-    at default options, and the caption saying what the error is and why some approximations sit above the
-    floor; two panels a row."""
+    One panel per logit spread of the sweeps (error against the feature count / rank; none when the run swept
+    nothing), one of error against N at default options, and the caption saying what the error is and why some
+    approximations sit above the floor; two panels a row."""
     sweeps = [sweep for sweep in data.get("sweeps", []) if any(p.get("error") for p in sweep["points"])]
-    rows = [row for row in data["rows"] if row.get("kind") == APPROXIMATE and row.get("error")]
+    rows = [row for row in data["rows"] if row_kind(row) == APPROXIMATE and row.get("error")]
     if not sweeps and not rows:
         return None
-    stds = sorted({_logit_std(sweep) for sweep in sweeps}, reverse=True) or [1.0]
+    stds = sorted({_logit_std(sweep) for sweep in sweeps}, reverse=True)  # none: the run swept nothing
     # One style per mechanism in every panel; a peer library takes its counterpart's, hollow.
     units = [unit for _, units in panels(rows) for unit in units]
     units += [[name] for name in dict.fromkeys(sweep["mechanism"] for sweep in sweeps)
