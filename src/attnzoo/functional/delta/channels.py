@@ -142,10 +142,13 @@ def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> 
     for level in range(levels):
         rows, columns, x_scaled, y_scaled = _level_operands(x, y, g, level)
         grad_level = by_level[..., level, :, :]
-        grad_rows = (grad_level @ y_scaled).view(*x.shape[:-2], *rows.shape[-3:]).mul_(rows.unsqueeze(-4))
-        grad_columns = (grad_level.transpose(-1, -2) @ x_scaled).view_as(columns).mul_(columns)
-        _halves(grad_x, level, 1).add_(grad_rows)
-        _halves(grad_y, level, 0).add_(grad_columns)
+        # (Y^T dM^T)^T: a (d x C/2)(C/2 x S C/2) product runs about twice as fast on CPUs as dM Y, whose
+        # (S C/2 x C/2)(C/2 x d) shape has the short side inside.
+        grad_rows = (y_scaled.transpose(-1, -2) @ grad_level.transpose(-1, -2)).transpose(-1, -2)
+        grad_rows = grad_rows.unflatten(-2, (stacked, *rows.shape[-3:-1]))
+        _halves(grad_x, level, 1).addcmul_(grad_rows, rows.unsqueeze(-4))
+        grad_columns = (grad_level.transpose(-1, -2) @ x_scaled).view_as(columns)
+        _halves(grad_y, level, 0).addcmul_(grad_columns, columns)
     return grad_x[..., :chunk, :], grad_y[..., :chunk, :]
 
 
