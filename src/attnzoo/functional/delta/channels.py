@@ -32,7 +32,8 @@ from .._autocast import outside_autocast
 
 
 def _padded_length(chunk: int) -> int:
-    return 1 << max(chunk - 1, 0).bit_length()
+    # int(): under torch.jit.trace a size is a tensor; the chunk length is a constant of the traced graph.
+    return 1 << max(int(chunk) - 1, 0).bit_length()
 
 
 def _pad(x: Tensor, y: Tensor, g: Tensor, extra: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -47,7 +48,7 @@ def _level_factors(g: Tensor, level: int) -> Tuple[Tensor, Tensor]:
     """At ``level`` (blocks of 2h positions, h = C >> (level + 1)): ``exp(g_t - r)`` for the second halves'
     rows and ``exp(r - g_j)`` for the first halves' columns, r the last log decay of each first half; both
     (..., P, h, d) with P = C / 2h, both <= 1."""
-    chunk, width = g.shape[-2:]
+    chunk, width = int(g.shape[-2]), g.shape[-1]
     half = chunk >> (level + 1)
     blocks = g.view(*g.shape[:-2], chunk // (2 * half), 2, half, width)
     reference = blocks[..., 0, -1:, :]
@@ -56,7 +57,7 @@ def _level_factors(g: Tensor, level: int) -> Tuple[Tensor, Tensor]:
 
 def _halves(x: Tensor, level: int, which: int) -> Tensor:
     """The second (which=1) or first (which=0) halves of the level's blocks: (..., P, h, d), a view."""
-    chunk, width = x.shape[-2:]
+    chunk, width = int(x.shape[-2]), x.shape[-1]
     half = chunk >> (level + 1)
     return x.view(*x.shape[:-2], chunk // (2 * half), 2, half, width)[..., which, :, :]
 
@@ -64,7 +65,7 @@ def _halves(x: Tensor, level: int, which: int) -> Tensor:
 def _level_operands(x: Tensor, y: Tensor, g: Tensor, level: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(exp factors of rows, of columns, scaled rows (..., S * C/2, d), scaled columns (..., C/2, d))."""
     rows, columns = _level_factors(g, level)
-    half_chunk = y.shape[-2] // 2
+    half_chunk = int(y.shape[-2]) // 2
     x_scaled = (_halves(x, level, 1) * rows.unsqueeze(-4)).view(*x.shape[:-3], -1, x.shape[-1])
     y_scaled = (_halves(y, level, 0) * columns).view(*y.shape[:-2], half_chunk, y.shape[-1])
     return rows, columns, x_scaled, y_scaled
@@ -108,7 +109,7 @@ def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
     """x (..., S, C, d) (S stacked row operands, e.g. queries and keys), y (..., C, d), g (..., C, d) the
     cumulative log decay within the chunk (non-increasing along C). Returns M (..., S, C, C):
     ``M_tj = sum_c x_tc y_jc exp(g_tc - g_jc)`` for j <= t, 0 above the diagonal (module docstring)."""
-    chunk = y.shape[-2]
+    chunk = int(y.shape[-2])
     padded = _padded_length(chunk)
     x, y, g = _pad(x, y, g, padded - chunk)
     products: List[Tensor] = []
@@ -117,7 +118,7 @@ def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
         products.append((x_scaled @ y_scaled.transpose(-1, -2)).flatten(-2))
     diagonal = (x * y.unsqueeze(-3)).sum(-1).flatten(-2)
     source = torch.cat(products + [diagonal, diagonal.new_zeros(*diagonal.shape[:-1], 1)], dim=-1)
-    place, _ = _tables(padded, x.shape[-3], x.device)
+    place, _ = _tables(padded, int(x.shape[-3]), x.device)
     out = _gathered(source, source.dim() - 1, place).view(*x.shape[:-1], padded)
     return out[..., :chunk, :chunk]
 
@@ -126,7 +127,7 @@ def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> 
     """Gradients (of x (..., S, C, d), of y (..., C, d)) from that of M (..., S, C, C), whose entries above the
     diagonal must be zero. That of g is ``(x * grad_x).sum(S) - y * grad_y``: M depends on g only through
     ``exp(g_t - g_j)``, which multiplies x_t and y_j."""
-    chunk, stacked = y.shape[-2], x.shape[-3]
+    chunk, stacked = int(y.shape[-2]), int(x.shape[-3])
     padded = _padded_length(chunk)
     x, y, g = _pad(x, y, g, padded - chunk)
     if padded != chunk:
