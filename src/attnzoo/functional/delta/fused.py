@@ -205,8 +205,8 @@ class ChunkedDeltaRule(torch.autograd.Function):
     """The causal (gated) delta rule on chunked inputs, with a hand-written backward (module docstring).
 
     Shapes: q (scaled), k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C), or (Z, n, C, d_k) for
-    a decay per key channel, the cumulative log decay from each chunk's start, inclusive, or None; initial (Z, d_k, d_v). Returns (out (Z, n, C, d_v),
-    state after the last chunk (Z, d_k, d_v)).
+    a decay per key channel, the cumulative log decay from each chunk's start, inclusive, or None; initial
+    (Z, d_k, d_v). Returns (out (Z, n, C, d_v), state after the last chunk (Z, d_k, d_v)).
     """
 
     @staticmethod

@@ -22,8 +22,9 @@ def delta_rule_step_unchecked(
     scale: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """One position of the (gated) delta rule on checked arguments: q_t, k_t (B, H, 1, d_k), v_t (B, H, 1, d_v),
-    beta_t (B, H, 1), log_decay_t (B, H, 1) or per channel (B, H, 1, d_k) (decay first, then the correction), state (B, H, d_k, d_v) or None for zeros. Returns (out_t (B, H, 1, d_v)
-    in q_t's dtype, the new state in the working dtype)."""
+    beta_t (B, H, 1), log_decay_t (B, H, 1) or per channel (B, H, 1, d_k) (decay first, then the correction),
+    state (B, H, d_k, d_v) or None for zeros. Returns (out_t (B, H, 1, d_v) in q_t's dtype, the new state in the
+    working dtype)."""
     scale = resolve_scale(scale, q_t.shape[3])
     q, k, v, beta, log_decay = prepared(q_t, k_t, v_t, beta_t, log_decay_t, None, scale)
     if state is None:
