@@ -23,6 +23,9 @@ Where the definitions differ on purpose, the case maps one onto the other and sa
   every gate 1. They compute attnzoo's NSA only with one block size (``compress_block = compress_stride =
   select_block``), identity compression maps and ``top_k >= 3`` (``NSA_SETTINGS``); docs/nsa.md lists what
   cannot be matched.
+* ``kda``: fla's ``g`` (batch, seq, heads, d_k) is attnzoo's per-channel ``log_decay``; its references compute in
+  float32 whatever they are given (``float64=False``, 1e-5). The mechanism's gate comes from the raw key
+  (docs/kda.md), so the written-out mechanism computes it from the key and passes fla the decay.
 * ``based``: fla's ``naive_parallel_based`` divides by ``z + 1e-6``, attnzoo by ``z``: equal in float32, and in
   float64 once fla's numerator and ``z`` are taken apart (``use_norm=False`` on values with a column of ones).
   fla's Based has no window; the mechanism's window part is checked against ``naive_forgetting_attn`` with
@@ -54,6 +57,7 @@ from fla.ops.delta_rule.naive import delta_rule_chunkwise, delta_rule_recurrence
 from fla.ops.forgetting_attn.naive import naive_forgetting_attn  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.gla.naive import naive_recurrent_gla  # noqa: E402
+from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
 from fla.ops.linear_attn.naive import naive_chunk_linear_attn, naive_recurrent_linear_attn  # noqa: E402
 from fla.ops.nsa.naive import naive_nsa_compression, naive_nsa_selection, naive_nsa_topk  # noqa: E402
 from fla.ops.retention.naive import naive_retention  # noqa: E402
@@ -104,6 +108,37 @@ def _gated_delta_mechanism_in_fla(x):
     with torch.no_grad():
         q, k = F.normalize(x.q, dim=-1), F.normalize(x.k, dim=-1)
         return _in_dtype(_fla(naive_chunk_gated_delta_rule, q, k, x.v, log_decay, beta, chunk_size=64), x.q)
+
+
+def _channel_decay(x):
+    """A seeded log decay per key channel, (batch, heads, seq, d_k), between -0.5 and 0."""
+    return -0.5 * torch.rand(*x.k.shape, generator=torch.Generator().manual_seed(7), dtype=x.k.dtype)
+
+
+def _kda_ours(x):
+    return gated_delta_rule(x.q, x.k, x.v, x.beta, _channel_decay(x), chunk_size=32)
+
+
+def _kda_in_fla(reference, **options):
+    def theirs(x):
+        return _in_dtype(_fla(reference, x.q, x.k, x.v, _channel_decay(x), x.beta, **options), x.q)
+    return theirs
+
+
+def _kda_mechanism(x):
+    return _seeded("kda", x.q.shape[1], x.q.shape[3], chunk_size=32).to(x.q.dtype)(x.q, x.k, x.v, causal=True)
+
+
+def _kda_mechanism_in_fla(x):
+    """The ``kda`` mechanism written out: KDA's gate ``-exp(A_log) softplus(k W_down W_up + dt_bias)`` per
+    channel and beta from the raw keys, then fla's chunked KDA on L2-normalised q and k."""
+    module = _seeded("kda", x.q.shape[1], x.q.shape[3], chunk_size=32).to(x.q.dtype)
+    beta = torch.sigmoid(torch.einsum("bhnd,hd->bhn", x.k, module.beta_weight) + module.beta_bias[:, None])
+    low_rank = torch.einsum("bhnd,hdr,hre->bhne", x.k, module.gate_down, module.gate_up)
+    log_decay = -module.A_log.exp()[:, None, None] * F.softplus(low_rank + module.dt_bias[:, None, :])
+    with torch.no_grad():
+        q, k = F.normalize(x.q, dim=-1), F.normalize(x.k, dim=-1)
+        return _in_dtype(_fla(naive_chunk_kda, q, k, x.v, log_decay, beta, chunk_size=64), x.q)
 
 
 def _retention_in_fla(x):
@@ -348,6 +383,10 @@ CASES = [
     FlaCase("gated_delta/chunk", lambda x: gated_delta_rule(x.q, x.k, x.v, x.beta, x.log_decay, chunk_size=32),
             lambda x: _in_dtype(_fla(naive_chunk_gated_delta_rule, x.q, x.k, x.v, x.log_decay, x.beta), x.q)),
     FlaCase("gated_delta/mechanism", _gated_delta_mechanism, _gated_delta_mechanism_in_fla),
+    # kda: functional.gated_delta_rule with a log decay per key channel; fla's g is that log decay.
+    FlaCase("kda/recurrent", _kda_ours, _kda_in_fla(naive_recurrent_kda)),
+    FlaCase("kda/chunk", _kda_ours, _kda_in_fla(naive_chunk_kda, chunk_size=64)),
+    FlaCase("kda/mechanism", _kda_mechanism, _kda_mechanism_in_fla),
     # retention: RetNet's decays 1 - 2^(-5 - h) on both sides; attnzoo's row normalisation off.
     FlaCase("retention/mechanism",
             lambda x: _seeded("retention", x.q.shape[1], x.q.shape[3], normalize=False)(x.q, x.k, x.v, causal=True),

@@ -1,4 +1,4 @@
-"""The delta rule: ``delta`` (DeltaNet) and ``gated_delta`` (Gated DeltaNet).
+"""The delta rule: ``delta`` (DeltaNet), ``gated_delta`` (Gated DeltaNet) and ``kda`` (Kimi Delta Attention).
 
 A linear-attention state ``S`` (d_k x d_v) that each position *corrects*: the key reads what the state holds
 for it and the state moves a fraction beta of the way to the new value (Schlag et al. 2021, Yang et al.
@@ -6,7 +6,9 @@ for it and the state moves a fraction beta of the way to the new value (Schlag e
 
     S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t / sqrt(d)
 
-with ``a_t = 1`` for ``delta`` and a data-dependent decay for ``gated_delta`` (Yang et al. 2025). Queries and
+with ``a_t = 1`` for ``delta``, a data-dependent decay for ``gated_delta`` (Yang et al. 2025), and for ``kda``
+(Kimi Team 2025) one decay per key channel, ``S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t
+v_t^T``. Queries and
 keys are L2-normalised, as in the papers, so ``I - beta k k^T`` is a contraction for beta in [0, 1].
 
 The mechanism sees only q, k and v (not the layer input the papers project beta and the gate from), so beta
@@ -81,7 +83,8 @@ class _DeltaRuleMechanism(Mechanism):
             self.capabilities = self.capabilities.narrowed(f"conv_size={self.conv_size}", any_value_width=False)
 
     def log_decay(self, k: Tensor) -> Optional[Tensor]:
-        """(B, H, N) log decay from the (masked, raw) keys, or None for the plain delta rule."""
+        """The log decay from the (masked, raw) keys: (B, H, N), or (B, H, N, head_dim) with one decay per key
+        channel; None for the plain delta rule."""
         return None
 
     def _conv_weights(self) -> List[Tensor]:
@@ -246,12 +249,81 @@ class GatedDeltaNetAttention(_DeltaRuleMechanism):
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
         self.decay_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
-        self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
-        steps = torch.logspace(math.log10(0.001), math.log10(0.1), heads)
-        self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))  # softplus(dt_bias) = steps
+        a_log, dt_bias = _initial_decay(heads)
+        self.A_log, self.dt_bias = nn.Parameter(a_log), nn.Parameter(dt_bias)  # softplus(dt_bias): the steps
 
     def log_decay(self, k: Tensor) -> Tensor:
         # softplus(z) written as -logsigmoid(-z) (the same numbers): softplus's backward fails under
         # torch.compile's AOTAutograd for gates computed from permuted keys.
         minus_step = F.logsigmoid(-key_gate_logits(k, self.decay_weight, self.dt_bias))
         return self.A_log.to(minus_step.dtype).exp().unsqueeze(-1) * minus_step
+
+
+def _initial_decay(heads: int) -> Tuple[Tensor, Tensor]:
+    """Mamba-2's starting decay parameters over the heads: ``A_log = log(linspace(1, 16))`` and ``dt_bias``, the
+    inverse softplus of steps from 0.001 to 0.1 (geometric), so heads start with memories from about a thousand
+    positions down to a few."""
+    steps = torch.logspace(math.log10(0.001), math.log10(0.1), heads)
+    return torch.linspace(1.0, 16.0, heads).log(), steps + torch.log(-torch.expm1(-steps))
+
+
+@register
+class KimiDeltaAttention(_DeltaRuleMechanism):
+    """Kimi Delta Attention (KDA; Kimi Team 2025, "Kimi Linear"): the gated delta rule with one decay per key
+    channel, ``S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T``, chunked by the WY / UT
+    representation (:mod:`attnzoo.functional.delta`, the per-channel products in its ``channels`` module).
+
+    KDA's gate, computed from the raw key (the mechanism sees only q, k, v; the paper's layer projects it from
+    the layer input): a low-rank map per head, ``z_t = k_t W_down W_up`` (head_dim -> ``gate_rank`` ->
+    head_dim), then ``log a_t = -exp(A_log_h) * softplus(z_t + dt_bias_h)``, per channel, so every ``a_t`` is in
+    (0, 1]. ``A_log`` and ``dt_bias`` start as in ``gated_delta`` (the same value for every channel of a head);
+    beta as in ``delta``.
+
+    Options:
+        chunk_size: chunk length of the parallel form.
+        conv_size: taps of the short causal convolutions on q, k and v (with SiLU) before the normalisation,
+            as the paper's layer has them (4 there); 0 (the default): none.
+        gate_rank: the rank of the gate's map from the key (fla's layer uses the value head width, from the
+            whole hidden state; here the map is per head, from head_dim channels).
+    """
+
+    name = "kda"
+    capabilities = Capabilities(
+        causal=True,
+        cross=False,
+        key_padding=True,
+        recurrent_step=True,
+        kind=OWN,
+        complexity="time O(N c d log c + N d^2), memory O(N c + N d^2 / c); c = chunk_size; decoding O(d^2) per token",
+        summary="Kimi Delta Attention: the gated delta rule with a decay per key channel, chunked (Kimi Team 2025)",
+        # beta and the decay are learned per query head, so a key/value head's state differs per query head.
+        grouped_kv=REPEAT_KV,
+        packing=PACKED_SPLIT,
+    )
+    test_options = {"chunk_size": 4, "gate_rank": 3}  # the suite's lengths cross several chunk boundaries
+    test_variants = ({"chunk_size": 4, "gate_rank": 3, "conv_size": 3},)
+
+    def __init__(
+        self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE, conv_size: int = 0,
+        gate_rank: int = 16,
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
+        self.gate_rank = check_positive_int("gate_rank", gate_rank)
+        self.gate_down = nn.Parameter(torch.randn(heads, head_dim, self.gate_rank) / math.sqrt(head_dim))
+        self.gate_up = nn.Parameter(torch.randn(heads, self.gate_rank, head_dim) / math.sqrt(self.gate_rank))
+        a_log, dt_bias = _initial_decay(heads)
+        self.A_log = nn.Parameter(a_log)
+        self.dt_bias = nn.Parameter(dt_bias.unsqueeze(-1).repeat(1, head_dim))
+
+    def log_decay(self, k: Tensor) -> Tensor:
+        """(B, H, N, head_dim) log decay per key channel from the (masked, raw) keys."""
+        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        down, up = self.gate_down.to(dtype), self.gate_up.to(dtype)
+        logits = torch.einsum("bhnr,hrd->bhnd", torch.einsum("bhnd,hdr->bhnr", k.to(dtype), down), up)
+        # softplus(z) written as -logsigmoid(-z), as in gated_delta (softplus's backward fails under
+        # torch.compile's AOTAutograd for gates computed from permuted keys).
+        minus_step = F.logsigmoid(-(logits + self.dt_bias.to(dtype).unsqueeze(1)))
+        return self.A_log.to(dtype).exp()[:, None, None] * minus_step
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gate_rank={self.gate_rank}"

@@ -15,24 +15,35 @@ from ..._validation import check_bool, check_floating, check_key_padding_mask, c
 def check_gates(
     k: Tensor, beta: Tensor, log_decay: Optional[Tensor], key_padding_mask: Optional[Tensor]
 ) -> None:
-    """``beta`` (and ``log_decay`` where given) shaped (batch, heads, seq) like the keys, finite, and
-    ``log_decay <= 0``, at every position the padding mask keeps (a padded position may hold anything)."""
+    """``beta`` shaped (batch, heads, seq) like the keys and ``log_decay`` (where given) the same or (batch,
+    heads, seq, d_k) (a decay per key channel), both finite, ``beta`` in [0, 2] and ``log_decay <= 0``, at
+    every position the padding mask keeps (a padded position may hold anything)."""
     batch, heads, seq = k.shape[:3]
     for name, gate in (("beta", beta), ("log_decay", log_decay)):
         if gate is None:
             continue
         check_floating(name, gate)
-        if gate.shape != (batch, heads, seq):
-            raise ValueError(
-                f"{name} must have shape (batch, heads, seq) = ({batch}, {heads}, {seq}), got {tuple(gate.shape)}"
-            )
+        per_channel = name == "log_decay" and gate.dim() == 4
+        if gate.shape != (batch, heads, seq) and not (per_channel and gate.shape == k.shape):
+            allowed = " or (batch, heads, seq, d_k) = " + str(tuple(k.shape)) if name == "log_decay" else ""
+            raise ValueError(f"{name} must have shape (batch, heads, seq) = ({batch}, {heads}, {seq}){allowed}, "
+                             f"got {tuple(gate.shape)}")
         if gate.device != k.device:
             raise ValueError(f"{name} must be on {k.device} with the keys, got {gate.device}")
-        kept = gate if key_padding_mask is None else gate.masked_fill(key_padding_mask[:, None, :], 0.0)
+        kept = gate if key_padding_mask is None else gate.masked_fill(_padded(key_padding_mask, gate), 0.0)
         if not bool(torch.isfinite(kept).all()):
             raise ValueError(f"{name} must be finite at every unpadded position (it holds NaN or inf)")
+        if name == "beta" and bool(((kept < 0) | (kept > 2)).any()):
+            raise ValueError("beta must be in [0, 2] (a write strength; I - beta k k^T stays a contraction for unit "
+                             "keys), got a value outside it")
         if name == "log_decay" and bool((kept > 0).any()):
             raise ValueError("log_decay must be <= 0 (a decay a_t = exp(log_decay_t) in (0, 1]), got a positive value")
+
+
+def _padded(key_padding_mask: Tensor, gate: Tensor) -> Tensor:
+    """The (batch, seq) mask laid out against a (batch, heads, seq) or (batch, heads, seq, d_k) gate."""
+    padded = key_padding_mask[:, None, :]
+    return padded if gate.dim() == 3 else padded[..., None]
 
 
 def check_state(name: str, state: Optional[Tensor], k: Tensor, v: Tensor) -> None:
@@ -101,7 +112,7 @@ def prepared(
         k = k.masked_fill(padded[..., None], 0.0)
         v = v.masked_fill(padded[..., None], 0.0)
         beta = beta.masked_fill(padded, 0.0)
-        log_decay = None if log_decay is None else log_decay.masked_fill(padded, 0.0)
+        log_decay = None if log_decay is None else log_decay.masked_fill(_padded(key_padding_mask, log_decay), 0.0)
     return q, k, v, beta, log_decay
 
 

@@ -25,6 +25,13 @@ Everything but ``S_{c+1} = M_c S_c + B_c`` is batched over chunks; the scan is o
 product per chunk. Every decay factor is ``exp`` of a difference ``g_t - g_j <= 0`` (masked before ``exp``),
 so no factor overflows however strong the decay. Cost: O(N C d + N d^2) time, O(N C + (N / C) d^2) memory.
 
+Per-channel decay (Kimi Delta Attention, ``log_decay`` of shape (B, H, N, d_k)): the state decays first, then
+is corrected, ``S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T`` (the scalar case is the same
+maths, a scalar commuting with the correction). Everything above holds with ``g_t`` a vector: ``diag(gamma)
+K`` scales each key's channels by ``exp(g_t)``, ``gamma_C I`` becomes ``Diag(exp(g_C))``, and the products
+``K K^T * Gamma``, ``Q K^T * Gamma`` become ``sum_c k_tc k_jc exp(g_tc - g_jc)`` (resp. ``q_tc``), which
+:mod:`.channels` computes without overflow (a factored form needs references inside the chunk).
+
 Non-causal (``causal=False``): every query reads the state after the whole sequence, ``o_i = S_N^T q_i``,
 which is what non-causal linear attention is (the sum over every key); the delta rule's writes still happen
 in sequence order.
@@ -40,6 +47,7 @@ from torch import Tensor
 
 from ..._validation import check_floating
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
+from .channels import DecayedProducts
 from .fused import ChunkedDeltaRule
 
 DEFAULT_CHUNK_SIZE = 32
@@ -55,34 +63,47 @@ def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1, chunk, *x.shape[3:])
 
 
+def _pair_products(q: Tensor, k: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """For chunked inputs: (K K^T, Q K^T, g), the decay between positions inside both products where gated
+    (g the cumulative log decay within each chunk, with a trailing d_k where it is per channel, or None). Only
+    the lower triangle of either product is read."""
+    chunk = k.shape[3]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    if log_decay is None:
+        kk, qk = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)
+        return kk, qk.masked_fill(~lower, 0.0), None
+    if log_decay.dim() == k.dim():  # per channel: the decay sits inside the sums (.channels)
+        g = log_decay.cumsum(-2)
+        qk, kk = DecayedProducts.apply(torch.stack([q, k], dim=-3), k, g).unbind(-3)
+        return kk, qk, g
+    g = log_decay.cumsum(-1)
+    within = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    return k @ k.transpose(-1, -2) * within, q @ k.transpose(-1, -2) * within, g
+
+
 def _chunk_terms(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], causal: bool
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
     """For chunked (B, H, n, C, d) inputs: the output terms ``(diag(gamma) Q - P W, P U_state_free)`` (None when
-    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks."""
-    chunk = k.shape[3]
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
-    if log_decay is None:
-        within = lower.to(k.dtype)  # Gamma: ones on and below the diagonal
-        gamma = gamma_end = to_end = None
+    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks. With a decay
+    per channel, gamma is a (d_k) vector per position, ``diag(gamma) Q`` scales each query channel by it."""
+    kk, scores, g = _pair_products(q, k, log_decay)
+    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+    if g is None:
+        gamma_q, gamma_k, k_to_end, carry = q, k, k, eye
     else:
-        g = log_decay.cumsum(-1)
-        within = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
-        gamma, gamma_end, to_end = g.exp(), g[..., -1].exp(), (g[..., -1:] - g).exp()
-    strictly_lower = (k @ k.transpose(-1, -2) * within * beta.unsqueeze(-1)).tril(-1)
-    gamma_k = k if gamma is None else k * gamma.unsqueeze(-1)
+        g = g if g.dim() == k.dim() else g.unsqueeze(-1)  # (.., C, d_k) or (.., C, 1): rows' factors
+        gamma, to_end = g.exp(), (g[..., -1:, :] - g).exp()
+        gamma_q, gamma_k, k_to_end = q * gamma, k * gamma, k * to_end
+        carry = g[..., -1, :].exp().unsqueeze(-1) * eye  # diag(gamma_C)
+    strictly_lower = (kk * beta.unsqueeze(-1)).tril(-1)
     rhs = torch.cat([v, gamma_k], dim=-1) * beta.unsqueeze(-1)
     solved = torch.linalg.solve_triangular(strictly_lower, rhs, upper=False, unitriangular=True)
     u_free, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    k_to_end = k if to_end is None else k * to_end.unsqueeze(-1)
-    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-    carry = eye if gamma_end is None else gamma_end[..., None, None] * eye
     transition = carry - k_to_end.transpose(-1, -2) @ w
     write = k_to_end.transpose(-1, -2) @ u_free
     if not causal:
         return None, None, transition, write
-    scores = q @ k.transpose(-1, -2) * within
-    gamma_q = q if gamma is None else q * gamma.unsqueeze(-1)
     return gamma_q - scores @ w, scores @ u_free, transition, write
 
 
@@ -95,7 +116,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Te
         x = _in_chunks(x, pad, chunk)
         return x.reshape(batch * heads, *x.shape[2:]).contiguous()
 
-    g = None if log_decay is None else chunked(log_decay).cumsum(-1)
+    g = None if log_decay is None else chunked(log_decay).cumsum(2)  # within each chunk, along C
     out, state = ChunkedDeltaRule.apply(chunked(q), chunked(k), chunked(v), chunked(beta), g,
                                         state.reshape(batch * heads, *state.shape[2:]))
     out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
@@ -211,6 +232,10 @@ def gated_delta_rule(
     ``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` with ``a_t = exp(log_decay_t)``,
     ``o_t = S_t^T q_t * scale``. Arguments as :func:`delta_rule`, plus ``log_decay`` (batch, heads, seq),
     finite and <= 0; a padded position neither writes nor decays the state.
+
+    ``log_decay`` of shape (batch, heads, seq, d_k) is a decay per key channel (Kimi Delta Attention, Kimi
+    Team 2025): ``S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T``, the state decayed
+    first, then corrected (for a scalar the two orders agree).
 
     Returns:
         (batch, heads, seq, d_v) in q's dtype.

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .._autocast import outside_autocast
+from .channels import decayed_products_backward, decayed_products_unchecked
 
 Saved = Tuple[Tensor, ...]
 
@@ -38,10 +39,13 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _gate_terms(g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """From the within-chunk cumulative log decay g (Z, n, C): (gamma = exp(g) (Z, n, C), to_end = exp(g_C - g)
-    (Z, n, C), gamma_C (Z, n))."""
-    return g.exp(), (g[..., -1:] - g).exp(), g[..., -1].exp()
+def _gate_terms(g: Tensor, per_channel: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """From the within-chunk cumulative log decay g, (Z, n, C) or per channel (Z, n, C, d_k): gamma = exp(g) and
+    to_end = exp(g_C - g), each (Z, n, C, 1) or (Z, n, C, d_k) to scale q and k rows, and gamma_C, (Z, n, 1, 1)
+    or (Z, n, d_k, 1) to scale a chunk's (d_k, d_v) state."""
+    if not per_channel:
+        g = g.unsqueeze(-1)
+    return g.exp(), (g[..., -1:, :] - g).exp(), g[..., -1, :].exp().unsqueeze(-1)
 
 
 def _within(g: Tensor) -> Tensor:
@@ -52,21 +56,32 @@ def _within(g: Tensor) -> Tensor:
     return (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], state: Tensor
-             ) -> Tuple[Tensor, Tensor, Saved]:
-    """Chunked inputs (Z, n, C, d), gates (Z, n, C), state (Z, d_k, d_v). Returns (out (Z, n, C, d_v), final
-    state, what the backward needs)."""
-    chunk = k.shape[-2]
+def _pair_terms(q: Tensor, k: Tensor, g: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(K K^T, the causal Q K^T, Gamma or None), the decay between positions inside both products where gated:
+    a scalar decay multiplies them by Gamma; a per-channel one sits inside the sums
+    (:mod:`.channels`), and K K^T is then 0 above the diagonal (only its strictly lower part is read)."""
+    if g is not None and g.dim() == k.dim():
+        qk, kk = decayed_products_unchecked(torch.stack([q, k], dim=-3), k, g).unbind(-3)
+        return kk, qk, None
     kk = k @ k.transpose(-1, -2)
     qk = q @ k.transpose(-1, -2)
     if g is None:
-        p = qk.tril_()
+        return kk, qk.tril_(), None
+    within = _within(g)
+    return kk.mul_(within), qk.mul_(within), within  # Gamma is 0 above the diagonal: qk is causal
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], state: Tensor
+             ) -> Tuple[Tensor, Tensor, Saved]:
+    """Chunked inputs (Z, n, C, d), gates (Z, n, C) (g also (Z, n, C, d_k), per channel), state (Z, d_k, d_v).
+    Returns (out (Z, n, C, d_v), final state, what the backward needs)."""
+    chunk = k.shape[-2]
+    kk, p, within = _pair_terms(q, k, g)
+    if g is None:
         gamma_q, gamma_k, k_to_end, gamma_end = q, k, k, None
     else:
-        within = _within(g)
-        gamma, to_end, gamma_end = _gate_terms(g)
-        kk, p = kk.mul_(within), qk.mul_(within)  # Gamma is 0 above the diagonal: p is causal
-        gamma_q, gamma_k, k_to_end = q * gamma.unsqueeze(-1), k * gamma.unsqueeze(-1), k * to_end.unsqueeze(-1)
+        gamma, to_end, gamma_end = _gate_terms(g, g.dim() == k.dim())
+        gamma_q, gamma_k, k_to_end = q * gamma, k * gamma, k * to_end
     a = (kk * beta.unsqueeze(-1)).tril_(-1)
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
     # unitriangular: the (zero) diagonal of a is read as ones, so this is (I + A)^{-1}.
@@ -83,12 +98,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
         u_c = torch.baddbmm(u_free[:, c], w[:, c], state, alpha=-1.0)
         u[:, c] = u_c
         if gamma_end is not None:
-            state.mul_(gamma_end[:, c, None, None])
+            state.mul_(gamma_end[:, c])
         state.baddbmm_(k_to_end[:, c].transpose(-1, -2), u_c)
     out = torch.baddbmm(_flat(gamma_q @ states), _flat(p), _flat(u)).view_as(v)
-    # kk is K K^T * Gamma where gated; p the causal Q K^T * Gamma.
-    saved = (q, k, v, beta, kk, p, t, u_free, w, u, states) + (() if g is None else (g, within))
-    return out, state, saved
+    # kk is K K^T with the decay between positions where gated; p the causal Q K^T with it.
+    gates = () if g is None else (g,) if within is None else (g, within)
+    return out, state, (q, k, v, beta, kk, p, t, u_free, w, u, states) + gates
 
 
 def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Tensor, k_to_end: Tensor, w: Tensor,
@@ -104,27 +119,61 @@ def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Ten
         grad_u_c = torch.baddbmm(grad_u_local[:, c], k_to_end[:, c], grad_state)
         grad_u[:, c] = grad_u_c
         if gamma_end is not None:
-            grad_state.mul_(gamma_end[:, c, None, None])
+            grad_state.mul_(gamma_end[:, c])
         grad_state.add_(grad_state_local[:, c]).baddbmm_(w[:, c].transpose(-1, -2), grad_u_c, alpha=-1.0)
     return grad_u, grad_next, grad_state
 
 
-def _backward(saved: Saved, gated: bool, grad_out: Tensor, grad_final: Tensor
+def _pair_backward(saved: Saved, grad_p: Tensor, grad_kk: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """Gradients of (q, k, g) through K K^T and Q K^T with their decays (:func:`_pair_terms`), from those of
+    the two products (grad_kk strictly lower, grad_p unmasked); g's is None when not gated."""
+    q, k, kk, p = saved[0], saved[1], saved[4], saved[5]
+    g = saved[11] if len(saved) > 11 else None
+    if g is not None and g.dim() == k.dim():
+        grad_x, grad_k = decayed_products_backward(torch.stack([grad_p.tril_(), grad_kk], dim=-3),
+                                                   torch.stack([q, k], dim=-3), k, g)
+        grad_q, grad_k_rows = grad_x.unbind(-3)
+        # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
+        grad_g = (q * grad_q).add_(k * (grad_k_rows - grad_k))
+        return grad_q, grad_k.add_(grad_k_rows), grad_g
+    if g is None:
+        grad_qk, grad_kk_plain = grad_p.tril_(), grad_kk
+    else:
+        within = saved[12]
+        # Gamma's zeros above the diagonal mask grad_p.
+        grad_qk, grad_kk_plain = grad_p * within, grad_kk * within
+    grad_q = grad_qk @ k
+    grad_k = torch.baddbmm(_flat(grad_kk_plain @ k), _flat(grad_kk_plain).transpose(-1, -2), _flat(k))
+    grad_k = torch.baddbmm(grad_k, _flat(grad_qk).transpose(-1, -2), _flat(q)).view_as(k)
+    if g is None:
+        return grad_q, grad_k, None
+    through_within = grad_kk * kk + grad_p * p  # the gradient reaching Gamma, times Gamma
+    return grad_q, grad_k, through_within.sum(-1) - through_within.sum(-2)
+
+
+def _to_gate(grad: Tensor, x: Tensor, factor: Tensor, per_channel: bool) -> Tensor:
+    """``grad . x * factor`` per position (a scalar decay, factor (..., C, 1)) or per channel (factor
+    (..., C, d_k)): the gradient reaching g through ``x * factor`` with ``factor = exp(+-g)``."""
+    if not per_channel:
+        return _row_dot(grad, x).mul_(factor.squeeze(-1))
+    return (grad * x).mul_(factor)
+
+
+def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor
               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Tensor]:
     """Gradients of (q, k, v, beta, g, initial state) from those of the outputs and the final state."""
     q, k, v, beta, kk, p, t, u_free, w, u, states = saved[:11]
-    if gated:
-        g, within = saved[11:]
-        gamma, to_end, gamma_end = _gate_terms(g)
-        gamma_q, gamma_k, k_to_end = q * gamma.unsqueeze(-1), k * gamma.unsqueeze(-1), k * to_end.unsqueeze(-1)
+    g = saved[11] if len(saved) > 11 else None
+    per_channel = g is not None and g.dim() == k.dim()
+    if g is not None:
+        gamma, to_end, gamma_end = _gate_terms(g, per_channel)
+        gamma_q, gamma_k, k_to_end = q * gamma, k * gamma, k * to_end
     else:
         gamma_q, gamma_k, k_to_end, gamma_end = q, k, k, None
     grad_u, grad_next, grad_initial = _scan_backward(grad_out, grad_final, p, gamma_q, k_to_end, w, gamma_end)
     grad_k_to_end = u @ grad_next.transpose(-1, -2)
     grad_gamma_q = grad_out @ states.transpose(-1, -2)
     grad_p = grad_out @ u.transpose(-1, -2)
-    if not gated:  # gated, Gamma's zeros above the diagonal mask it below
-        grad_p.tril_()
     # [U_free, W] = T R solves (I + A) [U_free, W] = R: dR = T^T d[U_free, W], dA = -dR [U_free, W]^T, strictly
     # lower as A is.
     t_transposed = t.transpose(-1, -2)
@@ -134,32 +183,30 @@ def _backward(saved: Saved, gated: bool, grad_out: Tensor, grad_final: Tensor
     grad_a = torch.baddbmm(grad_a, _flat(grad_r_k), _flat(w).transpose(-1, -2)).view_as(t).tril_(-1).neg_()
     grad_beta = _row_dot(grad_r_v, v).add_(_row_dot(grad_r_k, gamma_k)).add_(_row_dot(grad_a, kk))
     grad_v, grad_gamma_k = grad_r_v.mul_(beta.unsqueeze(-1)), grad_r_k.mul_(beta.unsqueeze(-1))
-    grad_kk_within = grad_a.mul_(beta.unsqueeze(-1))
-    grad_kk, grad_qk = (grad_kk_within, grad_p) if not gated else (grad_kk_within * within, grad_p * within)
-    grad_q = grad_qk @ k
-    grad_k = torch.baddbmm(_flat(grad_kk @ k), _flat(grad_kk).transpose(-1, -2), _flat(k))
-    grad_k = torch.baddbmm(grad_k, _flat(grad_qk).transpose(-1, -2), _flat(q)).view_as(k)
-    if not gated:
+    grad_q, grad_k, grad_g = _pair_backward(saved, grad_p, grad_a.mul_(beta.unsqueeze(-1)))
+    if g is None:
         return grad_q.add_(grad_gamma_q), grad_k.add_(grad_gamma_k).add_(grad_k_to_end), grad_v, grad_beta, None, \
             grad_initial
-    grad_q.addcmul_(grad_gamma_q, gamma.unsqueeze(-1))
-    grad_k.addcmul_(grad_gamma_k, gamma.unsqueeze(-1)).addcmul_(grad_k_to_end, to_end.unsqueeze(-1))
-    # d/dg through Gamma_tj = exp(g_t - g_j), gamma_t = exp(g_t), to_end_t = exp(g_C - g_t), gamma_C = exp(g_C).
-    through_within = grad_kk_within * kk + grad_p * p  # the gradient reaching Gamma, times Gamma
-    grad_g = through_within.sum(-1) - through_within.sum(-2)
-    grad_g += _row_dot(grad_gamma_q, q).add_(_row_dot(grad_gamma_k, k)).mul_(gamma)
-    through_to_end = _row_dot(grad_k_to_end, k).mul_(to_end)
+    grad_q.addcmul_(grad_gamma_q, gamma)
+    grad_k.addcmul_(grad_gamma_k, gamma).addcmul_(grad_k_to_end, to_end)
+    # d/dg through gamma_t = exp(g_t), to_end_t = exp(g_C - g_t), gamma_C = exp(g_C).
+    grad_g += _to_gate(grad_gamma_q, q, gamma, per_channel).add_(_to_gate(grad_gamma_k, k, gamma, per_channel))
+    through_to_end = _to_gate(grad_k_to_end, k, to_end, per_channel)
     grad_g -= through_to_end
-    grad_g[..., -1] += through_to_end.sum(-1) + _row_dot(states.flatten(-2), grad_next.flatten(-2)) * gamma_end
+    through_end = (states * grad_next).sum(-1) * gamma_end.squeeze(-1)  # (Z, n, d_k), or (Z, n, 1) scalar
+    if per_channel:
+        grad_g[..., -1, :] += through_to_end.sum(-2) + through_end
+    else:
+        grad_g[..., -1] += through_to_end.sum(-1) + through_end.sum(-1)
     return grad_q, grad_k, grad_v, grad_beta, grad_g, grad_initial
 
 
 class ChunkedDeltaRule(torch.autograd.Function):
     """The causal (gated) delta rule on chunked inputs, with a hand-written backward (module docstring).
 
-    Shapes: q (scaled), k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C) the cumulative log
-    decay from each chunk's start, inclusive, or None; initial (Z, d_k, d_v). Returns (out (Z, n, C, d_v),
-    state after the last chunk (Z, d_k, d_v)).
+    Shapes: q (scaled), k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C), or (Z, n, C, d_k) for
+    a decay per key channel, the cumulative log decay from each chunk's start, inclusive, or None; initial
+    (Z, d_k, d_v). Returns (out (Z, n, C, d_v), state after the last chunk (Z, d_k, d_v)).
     """
 
     @staticmethod
@@ -168,13 +215,12 @@ class ChunkedDeltaRule(torch.autograd.Function):
                 initial: Tensor) -> Tuple[Tensor, Tensor]:
         out, state, saved = _forward(q, k, v, beta, g, initial)
         ctx.save_for_backward(*saved)
-        ctx.gated = g is not None
         return out, state
 
     @staticmethod
     @outside_autocast
     def backward(ctx, grad_out: Tensor, grad_final: Tensor):  # type: ignore[override]
-        return _backward(ctx.saved_tensors, ctx.gated, grad_out.contiguous(), grad_final)
+        return _backward(ctx.saved_tensors, grad_out.contiguous(), grad_final)
 
 
 __all__ = ["ChunkedDeltaRule"]

@@ -22,15 +22,16 @@ def delta_rule_step_unchecked(
     scale: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """One position of the (gated) delta rule on checked arguments: q_t, k_t (B, H, 1, d_k), v_t (B, H, 1, d_v),
-    beta_t and log_decay_t (B, H, 1), state (B, H, d_k, d_v) or None for zeros. Returns (out_t (B, H, 1, d_v)
-    in q_t's dtype, the new state in the working dtype)."""
+    beta_t (B, H, 1), log_decay_t (B, H, 1) or per channel (B, H, 1, d_k) (decay first, then the correction),
+    state (B, H, d_k, d_v) or None for zeros. Returns (out_t (B, H, 1, d_v) in q_t's dtype, the new state in the
+    working dtype)."""
     scale = resolve_scale(scale, q_t.shape[3])
     q, k, v, beta, log_decay = prepared(q_t, k_t, v_t, beta_t, log_decay_t, None, scale)
     if state is None:
         state = k.new_zeros(k.shape[0], k.shape[1], k.shape[3], v.shape[3])
     state = state.to(k.dtype)
-    if log_decay is not None:
-        state = state * log_decay.exp().unsqueeze(-1)
+    if log_decay is not None:  # (B, H, 1) scales the whole state, (B, H, 1, d_k) each key channel's row
+        state = state * (log_decay.exp().unsqueeze(-1) if log_decay.dim() == 3 else log_decay.exp().transpose(-1, -2))
     # The pseudo-value: what the key reads from the decayed state is replaced by beta of the new value.
     pseudo_value = beta.unsqueeze(-1) * (v - k @ state)
     state = state + k.transpose(-1, -2) @ pseudo_value
@@ -67,7 +68,8 @@ def gated_delta_rule_step(
     *,
     scale: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
-    """One decoding step of :func:`attnzoo.functional.gated_delta_rule`; ``log_decay_t`` is (B, H, 1), <= 0."""
+    """One decoding step of :func:`attnzoo.functional.gated_delta_rule`; ``log_decay_t`` is (B, H, 1), or
+    (B, H, 1, d_k) for a decay per key channel (Kimi Delta Attention), <= 0."""
     check_floating("log_decay_t", log_decay_t)
     _check_step(q_t, k_t, v_t, beta_t, log_decay_t, state)
     resolve_scale(scale, q_t.shape[3])

@@ -23,7 +23,8 @@ def delta_rule_reference(
     key_padding_mask: Optional[Tensor] = None,
     initial_state: Optional[Tensor] = None,
 ) -> Tensor:
-    """``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T`` (``a_t = exp(log_decay_t)``, 1 when
+    """``S_t = (I - beta_t k_t k_t^T) Diag(a_t) S_{t-1} + beta_t k_t v_t^T`` (``a_t = exp(log_decay_t)``, one
+    value per head (``log_decay`` (B, H, N)) or per key channel ((B, H, N, d_k), Kimi Delta Attention), 1 when
     ``log_decay`` is None), written as it reads, in float64; ``o_t = S_t^T q_t * scale`` (causal), or
     ``S_N^T q_t * scale`` for every t (non-causal). A padded position is skipped. Returns float64
     (batch, heads, seq, d_v)."""
@@ -34,7 +35,8 @@ def delta_rule_reference(
         padded = key_padding_mask[:, None, :]
         k, v = k.masked_fill(padded[..., None], 0.0), v.masked_fill(padded[..., None], 0.0)
         beta = beta.masked_fill(padded, 0.0)
-        log_decay = None if log_decay is None else log_decay.masked_fill(padded, 0.0)
+        if log_decay is not None:
+            log_decay = log_decay.masked_fill(padded if log_decay.dim() == 3 else padded[..., None], 0.0)
     batch, heads, length, d_k = k.shape
     eye = torch.eye(d_k, dtype=torch.float64, device=k.device)
     state = k.new_zeros(batch, heads, d_k, v.shape[3]) if initial_state is None else initial_state.double()
@@ -42,8 +44,10 @@ def delta_rule_reference(
     for t in range(length):
         k_t, v_t = k[:, :, t].unsqueeze(-1), v[:, :, t].unsqueeze(-1)  # columns (B, H, d, 1)
         beta_t = beta[:, :, t, None, None]
-        decay_t = 1.0 if log_decay is None else log_decay[:, :, t, None, None].double().exp()
-        state = decay_t * (eye - beta_t * k_t @ k_t.transpose(-1, -2)) @ state + beta_t * k_t @ v_t.transpose(-1, -2)
+        if log_decay is not None:  # Diag(a_t) S_{t-1}: a scalar per head, or one per key channel (a row of S)
+            decay_t = log_decay[:, :, t].double().exp()
+            state = state * (decay_t[..., None, None] if log_decay.dim() == 3 else decay_t[..., :, None])
+        state = (eye - beta_t * k_t @ k_t.transpose(-1, -2)) @ state + beta_t * k_t @ v_t.transpose(-1, -2)
         outputs.append(state.transpose(-1, -2) @ q[:, :, t].unsqueeze(-1))
     if not causal:
         return q @ state
