@@ -39,12 +39,13 @@ Non-causal (``causal=False``): every query reads the state after the whole seque
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .._autocast import without_autocast
 
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
 
@@ -65,31 +66,26 @@ def _halves(x: Tensor, m: int) -> Tuple[Tensor, Tensor]:
     return blocks[..., 0, :, :], blocks[..., 1, :, :]
 
 
-@functools.lru_cache(maxsize=None)
-def _layout(chunk: int) -> Tuple[int, ...]:
+def _layout(chunk: int, device: torch.device) -> Tensor:
     """Where each entry of the four (C, C) products, in (row type, column type, t, j) order, sits in the
-    concatenation that :func:`_chunk_products` makes: [diagonal (C, 2 column types), then per level m = 1, 2,
-    ..., C / 2 its corners (C / 2m, 2 row types, m, 2 column types, m), then one zero]."""
-    offsets, offset = {}, 2 * chunk
-    m = 1
-    while m < chunk:
-        offsets[m], offset = offset, offset + 2 * chunk * m
-        m *= 2
-    zero = offset
-    layout = []
-    for row_type in range(2):
-        for column_type in range(2):
-            for t in range(chunk):
-                for j in range(chunk):
-                    if t == j:
-                        layout.append(2 * t + column_type if row_type == 0 else zero)
-                    elif t < j:
-                        layout.append(zero)
-                    else:  # the level where t and j fall into the two halves of one 2m-block
-                        m = 1 << ((t ^ j).bit_length() - 1)
-                        block, row, column = t // (2 * m), t % m, j % m
-                        layout.append(offsets[m] + (((block * 2 + row_type) * m + row) * 2 + column_type) * m + column)
-    return tuple(layout)
+    concatenation that :func:`_chunk_products` makes: [the diagonal (C, 2 column types), then per level m = 1, 2,
+    ..., C / 2 its corners (C / 2m, 2 row types, m, 2 column types, m), from offset 2 C m, then one zero at
+    2 C^2]. Entry (t, j), t > j, lies in the level where t and j fall into the two halves of one 2m-block: m is
+    the highest bit of t XOR j. Integer tensor maths, so that traced and compiled graphs hold it as it is."""
+    t = torch.arange(chunk, device=device)[:, None]
+    j = torch.arange(chunk, device=device)[None, :]
+    differ = torch.bitwise_xor(t, j)
+    m = torch.ones_like(differ)
+    level = 2
+    while level < chunk:
+        m = torch.where(differ >= level, level, m)
+        level *= 2
+    zero = 2 * chunk * chunk
+    types = torch.arange(2, device=device)
+    row_type, column_type = types[:, None, None, None], types[None, :, None, None]
+    corner = 2 * chunk * m + (((t // (2 * m) * 2 + row_type) * m + t % m) * 2 + column_type) * m + j % m
+    diagonal = torch.where(row_type == 0, 2 * t + column_type, zero)
+    return torch.where(t > j, corner, torch.where(t == j, diagonal, zero)).flatten()
 
 
 def _chunk_products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor, g_prev: Tensor) -> Tensor:
@@ -114,8 +110,7 @@ def _chunk_products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor, g_pre
         parts.append((rows @ columns.transpose(-1, -2)).flatten(-3))
         m *= 2
     parts.append(k.new_zeros(*lead, 1))
-    layout = torch.tensor(_layout(chunk), device=k.device)
-    return torch.cat(parts, dim=-1).index_select(-1, layout).view(*lead, 2, 2, chunk, chunk)
+    return torch.cat(parts, dim=-1).index_select(-1, _layout(chunk, k.device)).view(*lead, 2, 2, chunk, chunk)
 
 
 def _chunk_terms(
@@ -142,6 +137,7 @@ def _chunk_terms(
     return q * g.exp() + a_qb @ w, a_qk @ v + a_qb @ u_free, transition, write
 
 
+@without_autocast  # its precision is the working dtype (functional/_autocast.py)
 def dplr_chunked(
     q: Tensor,
     k: Tensor,
@@ -158,7 +154,7 @@ def dplr_chunked(
     both in the working dtype."""
     batch, heads, length, d_k = k.shape
     d_v = v.shape[-1]
-    chunk = min(chunk_size, 1 << (length - 1).bit_length())  # a power of two, no longer than needed
+    chunk = min(chunk_size, 1 << (int(length) - 1).bit_length())  # a power of two, no longer than needed
     pad = -length % chunk
     state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
     chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v, a, b, log_decay)]

@@ -7,12 +7,15 @@ from typing import Optional, Tuple
 
 from torch import Tensor
 
+from .._autocast import without_autocast
+
 from ..._validation import check_qkv
 from ..delta.checks import check_state
 from .checks import check_call, check_chunk_size, check_vectors, prepared, resolve_scale
 from .chunk import DEFAULT_CHUNK_SIZE, dplr_delta_rule_unchecked
 
 
+@without_autocast  # its precision is the working dtype (functional/_autocast.py)
 def dplr_delta_rule_step_unchecked(
     q_t: Tensor,
     k_t: Tensor,
