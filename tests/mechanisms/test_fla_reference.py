@@ -30,7 +30,15 @@ Where the definitions differ on purpose, the case maps one onto the other and sa
   float64 once fla's numerator and ``z`` are taken apart (``use_norm=False`` on values with a column of ones).
   fla's Based has no window; the mechanism's window part is checked against ``naive_forgetting_attn`` with
   every gate 1 and ``window_size``.
+* ``dplr`` / ``rwkv7``: fla's ``generalized_delta_rule.dplr.naive`` (``dplr_recurrence``, ``dplr_chunkwise``)
+  is the reference: its ``alpha`` is attnzoo's read vector ``a`` and its ``beta`` the write vector ``b``
+  (``S_t = (diag(exp(gk_t)) + beta_t alpha_t^T) S_{t-1} + k_t v_t^T``), its ``gk`` the per-channel log decay,
+  and its query scale ``d_k ** -0.5`` fixed. It casts to float32, so the cases are float32 only (1e-5).
+  RWKV-7 maps onto it as fla's ``rwkv7/chunk.py`` maps it (``a = -kappa``, ``b = kappa * alpha``); fla's
+  ``fused_recurrent_rwkv7`` is a Triton kernel with no pure-PyTorch path, so it is not run here.
 """
+
+import math
 
 import pytest
 import torch
@@ -38,6 +46,7 @@ import torch.nn.functional as F
 
 from attnzoo.functional import (
     delta_rule,
+    dplr_delta_rule,
     elu_plus_one,
     forgetting_attention,
     gated_delta_rule,
@@ -54,6 +63,7 @@ pytest.importorskip("fla", reason='flash-linear-attention (fla-core) is in the "
 
 from fla.ops.based.naive import naive_parallel_based  # noqa: E402
 from fla.ops.delta_rule.naive import delta_rule_chunkwise, delta_rule_recurrence  # noqa: E402
+from fla.ops.generalized_delta_rule.dplr.naive import dplr_chunkwise, dplr_recurrence  # noqa: E402
 from fla.ops.forgetting_attn.naive import naive_forgetting_attn  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.gla.naive import naive_recurrent_gla  # noqa: E402
@@ -370,6 +380,47 @@ def _based_mechanism_in_fla(x):
         return linear + _window_in_fla(x.q, x.k, x.v, BASED_WINDOW)
 
 
+# -- dplr / rwkv7: fla's alpha is attnzoo's a (the read), its beta attnzoo's b (the write) ----------------------
+def _dplr_vectors(x):
+    """RWKV-7's vectors on the shared inputs: a = -kappa, b = kappa * alpha (kappa a unit key, alpha in (0, 1)
+    per channel) and a per-channel log decay from the shared one, each (batch, heads, seq, d_k)."""
+    kappa = F.normalize(x.q - x.k, dim=-1)
+    alpha = torch.sigmoid(3 * x.q)
+    log_decay = x.log_decay.unsqueeze(-1) * torch.linspace(0.2, 2.0, x.k.shape[-1], dtype=x.k.dtype)
+    return -kappa, kappa * alpha, log_decay
+
+
+def _dplr_ours(x):
+    return dplr_delta_rule(x.q, x.k, x.v, *_dplr_vectors(x), chunk_size=32)
+
+
+def _dplr_in_fla(function, **options):
+    def theirs(x):
+        a, b, log_decay = _dplr_vectors(x)
+        with torch.no_grad():
+            return _in_dtype(function(x.q, x.k, x.v, a, b, log_decay, **options)[0], x.q)
+    return theirs
+
+
+def _rwkv7_mechanism(x):
+    return _seeded("rwkv7", x.q.shape[1], x.q.shape[3], chunk_size=32).to(x.q.dtype)(x.q, x.k, x.v, causal=True)
+
+
+def _rwkv7_mechanism_in_fla(x):
+    """The ``rwkv7`` mechanism written out: its LoRAs and per-channel maps of the raw keys, then fla's DPLR."""
+    module = _seeded("rwkv7", x.q.shape[1], x.q.shape[3], chunk_size=32).to(x.q.dtype)
+    with torch.no_grad():
+        decay_hidden = torch.tanh(torch.einsum("bhnd,hdr->bhnr", x.k, module.w1))
+        decay_logits = torch.einsum("bhnr,hrd->bhnd", decay_hidden, module.w2) + module.w0[:, None]
+        log_decay = -math.exp(-0.5) * torch.sigmoid(decay_logits)
+        alpha = torch.sigmoid(torch.einsum("bhnr,hrd->bhnd", torch.einsum("bhnd,hdr->bhnr", x.k, module.a1),
+                                           module.a2) + module.a0[:, None])
+        kappa = F.normalize(x.k * module.k_k[:, None], dim=-1)
+        k = x.k * (1 + (alpha - 1) * module.k_a[:, None])
+        out = dplr_recurrence(x.q, k, x.v, -kappa, kappa * alpha, log_decay)[0]
+    return _in_dtype(out, x.q)
+
+
 CASES = [
     # delta: functional.delta_rule, chunk 32 here against fla's chunk 64 and its per-token recurrence.
     FlaCase("delta/recurrence", lambda x: delta_rule(x.q, x.k, x.v, x.beta, chunk_size=32),
@@ -427,6 +478,10 @@ CASES = [
     FlaCase("based/linear", _based_linear_ours, _based_linear_in_fla),
     FlaCase("based/linear_exact_normaliser", _based_linear_ours, _based_linear_exact_in_fla, float64=True),
     FlaCase("based/mechanism", _based_mechanism, _based_mechanism_in_fla),
+    # dplr and rwkv7: the generalized delta rule against fla's DPLR references (float32: they cast to it).
+    FlaCase("dplr/recurrence", _dplr_ours, _dplr_in_fla(dplr_recurrence)),
+    FlaCase("dplr/chunkwise", _dplr_ours, _dplr_in_fla(dplr_chunkwise, chunk_size=32)),
+    FlaCase("rwkv7/mechanism", _rwkv7_mechanism, _rwkv7_mechanism_in_fla),
 ]
 
 

@@ -31,6 +31,12 @@ from .delta import (
     gated_delta_rule,
     gated_delta_rule_step,
 )
+from .dplr import (
+    dplr_delta_rule,
+    dplr_delta_rule_prefill,
+    dplr_delta_rule_reference,
+    dplr_delta_rule_step,
+)
 from .ssd import ssd, ssd_prefill, ssd_reference, ssd_step
 from .short_convolution import short_conv, short_conv_reference, short_conv_state, short_conv_step
 from .forgetting import forgetting_attention, forgetting_attention_reference, forgetting_attention_unchecked

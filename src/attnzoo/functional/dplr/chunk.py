@@ -1,0 +1,233 @@
+"""The chunked parallel form of the DPLR delta rule: no loop over tokens, one over chunks.
+
+The recurrence (state ``S`` of shape (d_k, d_v), so that ``o_t = S_t^T q_t``)::
+
+    S_t = (D_t + b_t a_t^T) S_{t-1} + k_t v_t^T,    D_t = diag(exp(l_t)),  l_t = log_decay_t <= 0 per channel
+
+Inside a chunk of C positions starting from the state ``S_0``, with ``g_t`` the cumulative log decay from the
+chunk's start (inclusive, per channel) and ``u_t = S_{t-1}^T a_t`` what the read vector takes from the state
+(a d_v row, the pseudo-value of the low-rank part), unrolling gives
+
+    S_t = exp(g_t) * S_0 + sum_{j<=t} exp(g_t - g_j) * (k_j v_j^T + b_j u_j^T)      (* per key channel)
+    u_t = S_0^T (a_t exp(g_{t-1})) + sum_{j<t} A_ak[t, j] v_j + A_ab[t, j] u_j
+    o_t = S_0^T (q_t exp(g_t))     + sum_{j<=t} A_qk[t, j] v_j + A_qb[t, j] u_j
+
+with ``A_xy[t, j] = sum_c x_tc exp(g'_tc - g_jc) y_jc`` (``g' = g`` for q, the exclusive ``g_{t-1}`` for a).
+So ``(I - A_ab) U = A_ak V + A~ S_0`` (``A~`` the rows ``a_t exp(g_{t-1})``), a unit lower-triangular system
+whose solution splits into ``U = U_free + W S_0`` (the WY form: ``W = T A~``, ``U_free = T A_ak V``,
+``T = (I - A_ab)^{-1}``), one batched triangular solve for every chunk. Then
+
+    O     = (Q~ + A_qb W) S_0 + A_qk V + A_qb U_free                 (Q~: rows q_t exp(g_t))
+    S_end = (diag(exp(g_C)) + B^^T W) S_0 + K^^T V + B^^T U_free  = M S_0 + B     (K^, B^: rows x_j exp(g_C - g_j))
+
+and only ``S_{c+1} = M_c S_c + B_c`` runs chunk after chunk.
+
+Numerics. The decay is per channel, so ``A_xy`` is not a plain product ``X Y^T``: it must be factorised as
+``(x_t exp(g'_t - r)) . (y_j exp(r - g_j))`` about some reference ``r``. With one reference per chunk one of the
+factors is ``exp`` of a positive number as large as the chunk's whole decay: it overflows (inf, then NaN
+through ``0 * inf`` in the masked entries and their gradients) once a channel decays by more than ~e^-88 over
+a chunk in float32, which a strongly forgetting channel reaches within a few positions. So the lower triangle
+is cut hierarchically (:func:`_chunk_products`): the block of the second half's rows against the first half's
+columns of every 2m-block uses as reference ``g`` at the last column of that block, which lies between every
+row and every column, so both factors are ``exp`` of a number <= 0, and the recursion then splits each half.
+Every factor in this module is ``exp`` of a difference <= 0 (``exp(g_t)``, ``exp(g_C - g_j)`` too), so the
+form is exact to rounding for any decays, however strong. Cost: O(N C d log C) elementwise beside the
+O(N C d + N d^2) of the products, O(N C + (N / C) d^2) memory.
+
+Non-causal (``causal=False``): every query reads the state after the whole sequence, ``o_i = S_N^T q_i``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._autocast import without_autocast
+
+from .checks import check_call, check_chunk_size, prepared, resolve_scale
+
+DEFAULT_CHUNK_SIZE = 32
+"""Chunk length of the parallel form (a power of two: the within-chunk products halve it level by level). At
+head dim 64 on one CPU thread 16 and 32 were within the noise of each other and 64 slower (docs/rwkv7.md)."""
+
+
+def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
+    """(B, H, N, d) -> (B, H, n, C, d), zero-padded at the end to whole chunks (a zero log decay is no decay)."""
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    return x.reshape(x.shape[0], x.shape[1], -1, chunk, x.shape[-1])
+
+
+def _halves(x: Tensor, m: int) -> Tuple[Tensor, Tensor]:
+    """(..., C, d) -> the first and second halves of every block of 2m positions, each (..., C / 2m, m, d)."""
+    blocks = x.reshape(*x.shape[:-2], -1, 2, m, x.shape[-1])
+    return blocks[..., 0, :, :], blocks[..., 1, :, :]
+
+
+def _layout(chunk: int, device: torch.device) -> Tensor:
+    """Where each entry of the four (C, C) products, in (row type, column type, t, j) order, sits in the
+    concatenation that :func:`_chunk_products` makes: [the diagonal (C, 2 column types), then per level m = 1, 2,
+    ..., C / 2 its corners (C / 2m, 2 row types, m, 2 column types, m), from offset 2 C m, then one zero at
+    2 C^2]. Entry (t, j), t > j, lies in the level where t and j fall into the two halves of one 2m-block: m is
+    the highest bit of t XOR j. Integer tensor maths, so that traced and compiled graphs hold it as it is."""
+    t = torch.arange(chunk, device=device)[:, None]
+    j = torch.arange(chunk, device=device)[None, :]
+    differ = torch.bitwise_xor(t, j)
+    m = torch.ones_like(differ)
+    level = 2
+    while level < chunk:
+        m = torch.where(differ >= level, level, m)
+        level *= 2
+    zero = 2 * chunk * chunk
+    types = torch.arange(2, device=device)
+    row_type, column_type = types[:, None, None, None], types[None, :, None, None]
+    corner = 2 * chunk * m + (((t // (2 * m) * 2 + row_type) * m + t % m) * 2 + column_type) * m + j % m
+    diagonal = torch.where(row_type == 0, 2 * t + column_type, zero)
+    return torch.where(t > j, corner, torch.where(t == j, diagonal, zero)).flatten()
+
+
+def _chunk_products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor, g_prev: Tensor) -> Tensor:
+    """The four decayed products of a chunk, (..., 2, 2, C, C) = [[A_qk, A_qb], [A_ak, A_ab]] (module docstring):
+    A_qk and A_qb lower triangular with the diagonal, A_ak and A_ab strictly lower. Inputs (..., C, d), C a power
+    of two; g and g_prev the inclusive and exclusive cumulative log decays from the chunk's start.
+
+    Each level's corners are one batched product; one gather then lays every entry out (its backward one
+    scatter), instead of copying the growing blocks level after level."""
+    chunk = k.shape[-2]
+    lead = k.shape[:-2]
+    # Blocks of one position: exp(g_t - g_t) = 1 on the diagonal of A_qk and A_qb, nothing in A_ak and A_ab.
+    parts = [torch.stack([(q * k).sum(-1), (q * b).sum(-1)], dim=-1).flatten(-2)]
+    m = 1
+    while m < chunk:
+        g_first, g_second = _halves(g, m)
+        reference = g_first[..., -1:, :]  # g at the first half's last position: between every row and column
+        rows = torch.cat([_halves(q, m)[1] * (g_second - reference).exp(),
+                          _halves(a, m)[1] * (_halves(g_prev, m)[1] - reference).exp()], dim=-2)
+        to_reference = (reference - g_first).exp()
+        columns = torch.cat([_halves(k, m)[0] * to_reference, _halves(b, m)[0] * to_reference], dim=-2)
+        parts.append((rows @ columns.transpose(-1, -2)).flatten(-3))
+        m *= 2
+    parts.append(k.new_zeros(*lead, 1))
+    return torch.cat(parts, dim=-1).index_select(-1, _layout(chunk, k.device)).view(*lead, 2, 2, chunk, chunk)
+
+
+def _chunk_terms(
+    q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, log_decay: Tensor, causal: bool
+) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
+    """For chunked (B, H, n, C, d) inputs: the output terms ``(Q~ + A_qb W, A_qk V + A_qb U_free)`` (None when
+    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks."""
+    g = log_decay.cumsum(-2)
+    g_prev = F.pad(g[..., :-1, :], (0, 0, 1, 0))  # exactly the previous position's g: 0 before the first
+    products = _chunk_products(q, k, a, b, g, g_prev)
+    a_qk, a_qb, a_ak, a_ab = products[..., 0, 0, :, :], products[..., 0, 1, :, :], products[..., 1, 0, :, :], \
+        products[..., 1, 1, :, :]
+    g_end = g[..., -1:, :]
+    to_end = (g_end - g).exp()
+    # unitriangular: the (zero) diagonal of -A_ab is read as ones, so this solves (I - A_ab) X = R.
+    rhs = torch.cat([a_ak @ v, a * g_prev.exp()], dim=-1)
+    solved = torch.linalg.solve_triangular(-a_ab, rhs, upper=False, unitriangular=True)
+    u_free, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
+    b_to_end = (b * to_end).transpose(-1, -2)
+    transition = torch.diag_embed(g_end.squeeze(-2).exp()) + b_to_end @ w
+    write = (k * to_end).transpose(-1, -2) @ v + b_to_end @ u_free
+    if not causal:
+        return None, None, transition, write
+    return q * g.exp() + a_qb @ w, a_qk @ v + a_qb @ u_free, transition, write
+
+
+@without_autocast  # its precision is the working dtype (functional/_autocast.py)
+def dplr_chunked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    log_decay: Tensor,
+    causal: bool,
+    chunk_size: int,
+    initial_state: Optional[Tensor],
+) -> Tuple[Tensor, Tensor]:
+    """The chunked DPLR delta rule on prepared inputs (working dtype, scaled queries, inert padding; see
+    :func:`attnzoo.functional.dplr.checks.prepared`). Returns (out (B, H, N, d_v), final state (B, H, d_k, d_v)),
+    both in the working dtype."""
+    batch, heads, length, d_k = k.shape
+    d_v = v.shape[-1]
+    chunk = min(chunk_size, 1 << (int(length) - 1).bit_length())  # a power of two, no longer than needed
+    pad = -length % chunk
+    state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
+    chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v, a, b, log_decay)]
+    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, causal)
+    starts = []
+    # unbind: one backward node for every chunk's slice (indexing made one full-size gradient per chunk).
+    for chunk_transition, chunk_write in zip(transition.unbind(2), write.unbind(2)):
+        starts.append(state)
+        state = chunk_transition @ state + chunk_write
+    if not causal:
+        return q @ state, state
+    out = out_state_term @ torch.stack(starts, dim=2) + out_free_term
+    return out.reshape(batch, heads, -1, d_v)[:, :, :length], state
+
+
+def dplr_delta_rule_unchecked(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    log_decay: Tensor,
+    key_padding_mask: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """:func:`dplr_delta_rule` on checked arguments. Returns (out in q's dtype, final state in the working dtype)."""
+    scale = resolve_scale(scale, q.shape[3])
+    inputs = prepared(q, k, v, a, b, log_decay, key_padding_mask, scale)
+    out, state = dplr_chunked(*inputs, causal, chunk_size, initial_state)
+    return out.to(q.dtype), state
+
+
+def dplr_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    log_decay: Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: Optional[Tensor] = None,
+) -> Tensor:
+    """The generalized delta rule with a diagonal-plus-low-rank transition (RWKV-7's; fla's ``dplr``), chunked.
+
+    ``S_t = (diag(exp(log_decay_t)) + b_t a_t^T) S_{t-1} + k_t v_t^T``, ``o_t = S_t^T q_t * scale``. RWKV-7 is
+    ``a = -kappa``, ``b = kappa * alpha`` (kappa the unit removal key, alpha its in-context learning rate), which
+    makes the transition ``diag(w) - alpha kappa kappa^T``-like; here a and b are taken as given. A padded
+    position writes nothing, does not decay the state and outputs 0, whatever it holds.
+
+    Args:
+        q, k, a, b: (batch, heads, seq, d_k); v: (batch, heads, seq, d_v).
+        log_decay: (batch, heads, seq, d_k), finite and <= 0: the per-channel decay ``exp(log_decay)``.
+        scale: applied to the queries; ``d_k ** -0.5`` when None.
+        causal: False reads the state after the whole sequence at every position.
+        key_padding_mask: (batch, seq) bool, True marks padding.
+        chunk_size: chunk length, a power of two.
+        initial_state: (batch, heads, d_k, d_v) to continue from, or None for zeros.
+
+    Returns:
+        (batch, heads, seq, d_v) in q's dtype.
+    """
+    check_call(q, k, v, a, b, log_decay, key_padding_mask, initial_state, causal, scale)
+    check_chunk_size(chunk_size)
+    return dplr_delta_rule_unchecked(q, k, v, a, b, log_decay, key_padding_mask, scale, causal, chunk_size,
+                                     initial_state)[0]
+
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "dplr_chunked", "dplr_delta_rule", "dplr_delta_rule_unchecked"]

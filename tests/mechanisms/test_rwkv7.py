@@ -1,0 +1,179 @@
+"""RWKV-7 (``rwkv7``) and its functional core, the DPLR delta rule: the chunked form equals the float64
+per-position reference and a recurrence written here as the paper writes it (RWKV's (d_v x d_k) state, row
+vectors), forward and gradients, across chunk boundaries, with padding, strong decays, initial states, steps
+and prefill; bad input is refused naming the argument. The conformance suite covers the mechanism's contract."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnzoo.functional import (
+    dplr_delta_rule,
+    dplr_delta_rule_prefill,
+    dplr_delta_rule_reference,
+    dplr_delta_rule_step,
+)
+from attnzoo.mechanisms import build_mechanism
+
+B, H, D = 2, 3, 8
+
+
+def _inputs(length, dtype=torch.float64, seed=0, d_v=5, strength=2.0):
+    """q, k, v, a = -kappa, b = kappa * alpha, log_decay (per channel, down to -strength per step)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, kappa = (torch.randn(B, H, length, D, generator=g, dtype=dtype) for _ in range(3))
+    kappa = F.normalize(kappa, dim=-1)
+    alpha = torch.rand(B, H, length, D, generator=g, dtype=dtype)
+    v = torch.randn(B, H, length, d_v, generator=g, dtype=dtype)
+    log_decay = -strength * torch.rand(B, H, length, D, generator=g, dtype=dtype)
+    return q, k, v, -kappa, kappa * alpha, log_decay
+
+
+def _padding(length):
+    mask = torch.zeros(B, length, dtype=torch.bool)
+    mask[0, length // 2] = True
+    mask[1, -(length // 3 + 1):] = True
+    return mask
+
+
+def paper_recurrence(r, k, v, kappa, alpha, w, scale, with_state=False):
+    """RWKV-7 as the paper writes it, one position at a time: the state S (d_v x d_k) and row vectors,
+    ``S_t = S_{t-1} (diag(w_t) - kappa_t^T (alpha_t * kappa_t)) + v_t^T k_t``, ``o_t = S_t r_t^T`` (here
+    times ``scale``). w is the decay itself, in (0, 1). With ``with_state``: (outputs, the last state)."""
+    state = r.new_zeros(r.shape[0], r.shape[1], v.shape[-1], k.shape[-1])
+    outputs = []
+    for t in range(r.shape[2]):
+        row = lambda x: x[:, :, t, None, :]  # noqa: E731  (B, H, 1, d)
+        transition = torch.diag_embed(w[:, :, t]) - row(kappa).transpose(-1, -2) @ row(alpha * kappa)
+        state = state @ transition + row(v).transpose(-1, -2) @ row(k)
+        outputs.append(state @ row(r).transpose(-1, -2) * scale)
+    out = torch.cat(outputs, dim=-1).transpose(-1, -2)
+    return (out, state) if with_state else out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length", [1, 3, 4, 5, 13, 40])
+def test_chunked_equals_the_reference(causal, length):
+    inputs = _inputs(length, seed=length)
+    mask = _padding(length)
+    expected = dplr_delta_rule_reference(*inputs, causal=causal, key_padding_mask=mask)
+    for chunk_size in (1, 2, 4, 16, 64):
+        out = dplr_delta_rule(*inputs, causal=causal, key_padding_mask=mask, chunk_size=chunk_size)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+
+
+def test_reference_and_chunked_equal_the_paper_recurrence_with_gradients():
+    q, k, v, a, b, log_decay = _inputs(21, seed=3)
+    kappa = -a
+    alpha = b / kappa
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, kappa, alpha, log_decay)]
+    ours = dplr_delta_rule(leaves[0], leaves[1], leaves[2], -leaves[3], leaves[3] * leaves[4], leaves[5],
+                           chunk_size=8)
+    theirs_leaves = [x.clone().requires_grad_() for x in (q, k, v, kappa, alpha, log_decay)]
+    r_, k_, v_, kappa_, alpha_, ld_ = theirs_leaves
+    theirs = paper_recurrence(r_, k_, v_, kappa_, alpha_, ld_.exp(), 1 / math.sqrt(D))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+    torch.testing.assert_close(dplr_delta_rule_reference(q, k, v, a, b, log_decay), theirs, rtol=0, atol=1e-10)
+    weights = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours * weights).sum(), leaves)
+    expected = torch.autograd.grad((theirs * weights).sum(), theirs_leaves)
+    for name, got, want in zip(("q", "k", "v", "kappa", "alpha", "log_decay"), grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_strong_decays_stay_exact_and_finite():
+    """A channel decaying by e^-60 a step overflows any factorisation about one point per chunk in float32;
+    every factor here is exp of a difference <= 0, so float32 stays finite and near float64, gradients too."""
+    inputs = list(_inputs(64, seed=5, strength=60.0))
+    expected = dplr_delta_rule_reference(*inputs)
+    torch.testing.assert_close(dplr_delta_rule(*inputs, chunk_size=64), expected, rtol=0, atol=1e-10)
+    leaves = [x.float().requires_grad_() for x in inputs]
+    out = dplr_delta_rule(*leaves, chunk_size=64)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-4)
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
+
+
+def test_padded_positions_hold_anything():
+    inputs = list(_inputs(13, seed=7))
+    mask = _padding(13)
+    expected = dplr_delta_rule(*inputs, key_padding_mask=mask, chunk_size=4)
+    spoiled = [x.masked_fill(mask[:, None, :, None], float("nan")) for x in inputs]
+    spoiled[5] = spoiled[5].masked_fill(mask[:, None, :, None], float("inf"))  # a growing "decay" too
+    out = dplr_delta_rule(*spoiled, key_padding_mask=mask, chunk_size=4)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_steps_and_prefill_continue_the_recurrence():
+    inputs = _inputs(19, seed=11)
+    initial = torch.randn(B, H, D, 5, dtype=torch.float64)
+    expected = dplr_delta_rule_reference(*inputs, initial_state=initial)
+    head, state = dplr_delta_rule_prefill(*(x[:, :, :9] for x in inputs), chunk_size=4, initial_state=initial)
+    outputs = [head]
+    for t in range(9, 19):
+        out_t, state = dplr_delta_rule_step(*(x[:, :, t:t + 1] for x in inputs), state)
+        outputs.append(out_t)
+    torch.testing.assert_close(torch.cat(outputs, dim=2), expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mechanism_equals_the_paper_recurrence_with_its_maps_written_out(causal):
+    torch.manual_seed(0)
+    module = build_mechanism("rwkv7", H, D, chunk_size=4, decay_rank=3, a_rank=2).double()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, 11, D, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ours = module(q, k, v, causal=causal)
+
+    def lora(bias, down, up, act):
+        return act(torch.einsum("bhnd,hdr->bhnr", k, down)) @ up.unsqueeze(0) + bias[:, None, :]
+
+    w = torch.exp(-math.exp(-0.5) * torch.sigmoid(lora(module.w0, module.w1, module.w2, torch.tanh)))
+    alpha = torch.sigmoid(lora(module.a0, module.a1, module.a2, lambda x: x))
+    kappa = F.normalize(k * module.k_k[:, None, :], dim=-1)
+    replacement = k * (1 + (alpha - 1) * module.k_a[:, None, :])
+    theirs, state = paper_recurrence(q, replacement, v, kappa, alpha, w, 1 / math.sqrt(D), with_state=True)
+    if not causal:  # every query reads the state after the whole sequence
+        theirs = q @ state.transpose(-1, -2) / math.sqrt(D)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-10)
+    params = [q, k, v, module.w1, module.a2, module.k_k, module.k_a]
+    for got, want in zip(torch.autograd.grad(ours.sum(), params), torch.autograd.grad(theirs.sum(), params)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def test_mechanism_step_and_prefill_equal_the_forward():
+    torch.manual_seed(0)
+    module = build_mechanism("rwkv7", H, D, chunk_size=4).double()
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, H, 10, D, generator=g, dtype=torch.float64) for _ in range(3))
+    expected = module(q, k, v, causal=True)
+    out, state = module.prefill(q[:, :, :6], k[:, :, :6], v[:, :, :6])
+    outputs = [out]
+    for t in range(6, 10):
+        out_t, state = module.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+        outputs.append(out_t)
+    torch.testing.assert_close(torch.cat(outputs, dim=2), expected, rtol=0, atol=1e-10)
+
+
+def test_bad_input_is_refused_naming_it():
+    q, k, v, a, b, log_decay = _inputs(6)
+    with pytest.raises(ValueError, match="log_decay must be <= 0"):
+        dplr_delta_rule(q, k, v, a, b, -log_decay + 0.1)
+    with pytest.raises(ValueError, match="b must be finite"):
+        dplr_delta_rule(q, k, v, a, b.masked_fill(torch.ones_like(b, dtype=torch.bool), float("nan")), log_decay)
+    with pytest.raises(ValueError, match="a must have the keys' shape"):
+        dplr_delta_rule(q, k, v, a[..., :-1], b, log_decay)
+    with pytest.raises(TypeError, match="log_decay must be a floating tensor"):
+        dplr_delta_rule(q, k, v, a, b, log_decay.long())
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+        dplr_delta_rule(q, k, v, a, b, log_decay, chunk_size=24)
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        dplr_delta_rule(q, k, v, a, b, log_decay, initial_state=torch.zeros(B, H, D, D))
+    with pytest.raises(ValueError, match="a step takes one position"):
+        dplr_delta_rule_step(q, k, v, a, b, log_decay, None)
+    for option, value in (("chunk_size", 12), ("decay_rank", 0), ("a_rank", -1)):
+        with pytest.raises(ValueError, match=option):
+            build_mechanism("rwkv7", H, D, **{option: value})
