@@ -68,9 +68,11 @@ def absorbed_latent_attention(q_latent: Tensor, q_rope: Optional[Tensor], cached
     # once for all of them (a matrix product, not one matrix-vector product per head).
     queries = queries.reshape(batch, 1, heads * seq_q, queries.shape[-1])
     keys = cached[:, None]
-    values = keys[..., :latent_dim]  # a view: the latents are the values
-    out = softmax_attention_unchecked(queries, keys, values, False, None, False, scale)
-    return out.view(batch, heads, seq_q, latent_dim)
+    # The latents are the values. The whole rows are passed as values, and the rotary channels of the output
+    # dropped: SDPA's fused kernels need values as wide as the keys, and run faster so than the unfused path
+    # does on the narrower view, though they also sum the rope_dim channels.
+    out = softmax_attention_unchecked(queries, keys, keys, False, None, False, scale)[..., :latent_dim]
+    return out.reshape(batch, heads, seq_q, latent_dim)
 
 
 def latent_attention_reference(

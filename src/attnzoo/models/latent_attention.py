@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_floating, check_key_padding_mask, check_number, check_positive_int
@@ -238,11 +239,14 @@ class MultiHeadLatentAttention(nn.Module):
         q = q_content if q_rope is None else torch.cat([q_content, q_rope], dim=-1)
         rows = self._rows(x, 0, spans)
         k, v = self._keys_values(rows)
+        # SDPA's fused kernels need values as wide as the keys; with narrower ones it would materialise every
+        # (seq, seq) logit. Zero channels added to the values leave the others as they are.
+        v = F.pad(v, (0, self.rope_dim))
         if spans is None:
             out = softmax_attention_unchecked(q, k, v, causal, key_padding_mask, False, self.scale)
         else:
             out = packed_softmax_attention_unchecked(q, k, v, spans, causal, False, self.scale)
-        return self._output(out, x), rows
+        return self._output(out[..., : self.head_dim], x), rows
 
     # -- checks ----------------------------------------------------------------------------------------------
     def _check_input(self, name: str, x: Tensor) -> None:
