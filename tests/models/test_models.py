@@ -674,7 +674,7 @@ def test_the_old_block_name_flash_is_refused_naming_the_new_one(build):
 def test_flash_gau_blocks_build_their_own_mechanism():
     model = LanguageModel(VOCAB, 16, 2, 1, block="flash_gau", block_options={"chunk_size": 4})
     assert model.decoder.layers[0].attention.name == UNIT_MECHANISMS["flash_gau"]
-    assert set(UNIT_MECHANISMS) == set(attnzoo.models.config.BLOCKS) - {"attention", "mamba2"}
+    assert set(UNIT_MECHANISMS) == set(attnzoo.models.config.BLOCKS) - {"attention", "mamba2", "mla"}
     assert set(UNIT_MECHANISMS.values()) <= set(attnzoo.available())
 
 

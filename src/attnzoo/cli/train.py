@@ -457,7 +457,8 @@ def _add_model_options(train: argparse.ArgumentParser) -> None:
     train.add_argument("--block-options", type=parse_options, action="append", metavar="OPTIONS",
                        help=f"options of the blocks of --block {'|'.join(gated)} (gated units: shared_dim, "
                             "expansion_dim, scores, chunk_size; mamba2: state_dim, expansion, conv_size, groups, "
-                            "chunk_size) as JSON or KEY=VALUE,... (repeatable)")
+                            "chunk_size; mla: head_dim, latent_dim, rope_dim, q_latent_dim, rotary_base, bias) as "
+                            "JSON or KEY=VALUE,... (repeatable)")
     train.add_argument("--task-options", type=parse_options, action="append", metavar="OPTIONS",
                        help="task options as JSON or KEY=VALUE,... (repeatable), e.g. num_pairs=32,seed=1")
     add_declared_flags(train, TrainConfig, "train")

@@ -11,7 +11,9 @@ depth, positions and embedding, and the options of its layers, from which it mak
 ``block`` chooses what a layer is: attention + feed-forward (``"attention"``, the default), or one gated
 attention unit (Hua et al. 2022) in their place, with quadratic attention (``"gau"``) or FLASH's mixed chunk
 attention (``"flash_gau"``); see :mod:`attnzoo.models.gau` and :func:`gated_unit_options`; or a Mamba-2 block
-(``"mamba2"``, :mod:`attnzoo.models.mamba2`, options checked by :func:`attnzoo.models.mamba2_options.mamba2_options`).
+(``"mamba2"``, :mod:`attnzoo.models.mamba2`, options checked by :func:`attnzoo.models.mamba2_options.mamba2_options`);
+or attention + feed-forward whose attention is multi-head latent attention (``"mla"``,
+:mod:`attnzoo.models.latent_attention`, options checked by :func:`~attnzoo.models.latent_attention.latent_block_options`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from .._validation import check_bool, check_choice, check_number, check_positive_int, check_probability
 from ..mechanisms import NO_GROUPED_KV, UnsupportedOptionError, available, capabilities
+from .latent_attention import latent_block_options
 from .mamba2_options import mamba2_options
 from .schedule import LAYER_OPTION, LayerSpec, format_item, repeat_to_depth, schedule_of
 from .settings import boolean, check_rules, check_values, number, positive_int, probability, setting
 
 ACTIVATIONS = ("relu", "gelu", "swiglu")
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rotary", "none")
-BLOCKS = ("attention", "gau", "flash_gau", "mamba2")
+BLOCKS = ("attention", "gau", "flash_gau", "mamba2", "mla")
 """What a layer is: attention + feed-forward, one gated attention unit with quadratic ("gau") or mixed chunk
-("flash_gau", FLASH) attention, or one Mamba-2 block ("mamba2")."""
+("flash_gau", FLASH) attention, one Mamba-2 block ("mamba2"), or attention + feed-forward whose attention is
+multi-head latent attention ("mla", DeepSeek-V2's, :class:`~attnzoo.models.latent_attention.MultiHeadLatentAttention`)."""
+LATENT_BLOCK = "mla"
+"""The block whose layers are attention + feed-forward, the attention MLA instead of a mechanism."""
 GATED_UNIT_BLOCKS = ("gau", "flash_gau")
 
 RENAMED_BLOCKS = {"flash": "flash_gau"}
@@ -169,10 +175,16 @@ class BlockConfig:
             with it, naming the option; ``heads`` only has to divide ``dim``. ``rotary`` rotates its query and
             key forms. "mamba2": one Mamba-2 block (:mod:`attnzoo.models.mamba2`) in their place, ``heads`` SSM
             heads; the same options are refused with it, and ``rotary`` too (an SSM has no queries and keys).
-        block_options: the gated unit's options (see :func:`gated_unit_options`) or the Mamba-2 block's (see
-            :func:`attnzoo.models.mamba2_options.mamba2_options`); only with such a block.
+            "mla": attention + feed-forward whose self-attention is multi-head latent attention
+            (:class:`~attnzoo.models.latent_attention.MultiHeadLatentAttention`, ``heads`` heads) instead of a
+            mechanism: the feed-forward options apply; ``self_attention`` (other than the default), its options,
+            ``cross_attention`` and ``kv_heads`` are refused (its heads share one latent); its decoupled rotary
+            part rotates whatever ``rotary`` says (``rope_dim=0`` leaves it out).
+        block_options: the gated unit's options (see :func:`gated_unit_options`), the Mamba-2 block's (see
+            :func:`attnzoo.models.mamba2_options.mamba2_options`) or the MLA block's (see
+            :func:`attnzoo.models.latent_attention.latent_block_options`); only with such a block.
         output_gate: gated attention on the self-attention (``MultiHeadAttention(output_gate=True)``: a sigmoid
-            gate from the layer input on each head's output, Qiu et al. 2025); attention layers only.
+            gate from the layer input on each head's output, Qiu et al. 2025); attention and MLA layers only.
 
     Every option is checked when the config is made: a yes/no option must be a bool (``norm_first="False"`` is
     a TypeError, not a truthy yes), numbers are checked for type, finiteness and range, and each error names
@@ -225,11 +237,12 @@ class BlockConfig:
                             f"{type(options).__name__}")
         grouped = self.kv_heads is not None and self.kv_heads != self.heads
         if grouped and self.block != "attention":
-            unit = "a Mamba-2 block shares B and C by block_options['groups']" if self.block == "mamba2" else \
-                "a gated attention unit is single-head"
+            unit = {"mamba2": "a Mamba-2 block shares B and C by block_options['groups']",
+                    LATENT_BLOCK: "an MLA block's heads share one latent, which is all its cache holds"}.get(
+                        self.block, "a gated attention unit is single-head")
             raise ValueError(f"kv_heads={self.kv_heads} cannot be used with block={self.block!r}: {unit}; leave "
                              f"kv_heads at None")
-        if self.output_gate and self.block != "attention":
+        if self.output_gate and self.block not in ("attention", LATENT_BLOCK):
             raise ValueError(f"output_gate=True cannot be used with block={self.block!r}: it gates an attention "
                              f"layer's heads, and this block has its own gating")
         if self.block == "attention":
@@ -240,9 +253,25 @@ class BlockConfig:
                 )
             if options:
                 raise ValueError("block_options given but block='attention': they are options of a gated attention "
-                                 "unit (block='gau' or block='flash_gau') or a Mamba-2 block (block='mamba2')")
+                                 "unit (block='gau' or block='flash_gau'), a Mamba-2 block (block='mamba2') or an "
+                                 "MLA block (block='mla')")
+            return
+        if self.block == LATENT_BLOCK:
+            self._check_latent_block()
             return
         self._check_gated_unit()
+
+    def _check_latent_block(self) -> None:
+        """Refuse, naming them, the options an MLA layer has no use for; check its own options."""
+        why = "block='mla' is attention + feed-forward whose attention is multi-head latent attention"
+        if self.self_attention.mechanism != "softmax" or self.self_attention.options:
+            option = "self_attention_options" if self.self_attention.mechanism == "softmax" else \
+                f"self_attention={self.self_attention.mechanism!r}"
+            raise ValueError(f"{option} cannot be used: {why}, exact softmax over its own projections; give its "
+                             f"options as block_options")
+        if self.cross_attention is not None:
+            raise ValueError(f"cross_attention cannot be used: {why}, self-attention only; pass cross_attention=None")
+        latent_block_options(self.dim, self.heads, self.block_options)
 
     def _check_gated_unit(self) -> None:
         """Refuse, naming them, the options a gated attention unit has no use for; check its own options."""
@@ -301,7 +330,8 @@ def _scheduled_layer(base: BlockConfig, spec: LayerSpec, has_attention: bool) ->
 
     In a stack that also has attention layers, a block layer leaves out what only attention layers use
     (kv_heads, the feed-forward options, and rotary positions for a Mamba-2 block); a stack of blocks alone
-    refuses them, as ``block=`` does."""
+    refuses them, as ``block=`` does. An MLA layer is attention + feed-forward: it keeps the feed-forward
+    options and, like an attention item, takes ``output_gate`` as the layer's own option."""
     if spec.is_attention:
         # The one option of the layer rather than of the mechanism: an item may gate its attention or not.
         output_gate = (spec.options or {}).get(LAYER_OPTION, base.output_gate)
@@ -310,6 +340,11 @@ def _scheduled_layer(base: BlockConfig, spec: LayerSpec, has_attention: bool) ->
     if base.cross_attention is not None:
         raise ValueError(f"block {spec.block!r} has no cross-attention, and every layer of this stack attends to a "
                          f"memory: give mechanisms only")
+    if spec.block == LATENT_BLOCK:
+        output_gate = (spec.options or {}).get(LAYER_OPTION, base.output_gate)
+        return replace(base, self_attention=AttentionSpec(), block=spec.block,
+                       block_options=spec.mechanism_options or None, output_gate=output_gate,
+                       kv_heads=None if has_attention else base.kv_heads)
     shared: Dict[str, Any] = {}
     if has_attention:
         shared = dict(ff_dim=None, activation="gelu", ff_chunks=1, kv_heads=None, output_gate=False,
@@ -319,10 +354,12 @@ def _scheduled_layer(base: BlockConfig, spec: LayerSpec, has_attention: bool) ->
 
 def layer_spec(config: BlockConfig) -> LayerSpec:
     """The schedule item a layer's config is: its mechanism and options, or its block and block options."""
-    if config.block == "attention":
-        options = dict(config.self_attention.options or {})
+    if config.block in ("attention", LATENT_BLOCK):
+        options = dict((config.self_attention.options if config.block == "attention" else config.block_options) or {})
         if config.output_gate:
             options[LAYER_OPTION] = True
+        if config.block == LATENT_BLOCK:
+            return LayerSpec(options=options or None, block=config.block)
         return LayerSpec(config.self_attention.mechanism, options or None)
     return LayerSpec(options=config.block_options, block=config.block)
 

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from .._validation import check_bool, check_choice, check_positive_int, check_probability
 from ..attention import AttentionState, MultiHeadAttention
-from .config import ACTIVATIONS, AttentionSpec, BlockConfig
+from .config import ACTIVATIONS, LATENT_BLOCK, AttentionSpec, BlockConfig
+from .latent_attention import MultiHeadLatentAttention, latent_block_options
 
 
 class FeedForward(nn.Module):
@@ -275,3 +276,29 @@ class DecoderLayer(_Block):
         state = LayerState(attention_state, state.memory_k, state.memory_v)
         x_t = self._cross(x_t, state, memory_padding_mask)
         return self.feed_forward_block(x_t, self.feed_forward), state
+
+
+# -- layers whose self-attention is multi-head latent attention (block="mla") ------------------------------------
+def _latent_attention(config: BlockConfig) -> MultiHeadLatentAttention:
+    """The MLA of a ``block="mla"`` config: its block options, and its output gate."""
+    if config.block != LATENT_BLOCK:
+        raise ValueError(f"an MLA layer needs a BlockConfig with block={LATENT_BLOCK!r}, got block={config.block!r}")
+    options = latent_block_options(config.dim, config.heads, config.block_options)
+    return MultiHeadLatentAttention(config.dim, config.heads, output_gate=config.output_gate, **options)
+
+
+class LatentEncoderLayer(EncoderLayer):
+    """:class:`EncoderLayer` whose self-attention is :class:`MultiHeadLatentAttention` (``block="mla"``): the
+    same parts, call and state-dict names otherwise."""
+
+    def _self_attention(self) -> MultiHeadLatentAttention:  # type: ignore[override]
+        return _latent_attention(self.config)
+
+
+class LatentDecoderLayer(DecoderLayer):
+    """:class:`DecoderLayer` without cross-attention whose self-attention is :class:`MultiHeadLatentAttention`
+    (``block="mla"``); its decoding state is a :class:`LayerState` holding the MLA's
+    :class:`~attnzoo.models.latent_attention.LatentAttentionState`."""
+
+    def _self_attention(self) -> MultiHeadLatentAttention:  # type: ignore[override]
+        return _latent_attention(self.config)

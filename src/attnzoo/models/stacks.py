@@ -16,10 +16,10 @@ from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Type, T
 from torch import Tensor, nn
 
 from .._validation import check_bool, check_positive_int
-from .config import AttentionSpec, BlockConfig, attention_slot, layer_spec
+from .config import LATENT_BLOCK, AttentionSpec, BlockConfig, attention_slot, layer_spec
 from .schedule import format_item
 from .gau import GatedAttentionUnit, GatedDecoderLayer, GatedEncoderLayer
-from .layers import DecoderLayer, EncoderLayer, LayerState, _Block
+from .layers import DecoderLayer, EncoderLayer, LatentDecoderLayer, LatentEncoderLayer, LayerState, _Block
 from .mamba2 import Mamba2Block, Mamba2DecoderLayer, Mamba2EncoderLayer, Mamba2State
 
 StackT = TypeVar("StackT", bound="_LayerStack")
@@ -41,6 +41,8 @@ class _LayerStack(nn.Module):
     """The layer of a stack whose config names a gated block (``block="gau"`` or ``block="flash_gau"``)."""
     mamba2_layer_type: ClassVar[Type[Mamba2Block]]
     """The layer of a stack whose config says ``block="mamba2"``."""
+    latent_layer_type: ClassVar[Type[_Block]]
+    """The layer of a stack whose config says ``block="mla"`` (attention + feed-forward, the attention MLA)."""
 
     def __init__(self, config: BlockConfig, depth: int, layers: Optional[Sequence[BlockConfig]] = None) -> None:
         super().__init__()
@@ -59,8 +61,8 @@ class _LayerStack(nn.Module):
     def _built(self, config: BlockConfig, index: int, scheduled: bool) -> nn.Module:
         """Layer ``index``, of the kind its config's ``block`` names; in a scheduled stack an error (a mechanism
         option) names the layer and its item of the schedule."""
-        layer_type = {"attention": self.layer_type, "mamba2": self.mamba2_layer_type}.get(config.block,
-                                                                                        self.gated_layer_type)
+        layer_type = {"attention": self.layer_type, "mamba2": self.mamba2_layer_type,
+                      LATENT_BLOCK: self.latent_layer_type}.get(config.block, self.gated_layer_type)
         try:
             return layer_type(config)
         except (TypeError, ValueError) as error:
@@ -70,8 +72,8 @@ class _LayerStack(nn.Module):
 
     @property
     def all_attention(self) -> bool:
-        """Whether every layer is attention + feed-forward (no gated unit or Mamba-2 block)."""
-        return all(layer.config.block == "attention" for layer in self.layers)
+        """Whether every layer is attention + feed-forward (no gated unit or Mamba-2 block; MLA is attention)."""
+        return all(layer.config.block in ("attention", LATENT_BLOCK) for layer in self.layers)
 
     @classmethod
     def _check_config(cls, config: BlockConfig) -> None:
@@ -103,6 +105,7 @@ class Encoder(_LayerStack):
     layer_type = EncoderLayer
     gated_layer_type = GatedEncoderLayer
     mamba2_layer_type = Mamba2EncoderLayer
+    latent_layer_type = LatentEncoderLayer
 
     def __init__(
         self,
@@ -167,6 +170,7 @@ class Decoder(_LayerStack):
     layer_type = DecoderLayer
     gated_layer_type = GatedDecoderLayer
     mamba2_layer_type = Mamba2DecoderLayer
+    latent_layer_type = LatentDecoderLayer
 
     def __init__(
         self,

@@ -147,10 +147,11 @@ class TrainConfig:
         "attention", choices=BLOCKS, agrees=_gated_block_keeps_default_attention,
         fits_task=not_seq2seq(f"gated units (block options exist for {TOKEN_MODELS})"),
         help="what a layer is: attention + feed-forward, or a gated attention unit (gau, flash_gau) or a Mamba-2 "
-             "block in their place (mechanism stays softmax)")
+             "block in their place, or attention + feed-forward with multi-head latent attention (mla) "
+             "(mechanism stays softmax)")
     block_options: Dict[str, Any] = setting(
         default_factory=dict, check=option_dict, agrees=_block_options_need_a_gated_block, flag=False,
-        help="options of a gated or Mamba-2 block (chunk_size, state_dim, ...)")
+        help="options of a gated, Mamba-2 or MLA block (chunk_size, state_dim, latent_dim, ...)")
     layers: Optional[str] = setting(
         None, check=_schedule_text, agrees=_schedule_replaces_mechanism_and_block, fits_task=_schedule_fits,
         metavar="SCHEDULE",
