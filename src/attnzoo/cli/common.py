@@ -197,6 +197,14 @@ def int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def float_list(text: str) -> List[float]:
+    """Comma-separated numbers; their range is checked by the command with every other setting."""
+    try:
+        return [float(item) for item in text.replace(" ", "").split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
 # -- flags declared by a config's fields ----------------------------------------------------------------------
 def add_declared_flags(parser: Any, config_class: type, command: str, prefix: str = "") -> None:
     """A flag for every field of ``config_class`` declared (:func:`attnzoo.models.settings.setting`) as one of
