@@ -208,8 +208,8 @@ def add_mqar_command(commands: Any) -> None:
     from ..experiments.mqar_presets import PRESETS
 
     mqar.add_argument("--preset", choices=list(PRESETS), default="quick",
-                      help="quick: 8 pairs in 32 tokens, widths 16-64, about 200 steps per cell, a few minutes on "
-                           "2 cores (default); full: Zoology's 64 pairs in 256 tokens, vocabulary 8,192, widths "
+                      help="quick: 8 pairs in 32 tokens, widths 16-64, 200 steps per cell, 24 cells in about 8 minutes "
+                           "on 2 busy cores with --jobs 2 (default); full: Zoology's 64 pairs in 256 tokens, vocabulary 8,192, widths "
                            "64-256, meant for a GPU")
     mqar.add_argument("--schedule", dest="schedules", action="append", metavar="LAYERS",
                       help="a schedule of layers, as attnzoo train --layers takes it ('softmax', "
