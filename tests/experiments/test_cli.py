@@ -358,6 +358,7 @@ COMMANDS = {
     "train": ["train", "recall", "--steps", "2"],
     "lra": ["lra", "--mechanisms", "softmax", "--tasks", "recall", "--steps", "2"],
     "seq2seq-report": ["seq2seq-report", "--steps", "2"],
+    "mqar": ["mqar", "--widths", "16", "--steps", "2"],
     "compare": ["compare", "--mechanisms", "softmax", "--lengths", "16"],
 }
 
@@ -367,14 +368,15 @@ def no_work(monkeypatch):
     """Makes any command's work fail the test: a usage error must be found before anything runs."""
     import attnzoo.bench.compare as compare
     import attnzoo.experiments.lra as lra
+    import attnzoo.experiments.mqar as mqar
     import attnzoo.experiments.seq2seq_report as seq2seq_report
     import attnzoo.training as training
 
     def started(*args, **kwargs):
         raise AssertionError("work started despite a usage error")
 
-    for module, name in ((compare, "run_compare"), (lra, "run_lra"), (seq2seq_report, "run_report"),
-                         (training, "train")):
+    for module, name in ((compare, "run_compare"), (lra, "run_lra"), (mqar, "run_mqar"),
+                         (seq2seq_report, "run_report"), (training, "train")):
         monkeypatch.setattr(module, name, started)
 
 

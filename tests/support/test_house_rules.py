@@ -42,6 +42,10 @@ ALLOWED = {
     ("models/__init__.py", "gau"): "imports models/gau.py, the gated blocks' module",
     ("models/stacks.py", "gau"): "imports models/gau.py, the gated blocks' module",
     ("models/mamba2.py", "ssd"): "block='mamba2' runs Mamba-2's SSD core (functional/ssd.py)",
+    # attnzoo mqar's presets: the mechanisms of Zoology's comparison (Arora et al. 2024), the experiment's data,
+    # kept in one table as the peer table is.
+    **{("experiments/mqar_presets.py", name): "the MQAR presets" for name in ("linear", "based", "gated_delta",
+                                                                              "ssd")},
     # Scheduled sampling's "linear" decay of the teacher-forcing probability, a word that is also a mechanism's.
     ("training/config.py", "linear"): "the sampling decay",
     ("training/seq2seq.py", "linear"): "the sampling decay",

@@ -26,6 +26,7 @@ SMALL = {
     "pathfinder": dict(train_size=24, validation_size=8, test_size=8, size=16, contour_length=4,
                        segment_length=2, num_distractors=2),
     "recall": dict(train_size=30, validation_size=8, test_size=8, num_pairs=6, num_keys=12, num_values=8),
+    "mqar": dict(train_size=30, validation_size=8, test_size=8, seq_len=32, num_pairs=6, vocab_size=24),
     "copy": dict(train_size=30, validation_size=8, test_size=8, length=7, num_symbols=5),
     "reverse": dict(train_size=30, validation_size=8, test_size=8, length=7, num_symbols=5),
     "sort": dict(train_size=30, validation_size=8, test_size=8, length=7, num_symbols=5),
@@ -39,6 +40,7 @@ EXPECTED = {  # name: (kind, metric, needs_causal)
     "listops": ("classify", "accuracy", False),
     "pathfinder": ("classify", "accuracy", False),
     "recall": ("tag", "accuracy", False),
+    "mqar": ("tag", "accuracy", False),
     "copy": ("seq2seq", "accuracy", False),
     "reverse": ("seq2seq", "accuracy", False),
     "sort": ("seq2seq", "accuracy", False),
@@ -72,8 +74,8 @@ def same_data(a: Task, b: Task) -> bool:
 
 
 def test_available_lists_the_tasks_sorted():
-    assert tasks.available() == sorted(EXPECTED) == ["bytes", "copy", "copy-names", "g2p", "listops", "pathfinder",
-                                                     "recall", "reverse", "sort"]
+    assert tasks.available() == sorted(EXPECTED) == ["bytes", "copy", "copy-names", "g2p", "listops", "mqar",
+                                                     "pathfinder", "recall", "reverse", "sort"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -192,8 +194,8 @@ def test_describe_names_the_task_and_sizes(name):
 # -- errors ----------------------------------------------------------------------------------------------------
 def test_unknown_task_lists_the_valid_ones():
     for bad in ("listop", None, 3):
-        with pytest.raises(ValueError, match="unknown task.*bytes, copy, copy-names, g2p, listops, pathfinder, "
-                                             "recall, reverse, sort"):
+        with pytest.raises(ValueError, match="unknown task.*bytes, copy, copy-names, g2p, listops, mqar, "
+                                             "pathfinder, recall, reverse, sort"):
             tasks.load(bad)
         with pytest.raises(ValueError, match="valid tasks"):
             tasks.task_class(bad)
@@ -222,6 +224,7 @@ SIZE_OPTIONS = {
     "pathfinder": ["train_size", "validation_size", "test_size", "contour_length", "segment_length",
                    "distractor_length"],
     "recall": ["train_size", "validation_size", "test_size", "num_pairs"],
+    "mqar": ["train_size", "validation_size", "test_size", "seq_len", "num_pairs", "vocab_size"],
     "copy": ["train_size", "validation_size", "test_size", "length", "min_length", "num_symbols"],
     "reverse": ["train_size", "validation_size", "test_size", "length", "num_symbols"],
     "sort": ["train_size", "validation_size", "test_size", "length", "num_symbols"],

@@ -3,8 +3,8 @@
 * :mod:`~attnzoo.cli.compare`: ``attnzoo list`` (the registered mechanisms) and ``attnzoo compare`` (the kernel
   benchmark, :mod:`attnzoo.bench`);
 * :mod:`~attnzoo.cli.train`: ``attnzoo train`` (a model on a task) and ``attnzoo eval`` (a saved one);
-* :mod:`~attnzoo.cli.experiments`: ``attnzoo lra`` and ``attnzoo seq2seq-report`` (the training experiments,
-  :mod:`attnzoo.experiments`);
+* :mod:`~attnzoo.cli.experiments`: ``attnzoo lra``, ``attnzoo mqar`` and ``attnzoo seq2seq-report`` (the training
+  experiments, :mod:`attnzoo.experiments`);
 * :mod:`~attnzoo.cli.convert`: ``attnzoo convert`` (a pretrained model to linear-time attention,
   :mod:`attnzoo.conversion`);
 * :mod:`~attnzoo.cli.lm_eval`: ``attnzoo lm-eval`` (a pretrained model on real text and long contexts);
@@ -27,7 +27,7 @@ __all__ = ["EXIT_BROKEN_PIPE", "EXIT_FAILED_ROWS", "EXIT_INTERRUPTED", "EXIT_OK"
 def build_parser() -> Parser:
     from .compare import add_compare_command, add_list_command
     from .convert import add_convert_command
-    from .experiments import add_lra_command, add_seq2seq_report_command
+    from .experiments import add_lra_command, add_mqar_command, add_seq2seq_report_command
     from .lm_eval import add_lm_eval_command
     from .train import add_eval_command, add_train_command
 
@@ -37,7 +37,7 @@ def build_parser() -> Parser:
     parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for add in (add_list_command, add_compare_command, add_train_command, add_eval_command, add_lra_command,
-                add_seq2seq_report_command, add_convert_command, add_lm_eval_command):
+                add_mqar_command, add_seq2seq_report_command, add_convert_command, add_lm_eval_command):
         add(commands)
     return parser
 

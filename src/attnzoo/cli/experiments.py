@@ -1,5 +1,6 @@
-"""``attnzoo lra`` and ``attnzoo seq2seq-report``: the training experiments (:mod:`attnzoo.experiments`), many
-``attnzoo train`` runs at one preset, each in a fresh process that imports the same ``--import`` modules."""
+"""``attnzoo lra``, ``attnzoo mqar`` and ``attnzoo seq2seq-report``: the training experiments
+(:mod:`attnzoo.experiments`), many ``attnzoo train`` runs at one preset, each in a fresh process that imports the
+same ``--import`` modules."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from .common import (
     EXIT_OK,
     add_import_option,
     check_output_dir,
+    float_list,
     import_modules,
+    int_list,
     merged,
     name_list,
     options_by_mechanism,
@@ -78,6 +81,35 @@ def lra_command(args: argparse.Namespace) -> int:
         print(render_markdown(data))
         curves = ", lra-curves.png" if has_curves(data) else ""
         print(f"wrote lra.json, lra.md, lra.png, lra-long.png{curves} and long-length/ to {output}/")
+    return EXIT_OK
+
+
+def mqar_command(args: argparse.Namespace) -> int:
+    from ..experiments.mqar import MQAR_CSV, MQAR_JSON, MQAR_MD, MQAR_PNG, MqarConfig, render_markdown, run_mqar
+
+    output = Path(args.output)
+    try:
+        imports = import_modules(args.imports)  # first: they register mechanisms a --schedule may name
+        config = MqarConfig(preset=args.preset, schedules=args.schedules, widths=args.widths, lrs=args.lrs,
+                            steps=args.steps, threads=args.threads, jobs=args.jobs, cell_timeout_s=args.cell_timeout,
+                            imports=imports, device=args.device)
+        config.validate()
+        check_output_dir("--output", output)
+    except (TypeError, ValueError) as error:
+        return usage_error("mqar", str(error))
+    progress, set_total = _line_progress("mqar", args.quiet)
+    try:
+        data = run_mqar(config, output, ["attnzoo", "mqar", *args.raw_argv], progress, set_total)
+    except ValueError as error:
+        return usage_error("mqar", str(error))
+    except KeyboardInterrupt:
+        print("attnzoo mqar: interrupted; finished cells are kept: run the same command to continue", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif not args.quiet:
+        print(render_markdown(data))
+        print(f"wrote {MQAR_JSON}, {MQAR_CSV}, {MQAR_MD} and {MQAR_PNG} to {output}/")
     return EXIT_OK
 
 
@@ -161,6 +193,39 @@ def add_lra_command(commands: Any) -> None:
     lra_output.add_argument("--quiet", action="store_true", help="no progress and no table")
     lra_output.add_argument("--json", action="store_true", help="print lra.json to stdout")
     lra.set_defaults(run=lra_command)
+
+
+def add_mqar_command(commands: Any) -> None:
+    mqar = commands.add_parser(
+        "mqar", help="Zoology's multi-query associative recall: accuracy against width and state size",
+        description="Train every schedule (--schedule, or the preset's) at every model width and learning rate on "
+                    "the mqar task, each cell an `attnzoo train` run in a fresh process under OUTPUT/cells/. Per "
+                    "schedule and width the learning rate with the best validation accuracy is kept. Writes "
+                    "mqar.json (every cell, the table, the settings), mqar.csv (the table), mqar.md and mqar.png "
+                    "(test accuracy against width and against the decoding state's bytes per sequence). Rerunning "
+                    "the same command continues an interrupted run: finished cells are kept, interrupted ones "
+                    "resume from their checkpoint.")
+    from ..experiments.mqar_presets import PRESETS
+
+    mqar.add_argument("--preset", choices=list(PRESETS), default="quick",
+                      help="quick: 8 pairs in 32 tokens, widths 16-64, 200 steps per cell, 24 cells in about 8 minutes "
+                           "on 2 busy cores with --jobs 2 (default); full: Zoology's 64 pairs in 256 tokens, vocabulary 8,192, widths "
+                           "64-256, meant for a GPU")
+    mqar.add_argument("--schedule", dest="schedules", action="append", metavar="LAYERS",
+                      help="a schedule of layers, as attnzoo train --layers takes it ('softmax', "
+                           "'gated_delta,softmax'; repeatable; default: the preset's)")
+    mqar.add_argument("--widths", type=int_list, metavar="W,W,...", help="model widths (default: the preset's)")
+    mqar.add_argument("--lrs", type=float_list, metavar="LR,LR,...",
+                      help="learning rates; the best on validation is kept (default: the preset's four)")
+    mqar.add_argument("--steps", type=int, help="override the preset's steps for every cell")
+    _add_cell_options(mqar, "cells")
+    mqar.add_argument("--device", help="cpu (default) or cuda[:N]: where every cell trains (several cells share "
+                                       "one GPU with --jobs)")
+    mqar.add_argument("--output", default="mqar-results", metavar="DIR", help="default mqar-results/")
+    output = mqar.add_mutually_exclusive_group()
+    output.add_argument("--quiet", action="store_true", help="no progress and no table")
+    output.add_argument("--json", action="store_true", help="print mqar.json to stdout")
+    mqar.set_defaults(run=mqar_command)
 
 
 def add_seq2seq_report_command(commands: Any) -> None:

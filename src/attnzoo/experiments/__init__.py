@@ -5,6 +5,8 @@
 * :mod:`~attnzoo.experiments.settings`: the checks they share (preset, ``--jobs``/``--threads``/``--cell-timeout``,
   names, mechanism options, the settings an interrupted run is continued with);
 * :mod:`~attnzoo.experiments.lra`: ``attnzoo lra``, every mechanism on every task (the Long Range Arena table);
+* :mod:`~attnzoo.experiments.mqar`: ``attnzoo mqar``, Zoology's multi-query associative recall swept over schedules,
+  widths and learning rates (presets in :mod:`~attnzoo.experiments.mqar_presets`);
 * :mod:`~attnzoo.experiments.seq2seq_report`: ``attnzoo seq2seq-report``, the comparisons of docs/seq2seq.md,
   measured by :mod:`~attnzoo.experiments.seq2seq_eval` and drawn by :mod:`~attnzoo.experiments.seq2seq_figures`.
 

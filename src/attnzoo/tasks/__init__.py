@@ -7,6 +7,8 @@
   LRA's Pathfinder.
 * ``bytes``: next-byte prediction on the Python standard library's source files (lm, bits per byte).
 * ``recall``: multi-query associative recall (tag, a value per query position).
+* ``mqar``: Zoology's multi-query associative recall, causal, queries at power-law distances (tag, the value's
+  token at each query key).
 * ``g2p``: a word's spelling to its pronunciation, on the CMU Pronouncing Dictionary (seq2seq).
 * ``copy-names``: template sentences whose answers repeat rare names and numbers (seq2seq, for copying).
 * ``copy``, ``reverse``, ``sort``: random symbol strings repeated, reversed or sorted (seq2seq).
@@ -31,6 +33,7 @@ from .byte_lm import Bytes
 from .packing import PackedSplit, pack_documents
 from .g2p import G2P
 from .listops import ListOps
+from .mqar import MQAR
 from .pathfinder import Pathfinder
 from .recall import Recall
 from .seq2seq import BOS_ID, EOS_ID, PAD_ID, Copy, CopyNames, Reverse, Seq2SeqTask, Sort
@@ -46,6 +49,7 @@ __all__ = [
     "CopyNames",
     "G2P",
     "ListOps",
+    "MQAR",
     "PackedSplit",
     "Pathfinder",
     "Recall",
