@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that installs what it needs, then runs a job:
 #   ./run.sh compare [attnzoo compare options]   the main job: compare every mechanism, print a table, write plots
-#   ./run.sh test    [pytest options]            the whole test suite
+#   ./run.sh test    [pytest options]            the whole test suite, a worker per core (pytest-xdist)
 #   ./run.sh peers                               also install the peer libraries compared against (optional)
 #   ./run.sh attnzoo COMMAND [options]           any attnzoo command (train, eval, lm-eval, convert, ...)
 # The virtual environment lives in .venv; torch is held to the CPU build by constraints.txt.
@@ -31,7 +31,9 @@ cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
     compare) setup; exec "$VENV/bin/attnzoo" compare "$@" ;;
-    test)    setup; exec "$PY" -m pytest "$@" ;;
+    # A worker per core, each test module kept on one worker (its module-scoped fixtures, e.g. a loaded
+    # pretrained model, are made once); tests/conftest.py gives each worker its share of torch's threads.
+    test)    setup; exec "$PY" -m pytest -n auto --dist loadfile "$@" ;;
     peers)   setup; exec bash scripts/install-peers.sh "$PY" ;;
     attnzoo) setup; exec "$VENV/bin/attnzoo" "$@" ;;
     *) echo "usage: ./run.sh {compare|test|peers|attnzoo} [options]" >&2; exit 2 ;;

@@ -6,6 +6,7 @@ experiments, support). The modules several areas import (``decoding_helpers``, `
 ``conformance``: both folders are put on the import path here, once, for every area.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,13 @@ TESTS = Path(__file__).resolve().parent
 for folder in (TESTS, TESTS / "support"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
+
+
+# Under pytest-xdist (``./run.sh test`` runs one worker per core), each worker takes its share of the cores, so
+# that the workers' torch threads do not outnumber them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 
 @pytest.fixture(autouse=True)

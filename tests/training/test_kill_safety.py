@@ -101,12 +101,13 @@ def uninterrupted(tmp_path_factory):
     return output
 
 
+# Each kill point once in each restart mode: before the first checkpoint (a run started afresh) and at a later
+# save (the run falls back to the checkpoint of step 2). Every case is two processes, the cost of this module.
 @pytest.mark.parametrize("point, step, restart", [
     ("checkpoint files", 2, "resume"),    # the first save, its temporary directory written
-    ("latest", 2, "resume"),              # the first save, complete and renamed, LATEST not yet replaced
-    ("checkpoint files", 2, "output"),    # the same directory, started again as a new run
-    ("latest", 2, "output"),
-    ("checkpoint files", 4, "resume"),    # a later save: the run falls back to the checkpoint of step 2
+    ("latest", 2, "output"),              # the first save, complete and renamed, LATEST not yet replaced; the
+                                          # same directory started again as a new run
+    ("checkpoint files", 4, "resume"),    # a later save
     ("latest", 4, "resume"),
 ])
 def test_a_run_killed_during_a_save_continues_to_the_uninterrupted_parameters(tmp_path, uninterrupted, point,

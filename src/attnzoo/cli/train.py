@@ -382,9 +382,15 @@ def _check_buildable(config: Any) -> Any:
     returns the task."""
     import torch
 
+    from ..mechanisms import check_option_names
     from ..tasks import load
     from ..training import build_model, check_length_grouping
 
+    if config.layers is None and config.block == "attention":
+        try:  # a misspelt option fails before the task's data is generated (seconds for some tasks)
+            check_option_names(config.mechanism, config.mechanism_options)
+        except TypeError as error:
+            raise ValueError(f"--set: {error}") from None
     try:
         task = load(config.task, **config.task_options)
     except (TypeError, ValueError) as error:

@@ -16,7 +16,15 @@ from .base import (
     UnsupportedOptionError,
     shapes_only,
 )
-from .registry import available, build_mechanism, capabilities, mechanism_class, mechanism_options, register
+from .registry import (
+    available,
+    build_mechanism,
+    capabilities,
+    check_option_names,
+    mechanism_class,
+    mechanism_options,
+    register,
+)
 from .softmax import SoftmaxAttention
 from .kernelized import LinearAttention, PerformerAttention, RandomFeatureAttention
 from .gated import GatedLinearAttention, RetentionAttention
@@ -57,6 +65,7 @@ __all__ = [
     "UnsupportedOptionError",
     "available",
     "build_mechanism",
+    "check_option_names",
     "capabilities",
     "mechanism_class",
     "mechanism_options",

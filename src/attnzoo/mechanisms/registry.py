@@ -7,7 +7,7 @@ Mechanism classes add themselves with the :func:`register` decorator when their 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Tuple, Type
+from typing import Any, Dict, List, Mapping, Tuple, Type
 
 from .base import Mechanism
 from .capabilities import Capabilities
@@ -63,12 +63,18 @@ def mechanism_options(name: str) -> Dict[str, Any]:
     }
 
 
-def build_mechanism(name: str, heads: int, head_dim: int, **options: Any) -> Mechanism:
-    """Instantiate a registered mechanism; an option it does not take raises an error listing the valid ones."""
-    cls = mechanism_class(name)
+def check_option_names(name: str, options: Mapping[str, Any]) -> None:
+    """Raise a TypeError listing the valid options when ``options`` names one the mechanism ``name`` does not
+    take (before anything is built: a misspelt option costs nothing)."""
     valid = mechanism_options(name)
     unknown = sorted(set(options) - set(valid))
     if unknown:
         listed = ", ".join(valid) if valid else "none"
         raise TypeError(f"mechanism {name!r} got unknown option(s) {', '.join(unknown)}; valid options: {listed}")
+
+
+def build_mechanism(name: str, heads: int, head_dim: int, **options: Any) -> Mechanism:
+    """Instantiate a registered mechanism; an option it does not take raises an error listing the valid ones."""
+    cls = mechanism_class(name)
+    check_option_names(name, options)
     return cls(heads, head_dim, **options)
