@@ -51,6 +51,7 @@ from torch import Tensor
 from .._autocast import without_autocast
 
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
+from .fused import ChunkedDPLR
 
 DEFAULT_CHUNK_SIZE = 32
 """Chunk length of the parallel form (a power of two: the within-chunk products halve it level by level). At
@@ -141,6 +142,21 @@ def _chunk_terms(
     return scan, (q * g.exp(), a_qk @ v, a_qb)
 
 
+def _fused(inputs: Tuple[Tensor, ...], state: Tensor, pad: int, chunk: int) -> Tuple[Tensor, Tensor]:
+    """The causal form through :class:`.fused.ChunkedDPLR` (hand-written backward), in its (batch * heads,
+    chunks, C, d) layout. inputs: (q, k, v, a, b, log_decay) as :func:`dplr_chunked` takes them."""
+    batch, heads, length, _ = inputs[0].shape
+
+    def chunked(x: Tensor) -> Tensor:
+        x = _in_chunks(x, pad, chunk)
+        return x.reshape(batch * heads, *x.shape[2:]).contiguous()
+
+    q, k, v, a, b, log_decay = (chunked(x) for x in inputs)
+    out, state = ChunkedDPLR.apply(q, k, v, a, b, log_decay.cumsum(2), state.reshape(batch * heads, *state.shape[2:]))
+    out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
+    return out, state.reshape(batch, heads, *state.shape[1:])
+
+
 @without_autocast  # its precision is the working dtype (functional/_autocast.py)
 def dplr_chunked(
     q: Tensor,
@@ -161,6 +177,9 @@ def dplr_chunked(
     chunk = min(chunk_size, 1 << (int(length) - 1).bit_length())  # a power of two, no longer than needed
     pad = -length % chunk
     state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
+    if causal and not torch.compiler.is_compiling():
+        # dynamo traces the plain operations below instead (a compiled graph plans its own memory).
+        return _fused((q, k, v, a, b, log_decay), state, pad, chunk)
     chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v, a, b, log_decay)]
     scan, output = _chunk_terms(*chunked, causal)
     starts, pseudo_values = [], []
