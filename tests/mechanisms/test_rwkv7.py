@@ -15,6 +15,7 @@ from attnzoo.functional import (
     dplr_delta_rule_reference,
     dplr_delta_rule_step,
 )
+from attnzoo.functional.dplr import dplr_delta_rule_unchecked
 from attnzoo.mechanisms import build_mechanism
 
 B, H, D = 2, 3, 8
@@ -81,6 +82,34 @@ def test_reference_and_chunked_equal_the_paper_recurrence_with_gradients():
     expected = torch.autograd.grad((theirs * weights).sum(), theirs_leaves)
     for name, got, want in zip(("q", "k", "v", "kappa", "alpha", "log_decay"), grads, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4, 16])
+def test_causal_backward_equals_the_reference_with_padding_and_initial_state(chunk_size):
+    """The causal chunked form has a hand-written backward (functional/dplr/fused.py): every input's gradient,
+    the initial state's included, equals autograd's through the float64 reference."""
+    inputs = _inputs(13, seed=11)
+    mask = _padding(13)
+    initial = torch.randn(B, H, D, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    ours = [x.clone().requires_grad_() for x in (*inputs, initial)]
+    theirs = [x.clone().requires_grad_() for x in (*inputs, initial)]
+    out = dplr_delta_rule(*ours[:6], key_padding_mask=mask, chunk_size=chunk_size, initial_state=ours[6])
+    expected = dplr_delta_rule_reference(*theirs[:6], key_padding_mask=mask, initial_state=theirs[6])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), ours)
+    wanted = torch.autograd.grad((expected * weights).sum(), theirs)
+    for name, got, want in zip(("q", "k", "v", "a", "b", "log_decay", "initial_state"), grads, wanted):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_gradcheck_of_the_causal_chunked_form_and_its_final_state():
+    inputs = [x[:1, :1] for x in _inputs(7, seed=13, d_v=3)]
+    initial = torch.randn(1, 1, D, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    leaves = [x.clone().requires_grad_() for x in (*inputs, initial)]
+    torch.autograd.gradcheck(
+        lambda *xs: dplr_delta_rule_unchecked(*xs[:6], None, None, True, 4, xs[6]), leaves, fast_mode=True,
+    )
 
 
 def test_strong_decays_stay_exact_and_finite():

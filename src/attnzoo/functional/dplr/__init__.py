@@ -4,6 +4,8 @@
 * :mod:`.chunk`: the parallel form, :func:`dplr_delta_rule`, chunked by the WY representation (a batched
   triangular solve per chunk, a scan over chunks; no loop over tokens), its per-channel decays factorised
   about references that keep every exponent <= 0.
+* :mod:`.fused`: the causal chunked form as one autograd Function with a hand-written backward (the fast path
+  of :func:`dplr_delta_rule` when not compiled).
 * :mod:`.recurrent`: :func:`dplr_delta_rule_step` (O(d_k d_v) per token) and :func:`dplr_delta_rule_prefill`.
 * :mod:`.reference`: the float64 per-position recurrence every fast form is tested against.
 * :mod:`.checks`: argument checks and the preparation every form shares (padded positions made inert).

@@ -17,10 +17,13 @@ So ``(I - A_ab) U = A_ak V + A~ S_0`` (``A~`` the rows ``a_t exp(g_{t-1})``), a 
 whose solution splits into ``U = U_free + W S_0`` (the WY form: ``W = T A~``, ``U_free = T A_ak V``,
 ``T = (I - A_ab)^{-1}``), one batched triangular solve for every chunk. Then
 
-    O     = (Q~ + A_qb W) S_0 + A_qk V + A_qb U_free                 (Q~: rows q_t exp(g_t))
-    S_end = (diag(exp(g_C)) + B^^T W) S_0 + K^^T V + B^^T U_free  = M S_0 + B     (K^, B^: rows x_j exp(g_C - g_j))
+    U     = U_free + W S_0
+    O     = Q~ S_0 + A_qk V + A_qb U                                  (Q~: rows q_t exp(g_t))
+    S_end = diag(exp(g_C)) S_0 + K^^T V + B^^T U                     (K^, B^: rows x_j exp(g_C - g_j))
 
-and only ``S_{c+1} = M_c S_c + B_c`` runs chunk after chunk.
+and only ``U_c = U_free,c + W_c S_c`` and ``S_{c+1} = diag(exp(g_C)) S_c + K^^T V + B^^T U_c`` run chunk after
+chunk: two (C x d)(d x d)-sized products per chunk, as fla's ``chunk_h`` carries the state, instead of forming
+a (d x d) transition ``diag(exp(g_C)) + B^^T W`` per chunk and multiplying states by it.
 
 Numerics. The decay is per channel, so ``A_xy`` is not a plain product ``X Y^T``: it must be factorised as
 ``(x_t exp(g'_t - r)) . (y_j exp(r - g_j))`` about some reference ``r``. With one reference per chunk one of the
@@ -48,6 +51,7 @@ from torch import Tensor
 from .._autocast import without_autocast
 
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
+from .fused import ChunkedDPLR
 
 DEFAULT_CHUNK_SIZE = 32
 """Chunk length of the parallel form (a power of two: the within-chunk products halve it level by level). At
@@ -116,9 +120,10 @@ def _chunk_products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor, g_pre
 
 def _chunk_terms(
     q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, log_decay: Tensor, causal: bool
-) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """For chunked (B, H, n, C, d) inputs: the output terms ``(Q~ + A_qb W, A_qk V + A_qb U_free)`` (None when
-    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks."""
+) -> Tuple[Tuple[Tensor, Tensor, Tensor, Tensor, Tensor], Optional[Tuple[Tensor, Tensor, Tensor]]]:
+    """For chunked (B, H, n, C, d) inputs: the scan terms ``(U_free, W, exp(g_C) (B, H, n, d_k, 1), B^^T,
+    K^^T V)`` and the output terms ``(Q~, A_qk V, A_qb)`` (None when not causal) of the module docstring, all
+    batched over chunks."""
     g = log_decay.cumsum(-2)
     g_prev = F.pad(g[..., :-1, :], (0, 0, 1, 0))  # exactly the previous position's g: 0 before the first
     products = _chunk_products(q, k, a, b, g, g_prev)
@@ -130,12 +135,26 @@ def _chunk_terms(
     rhs = torch.cat([a_ak @ v, a * g_prev.exp()], dim=-1)
     solved = torch.linalg.solve_triangular(-a_ab, rhs, upper=False, unitriangular=True)
     u_free, w = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    b_to_end = (b * to_end).transpose(-1, -2)
-    transition = torch.diag_embed(g_end.squeeze(-2).exp()) + b_to_end @ w
-    write = (k * to_end).transpose(-1, -2) @ v + b_to_end @ u_free
+    scan = (u_free, w, g_end.transpose(-1, -2).exp(), (b * to_end).transpose(-1, -2),
+            (k * to_end).transpose(-1, -2) @ v)
     if not causal:
-        return None, None, transition, write
-    return q * g.exp() + a_qb @ w, a_qk @ v + a_qb @ u_free, transition, write
+        return scan, None
+    return scan, (q * g.exp(), a_qk @ v, a_qb)
+
+
+def _fused(inputs: Tuple[Tensor, ...], state: Tensor, pad: int, chunk: int) -> Tuple[Tensor, Tensor]:
+    """The causal form through :class:`.fused.ChunkedDPLR` (hand-written backward), in its (batch * heads,
+    chunks, C, d) layout. inputs: (q, k, v, a, b, log_decay) as :func:`dplr_chunked` takes them."""
+    batch, heads, length, _ = inputs[0].shape
+
+    def chunked(x: Tensor) -> Tensor:
+        x = _in_chunks(x, pad, chunk)
+        return x.reshape(batch * heads, *x.shape[2:]).contiguous()
+
+    q, k, v, a, b, log_decay = (chunked(x) for x in inputs)
+    out, state = ChunkedDPLR.apply(q, k, v, a, b, log_decay.cumsum(2), state.reshape(batch * heads, *state.shape[2:]))
+    out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
+    return out, state.reshape(batch, heads, *state.shape[1:])
 
 
 @without_autocast  # its precision is the working dtype (functional/_autocast.py)
@@ -158,16 +177,22 @@ def dplr_chunked(
     chunk = min(chunk_size, 1 << (int(length) - 1).bit_length())  # a power of two, no longer than needed
     pad = -length % chunk
     state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
+    if causal and not torch.compiler.is_compiling():
+        # dynamo traces the plain operations below instead (a compiled graph plans its own memory).
+        return _fused((q, k, v, a, b, log_decay), state, pad, chunk)
     chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v, a, b, log_decay)]
-    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, causal)
-    starts = []
+    scan, output = _chunk_terms(*chunked, causal)
+    starts, pseudo_values = [], []
     # unbind: one backward node for every chunk's slice (indexing made one full-size gradient per chunk).
-    for chunk_transition, chunk_write in zip(transition.unbind(2), write.unbind(2)):
+    for u_free, w, gamma_end, b_to_end, write in zip(*(x.unbind(2) for x in scan)):
         starts.append(state)
-        state = chunk_transition @ state + chunk_write
+        u = u_free + w @ state
+        pseudo_values.append(u)
+        state = gamma_end * state + write + b_to_end @ u
     if not causal:
         return q @ state, state
-    out = out_state_term @ torch.stack(starts, dim=2) + out_free_term
+    gamma_q, free, a_qb = output
+    out = gamma_q @ torch.stack(starts, dim=2) + free + a_qb @ torch.stack(pseudo_values, dim=2)
     return out.reshape(batch, heads, -1, d_v)[:, :, :length], state
 
 
