@@ -19,6 +19,7 @@ from attnzoo.bench.compare import CompareConfig, ConfigError, cores_busy_elsewhe
 from attnzoo.bench.launch import Launcher
 from attnzoo.bench.measure import (
     PeakMemory,
+    calibrate,
     fix_malloc_threshold,
     make_inputs,
     reference_output,
@@ -113,6 +114,24 @@ def test_scaled_logits_give_the_logits_that_spread_and_keep_v(logit_std):
     logits = scaled.q @ scaled.k.transpose(-1, -2) / 64 ** 0.5
     assert float(logits.std()) == pytest.approx(logit_std, rel=0.05)
     assert scaled.v is inputs.v and scaled.grad_out is inputs.grad_out
+
+
+def test_calibration_times_a_slow_call_once_and_a_fast_one_twice():
+    inputs = make_inputs(1, 1, 4, 2, torch.float32, "cpu")
+    calls = []
+
+    def attention(delay):
+        def fn(q, k, v, causal):
+            calls.append(delay)
+            time.sleep(delay)
+            return v * 1.0
+        return fn
+
+    inner, one = calibrate(attention(0.05), inputs, False, "cpu", min_sample_s=0.01)
+    assert (inner, len(calls)) == (1, 1) and one >= 0.05  # a sample is one call already: no second call
+    calls.clear()
+    inner, one = calibrate(attention(0.0), inputs, False, "cpu", min_sample_s=0.01)
+    assert len(calls) == 2 and inner > 1  # the second call, past lazy initialisation, sets the calls per sample
 
 
 def test_uniform_attention_averages_the_visible_values():

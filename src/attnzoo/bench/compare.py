@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 import platform
 import shlex
 import time
@@ -32,7 +34,8 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # Under three minutes on two CPU cores however many mechanisms are registered: the timed repeats of one
     # length share 20 s (up to 9 each, at least 3, shorter samples when many mechanisms must share them).
     "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=10.0,
-                  timing_budget_s=20.0, sweep_values=[16, 32, 64, 128, 256], sweep_logit_stds=[1.0, 0.25]),
+                  timing_budget_s=20.0, sweep_values=[16, 32, 64, 128, 256], sweep_logit_stds=[1.0, 0.25],
+                  memory_jobs=2),
     # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
     "full": dict(lengths=[512, 1024, 2048, 4096, 8192, 16384], batch=1, heads=8, head_dim=64, repeats=7,
                  budget_s=120.0, sweep_values=[16, 32, 64, 128, 256, 512, 1024], sweep_logit_stds=[1.0, 0.25]),
@@ -68,6 +71,9 @@ class CompareConfig:
     sweep_logit_stds: List[float] = field(default_factory=lambda: list(PRESETS["quick"]["sweep_logit_stds"]))
     min_sample_s: float = DEFAULT_MIN_SAMPLE_S
     memory_fraction: float = 0.8
+    # Memory jobs run at once on the CPU, each in its own fresh process (a peak is a process's own, so they do
+    # not disturb one another's; they only share the cores). 1 on a GPU, whose memory all jobs would share.
+    memory_jobs: int = 1
     imports: List[str] = field(default_factory=list)
     seed: int = 0
     launch: str = "fork"
@@ -95,7 +101,7 @@ class CompareConfig:
         :func:`check_number`, which checks its type, finiteness and range alike."""
         if self.preset not in PRESETS:
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        for name in ("batch", "heads", "head_dim", "repeats"):
+        for name in ("batch", "heads", "head_dim", "repeats", "memory_jobs"):
             check_number(name, getattr(self, name), integer=True, minimum=1)
         check_number("threads", self.threads, integer=True, minimum=0)  # 0: every core
         check_number("budget_s", self.budget_s, minimum=0, exclusive_minimum=True)
@@ -342,10 +348,13 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
         # a process that did cannot use CUDA: on a GPU each child imports its peers itself.
         preload += [PEERS[e["name"]].module for e in entries if e["kind"] == "peer"]
     launch_method, interrupted = None, False
+    parallel = 1 if config.device.startswith("cuda") else config.memory_jobs
     try:
-        with Launcher(config.launch, preload=preload) as launcher:
+        with ExitStack() as stack:
+            launchers = [stack.enter_context(Launcher(config.launch, preload=preload)) for _ in range(parallel)]
+            launcher = launchers[0]
             launch_method = launcher.method
-            _measure_lengths(launcher, config, entries, lengths, progress or (lambda label: None), measured)
+            _measure_lengths(launchers, config, entries, lengths, progress or (lambda label: None), measured)
             _measure_sweeps(launcher, config, sweeps, progress or (lambda label: None), measured)
     except KeyboardInterrupt:
         interrupted = True
@@ -398,10 +407,11 @@ class _Measured:
         self.current = []
 
 
-def _measure_lengths(launcher: Launcher, config: CompareConfig, entries: List[Entry], lengths: List[int],
+def _measure_lengths(launchers: List[Launcher], config: CompareConfig, entries: List[Entry], lengths: List[int],
                      report: Progress, measured: _Measured) -> None:
     """Time and memory of every entry at every length, into ``measured``; an entry that ran out of memory or
-    time at one length is skipped at the longer ones."""
+    time at one length is skipped at the longer ones. Timing runs on the first launcher; memory jobs on all of
+    them at once."""
     stopped: Dict[str, str] = {}  # entry key -> why longer lengths are skipped
     for length in lengths:
         base = _job_base(config, length)
@@ -412,21 +422,37 @@ def _measure_lengths(launcher: Launcher, config: CompareConfig, entries: List[En
             if entry["key"] in stopped:
                 length_rows[entry["key"]].update(status="skipped", reason=stopped[entry["key"]])
                 measured.finished_ids.add(id(length_rows[entry["key"]]))
-        timed, measured.uniform_error[length] = _time_length(launcher, config, base, active, report, length)
+        timed, measured.uniform_error[length] = _time_length(launchers[0], config, base, active, report, length)
         for entry in active:
             row = length_rows[entry["key"]]
             _apply_time(row, timed.get(entry["key"], {"status": "failed", "reason": "no result"}))
+        _measure_memory(launchers, config, base, [(entry, length_rows[entry["key"]]) for entry in entries],
+                        report, measured)
         for entry in entries:
             row = length_rows[entry["key"]]
-            report(f"memory {row['mechanism']} N={length}")
-            if entry in active and row["status"] == "ok":
-                memory_job = dict(base, kind="memory", entry=entry)
-                _apply_memory(row, launcher.run(memory_job, timeout_s=4 * config.budget_s + 60))
-            measured.finished_ids.add(id(row))
             if row["status"] in ("oom", "timeout") and entry["key"] not in stopped:
                 stopped[entry["key"]] = f"skipped: {row['status']} at N={length}"
         measured.rows.extend(measured.current)
         measured.current = []
+
+
+def _measure_memory(launchers: List[Launcher], config: CompareConfig, base: Dict[str, Any],
+                    pending: List[Tuple[Entry, Dict[str, Any]]], report: Progress, measured: _Measured) -> None:
+    """The peak memory of each timed row of ``pending`` (rows not timed get none, but a progress line all the
+    same), ``len(launchers)`` jobs at a time, each row marked finished (in ``measured``) once its memory is in."""
+    timeout = 4 * config.budget_s + 60
+    with ThreadPoolExecutor(len(launchers)) as pool:
+        for start in range(0, len(pending), len(launchers)):
+            batch = pending[start:start + len(launchers)]
+            futures = []
+            for launcher, (entry, row) in zip(launchers, batch):
+                report(f"memory {row['mechanism']} N={row['length']}")
+                job = dict(base, kind="memory", entry=entry)
+                futures.append(pool.submit(launcher.run, job, timeout) if row["status"] == "ok" else None)
+            for (entry, row), future in zip(batch, futures):
+                if future is not None:
+                    _apply_memory(row, future.result())
+                measured.finished_ids.add(id(row))
 
 
 def _measure_sweeps(launcher: Launcher, config: CompareConfig, sweeps: List[Tuple[Entry, str]], report: Progress,
