@@ -28,6 +28,11 @@ so no factor overflows however strong the decay. Cost: O(N C d + N d^2) time, O(
 Non-causal (``causal=False``): every query reads the state after the whole sequence, ``o_i = S_N^T q_i``,
 which is what non-causal linear attention is (the sum over every key); the delta rule's writes still happen
 in sequence order.
+
+Read positions (``stride`` s, :func:`delta_chunked`): the keys, values and gates may hold s positions per
+query, query t reading the state after position ``(t + 1) s - 1`` only. The output terms above then keep only
+those rows of ``Q K^T * Gamma`` and ``gamma``; everything else is unchanged. Gated DeltaProduct is this form
+(:mod:`.product`).
 """
 
 from __future__ import annotations
@@ -56,10 +61,11 @@ def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
 
 
 def _chunk_terms(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], causal: bool
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], causal: bool, stride: int
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """For chunked (B, H, n, C, d) inputs: the output terms ``(diag(gamma) Q - P W, P U_state_free)`` (None when
-    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks."""
+    """For chunked (B, H, n, C, d) inputs (q (B, H, n, C / stride, d), read after every stride-th position): the
+    output terms ``(diag(gamma) Q - P W, P U_state_free)`` (None when not causal) and the scan terms ``(M, B)``
+    of the module docstring, all batched over chunks."""
     chunk = k.shape[3]
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
     if log_decay is None:
@@ -81,23 +87,24 @@ def _chunk_terms(
     write = k_to_end.transpose(-1, -2) @ u_free
     if not causal:
         return None, None, transition, write
-    scores = q @ k.transpose(-1, -2) * within
-    gamma_q = q if gamma is None else q * gamma.unsqueeze(-1)
+    reads = slice(stride - 1, None, stride)
+    scores = q @ k.transpose(-1, -2) * within[..., reads, :]
+    gamma_q = q if gamma is None else q * gamma[..., reads].unsqueeze(-1)
     return gamma_q - scores @ w, scores @ u_free, transition, write
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], state: Tensor, pad: int,
-           chunk: int) -> Tuple[Tensor, Tensor]:
+           chunk: int, stride: int) -> Tuple[Tensor, Tensor]:
     """The causal form through :class:`.fused.ChunkedDeltaRule`, in its (batch * heads, chunks, C, d) layout."""
-    batch, heads, length, _ = k.shape
+    batch, heads, length, _ = q.shape
 
-    def chunked(x: Tensor) -> Tensor:
+    def chunked(x: Tensor, pad: int = pad, chunk: int = chunk) -> Tensor:
         x = _in_chunks(x, pad, chunk)
         return x.reshape(batch * heads, *x.shape[2:]).contiguous()
 
     g = None if log_decay is None else chunked(log_decay).cumsum(-1)
-    out, state = ChunkedDeltaRule.apply(chunked(q), chunked(k), chunked(v), chunked(beta), g,
-                                        state.reshape(batch * heads, *state.shape[2:]))
+    out, state = ChunkedDeltaRule.apply(chunked(q, pad // stride, chunk // stride), chunked(k), chunked(v),
+                                        chunked(beta), g, state.reshape(batch * heads, *state.shape[2:]), stride)
     out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
     return out, state.reshape(batch, heads, *state.shape[1:])
 
@@ -111,21 +118,26 @@ def delta_chunked(
     causal: bool,
     chunk_size: int,
     initial_state: Optional[Tensor],
+    stride: int = 1,
 ) -> Tuple[Tensor, Tensor]:
     """The chunked delta rule on prepared inputs (working dtype, scaled queries, inert padding; see
     :func:`attnzoo.functional.delta.checks.prepared`). Returns (out (B, H, N, d_v), final state
-    (B, H, d_k, d_v)), both in the working dtype."""
-    batch, heads, length, d_k = k.shape
+    (B, H, d_k, d_v)), both in the working dtype.
+
+    ``stride`` s: k, v, beta and log_decay hold s positions per query (N s of them), query t reading the state
+    after position ``(t + 1) s - 1`` (causal); ``chunk_size`` then counts queries, a chunk holding
+    ``chunk_size * s`` positions."""
+    batch, heads, length, d_k = q.shape
     d_v = v.shape[-1]
-    chunk = min(chunk_size, length)
-    pad = -length % chunk
+    chunk = min(chunk_size, length) * stride
+    pad = -length % (chunk // stride) * stride
     state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
     if causal and not torch.compiler.is_compiling():
         # dynamo traces the plain operations below instead (a compiled graph plans its own memory).
-        return _fused(q, k, v, beta, log_decay, state, pad, chunk)
-    chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v)]
+        return _fused(q, k, v, beta, log_decay, state, pad, chunk, stride)
+    chunked = [_in_chunks(q, pad // stride, chunk // stride)] + [_in_chunks(x, pad, chunk) for x in (k, v)]
     gates = [None if x is None else _in_chunks(x, pad, chunk) for x in (beta, log_decay)]
-    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, *gates, causal)
+    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, *gates, causal, stride)
     starts = []
     # unbind: one backward node for every chunk's slice (indexing made one full-size gradient per chunk).
     for chunk_transition, chunk_write in zip(transition.unbind(2), write.unbind(2)):
