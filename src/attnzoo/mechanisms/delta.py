@@ -36,9 +36,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._dtypes import working_dtype
-from .._validation import check_number, check_positive_int
+from .._validation import check_bool, check_number, check_positive_int
 from ..functional.delta import (
     DEFAULT_CHUNK_SIZE,
+    delta_product_reference,
+    delta_product_step_unchecked,
+    delta_product_unchecked,
     delta_rule_reference,
     delta_rule_step_unchecked,
     delta_rule_unchecked,
@@ -78,11 +81,27 @@ class _DeltaRuleMechanism(Mechanism):
                 weight = torch.empty(heads, head_dim, self.conv_size).uniform_(-bound, bound)
                 self.register_parameter(f"{name}_conv", nn.Parameter(weight))
             # The v convolution has one weight per channel of head_dim (the rule itself takes any value width).
-            self.capabilities = self.capabilities.narrowed(f"conv_size={self.conv_size}", any_value_width=False)
+            if self.capabilities.any_value_width:
+                self.capabilities = self.capabilities.narrowed(f"conv_size={self.conv_size}", any_value_width=False)
+
+    # The functional core's forms (the delta rule's; Gated DeltaProduct's take the same arguments).
+    core = staticmethod(delta_rule_unchecked)
+    core_step = staticmethod(delta_rule_step_unchecked)
+    core_reference = staticmethod(delta_rule_reference)
 
     def log_decay(self, k: Tensor) -> Optional[Tensor]:
         """(B, H, N) log decay from the (masked, raw) keys, or None for the plain delta rule."""
         return None
+
+    def write_strengths(self, k: Tensor) -> Tensor:
+        """beta (B, H, N) from the (masked, raw) keys: ``sigmoid(k . w + b)``."""
+        return torch.sigmoid(key_gate_logits(k, self.beta_weight, self.beta_bias))
+
+    def written_keys_values(self, unit_k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]
+                            ) -> Tuple[Tensor, Tensor]:
+        """What the core writes, from the unit keys and the (convolved) values: here the keys and values
+        themselves."""
+        return unit_k, v
 
     def _conv_weights(self) -> List[Tensor]:
         """The (heads, head_dim, conv_size) weights of the q, k and v convolutions."""
@@ -99,12 +118,13 @@ class _DeltaRuleMechanism(Mechanism):
         q, k = q.to(dtype), k.to(dtype)
         if key_padding_mask is not None:
             k = k.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-        beta = torch.sigmoid(key_gate_logits(k, self.beta_weight, self.beta_bias))
+        beta = self.write_strengths(k)
         log_decay = self.log_decay(k)
         if self.conv_size:
             q, k, v = (convolve(name, x.to(dtype).transpose(1, 2), weight, key_padding_mask).transpose(1, 2)
                        for name, x, weight in zip(_CONVOLVED, (q, k, v), self._conv_weights()))
-        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta, log_decay
+        k, v = self.written_keys_values(F.normalize(k, dim=-1), v, key_padding_mask)
+        return F.normalize(q, dim=-1), k, v, beta, log_decay
 
     @staticmethod
     def _fast_conv(name: str, x: Tensor, weight: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
@@ -118,8 +138,7 @@ class _DeltaRuleMechanism(Mechanism):
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q, k, v, key_padding_mask, self._fast_conv)
-        out, _ = delta_rule_unchecked(unit_q, unit_k, v_, beta, log_decay, key_padding_mask, None, causal,
-                                      self.chunk_size)
+        out, _ = self.core(unit_q, unit_k, v_, beta, log_decay, key_padding_mask, None, causal, self.chunk_size)
         return out.to(q.dtype)
 
     def attend_reference(
@@ -130,8 +149,8 @@ class _DeltaRuleMechanism(Mechanism):
         the decay computed from the float64 inputs by the same definitions."""
         unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q.double(), k.double(), v.double(),
                                                                  key_padding_mask, self._reference_conv)
-        return delta_rule_reference(unit_q, unit_k, v_, beta, log_decay, causal=causal,
-                                    key_padding_mask=key_padding_mask)
+        return self.core_reference(unit_q, unit_k, v_, beta, log_decay, causal=causal,
+                                   key_padding_mask=key_padding_mask)
 
     def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         working = working_dtype(dtype)
@@ -143,7 +162,7 @@ class _DeltaRuleMechanism(Mechanism):
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q, k, v, None, self._fast_conv)
-        out, state = delta_rule_unchecked(unit_q, unit_k, v_, beta, log_decay, None, None, True, self.chunk_size)
+        out, state = self.core(unit_q, unit_k, v_, beta, log_decay, None, None, True, self.chunk_size)
         tensors = {"state": state}
         if self.conv_size > 1:
             dtype = working_dtype(q.dtype)
@@ -163,7 +182,7 @@ class _DeltaRuleMechanism(Mechanism):
 
         unit_q, unit_k, v_, beta, log_decay = self._gated_inputs(q_t, k_t, v_t, None, convolve_step)
         previous = None if tensors is None else tensors["state"]
-        out, state = delta_rule_step_unchecked(unit_q, unit_k, v_, beta, log_decay, previous)
+        out, state = self.core_step(unit_q, unit_k, v_, beta, log_decay, previous)
         new = {"state": state}
         if self.conv_size > 1:
             new.update({f"{name}_conv": window for name, window in windows.items()})
@@ -208,8 +227,26 @@ class DeltaNetAttention(_DeltaRuleMechanism):
         super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
 
 
+class _GatedDeltaRuleMechanism(_DeltaRuleMechanism):
+    """The delta rule with Gated DeltaNet's decay from the keys (:class:`GatedDeltaNetAttention` has its
+    parametrisation and initialisation)."""
+
+    def __init__(self, heads: int, head_dim: int, *, chunk_size: int, conv_size: int) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
+        self.decay_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
+        self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
+        steps = torch.logspace(math.log10(0.001), math.log10(0.1), heads)
+        self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))  # softplus(dt_bias) = steps
+
+    def log_decay(self, k: Tensor) -> Tensor:
+        # softplus(z) written as -logsigmoid(-z) (the same numbers): softplus's backward fails under
+        # torch.compile's AOTAutograd for gates computed from permuted keys.
+        minus_step = F.logsigmoid(-key_gate_logits(k, self.decay_weight, self.dt_bias))
+        return self.A_log.to(minus_step.dtype).exp().unsqueeze(-1) * minus_step
+
+
 @register
-class GatedDeltaNetAttention(_DeltaRuleMechanism):
+class GatedDeltaNetAttention(_GatedDeltaRuleMechanism):
     """Gated DeltaNet (Yang et al. 2025): the delta rule with a data-dependent scalar decay per head and
     position, ``S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``.
 
@@ -245,13 +282,94 @@ class GatedDeltaNetAttention(_DeltaRuleMechanism):
         self, heads: int, head_dim: int, *, chunk_size: int = DEFAULT_CHUNK_SIZE, conv_size: int = 0
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
-        self.decay_weight = nn.Parameter(torch.randn(heads, head_dim) / math.sqrt(head_dim))
-        self.A_log = nn.Parameter(torch.linspace(1.0, 16.0, heads).log())
-        steps = torch.logspace(math.log10(0.001), math.log10(0.1), heads)
-        self.dt_bias = nn.Parameter(steps + torch.log(-torch.expm1(-steps)))  # softplus(dt_bias) = steps
 
-    def log_decay(self, k: Tensor) -> Tensor:
-        # softplus(z) written as -logsigmoid(-z) (the same numbers): softplus's backward fails under
-        # torch.compile's AOTAutograd for gates computed from permuted keys.
-        minus_step = F.logsigmoid(-key_gate_logits(k, self.decay_weight, self.dt_bias))
-        return self.A_log.to(minus_step.dtype).exp().unsqueeze(-1) * minus_step
+
+@register
+class DeltaProductAttention(_GatedDeltaRuleMechanism):
+    """Gated DeltaProduct (Siems et al. 2025): Gated DeltaNet with ``householder_steps`` (n_h) delta-rule steps
+    per position, the state decayed once and then corrected by each step in order,
+    ``S_t = (prod_j (I - beta_{t,j} k_{t,j} k_{t,j}^T)) a_t S_{t-1} + ...`` (:mod:`attnzoo.functional.delta.product`).
+
+    The paper projects each step's key, value and beta from the layer input; the mechanism sees q, k, v, so
+    each step's come from learned per-head maps of the position's own key and value (docs/delta_product.md):
+    ``k_{t,j} = normalize(W_j k_t)`` (W_j (head_dim x head_dim) per head, applied after the short convolution
+    and normalisation, which the normalisation makes the same), ``v_{t,j} = U_j v_t``, ``beta_{t,j} =
+    sigmoid(k_t . w_j + b_j)`` from the raw key, and the decay as ``gated_delta``. The first step's maps start
+    at the identity, so that ``householder_steps=1`` is ``gated_delta`` at equal parameters; the others at the
+    identity plus Gaussian noise of std ``1 / sqrt(head_dim)``, so that the steps start distinct.
+
+    Options:
+        householder_steps: n_h, the delta-rule (generalised Householder) steps per position.
+        negative_eigenvalues: beta in (0, 2) (``2 sigmoid``) instead of (0, 1), so each step's transition
+            ``I - beta k k^T`` may reflect (eigenvalue down to -1), as fla's ``allow_neg_eigval``; the paper's
+            state-tracking results use it. Off by default.
+        chunk_size: positions per chunk of the parallel form (``chunk_size * householder_steps`` steps).
+        conv_size: as ``gated_delta``: short causal convolutions on q, k and v (with SiLU); 0: none.
+    """
+
+    name = "delta_product"
+    capabilities = Capabilities(
+        causal=True,
+        cross=False,
+        key_padding=True,
+        recurrent_step=True,
+        # U_j maps v's channels: v must be head_dim wide.
+        any_value_width=False,
+        kind=OWN,
+        complexity="time O(N n_h c d + N n_h d^2), memory O(N n_h c + N n_h d^2 / c); n_h = householder_steps, "
+                   "c = chunk_size; decoding O(n_h d^2) per token",
+        summary="Gated DeltaProduct: n_h delta-rule steps per token on Gated DeltaNet's state (Siems et al. 2025)",
+        # beta, the decay and the step maps are learned per query head: a key/value head's state differs per
+        # query head.
+        grouped_kv=REPEAT_KV,
+        packing=PACKED_SPLIT,
+    )
+    # The suite's lengths cross several chunk boundaries with either chunk (of 4 and 3 positions).
+    test_options = {"chunk_size": 4, "householder_steps": 2}
+    test_variants = ({"chunk_size": 3, "householder_steps": 1},
+                     {"chunk_size": 4, "householder_steps": 3, "conv_size": 3, "negative_eigenvalues": True})
+
+    core = staticmethod(delta_product_unchecked)
+    core_step = staticmethod(delta_product_step_unchecked)
+    core_reference = staticmethod(delta_product_reference)
+
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        householder_steps: int = 2,
+        negative_eigenvalues: bool = False,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        conv_size: int = 0,
+    ) -> None:
+        super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
+        steps = self.householder_steps = check_positive_int("householder_steps", householder_steps)
+        self.negative_eigenvalues = check_bool("negative_eigenvalues", negative_eigenvalues)
+        # One row of beta weights per step (gated_delta's are the first step's).
+        self.beta_weight = nn.Parameter(torch.randn(heads, steps, head_dim) / math.sqrt(head_dim))
+        self.beta_bias = nn.Parameter(torch.zeros(heads, steps))
+        for name in ("key_maps", "value_maps"):
+            maps = torch.eye(head_dim).repeat(heads, steps, 1, 1)
+            maps[:, 1:] += torch.randn(heads, steps - 1, head_dim, head_dim) / math.sqrt(head_dim)
+            self.register_parameter(name, nn.Parameter(maps))
+
+    def write_strengths(self, k: Tensor) -> Tensor:
+        """beta (B, H, N, n_h) from the (masked, raw) keys, in (0, 1), or (0, 2) with negative_eigenvalues."""
+        logits = torch.einsum("bhnd,hjd->bhnj", k, self.beta_weight.to(k.dtype))
+        logits = logits + self.beta_bias.to(k.dtype)[:, None]
+        return 2 * torch.sigmoid(logits) if self.negative_eigenvalues else torch.sigmoid(logits)
+
+    def written_keys_values(self, unit_k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]
+                            ) -> Tuple[Tensor, Tensor]:
+        """Each step's unit key ``normalize(W_j k)`` (B, H, N, n_h, d) and value ``U_j v`` (B, H, N, n_h, d)."""
+        if key_padding_mask is not None:  # a NaN there would reach U_j's gradient (0 * NaN)
+            v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+        v = v.to(unit_k.dtype)
+        keys = torch.einsum("bhnd,hjed->bhnje", unit_k, self.key_maps.to(unit_k.dtype))
+        values = torch.einsum("bhnd,hjed->bhnje", v, self.value_maps.to(v.dtype))
+        return F.normalize(keys, dim=-1), values
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, householder_steps={self.householder_steps}" + (
+            ", negative_eigenvalues=True" if self.negative_eigenvalues else "")
