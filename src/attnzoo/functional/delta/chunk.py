@@ -104,7 +104,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Te
 
     g = None if log_decay is None else chunked(log_decay).cumsum(-1)
     out, state = ChunkedDeltaRule.apply(chunked(q, pad // stride, chunk // stride), chunked(k), chunked(v),
-                                        chunked(beta), g, state.reshape(batch * heads, *state.shape[2:]), stride)
+                                        chunked(beta), g, state.reshape(batch * heads, *state.shape[2:]))
     out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
     return out, state.reshape(batch, heads, *state.shape[1:])
 

@@ -186,14 +186,17 @@ class ChunkedDeltaRule(torch.autograd.Function):
 
     Shapes: k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C) the cumulative log decay from each
     chunk's start, inclusive, or None; initial (Z, d_k, d_v); q (scaled) (Z, n, C / stride, d_k), its query i
-    reading the state after position ``(i + 1) stride - 1`` of its chunk. Returns (out (Z, n, C / stride,
+    reading the state after position ``(i + 1) stride - 1`` of its chunk (the stride is C over q's rows). Returns (out (Z, n, C / stride,
     d_v), state after the last chunk (Z, d_k, d_v)).
     """
 
     @staticmethod
     @outside_autocast
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],  # type: ignore[override]
-                initial: Tensor, stride: int = 1) -> Tuple[Tensor, Tensor]:
+                initial: Tensor) -> Tuple[Tensor, Tensor]:
+        # The stride from the shapes, not an argument: torch.jit.trace refuses a non-tensor argument made from
+        # a traced size.
+        stride = k.shape[-2] // q.shape[-2]
         out, state, saved = _forward(q, k, v, beta, g, initial, stride)
         ctx.save_for_backward(*saved)
         ctx.gated, ctx.stride = g is not None, stride
@@ -202,7 +205,7 @@ class ChunkedDeltaRule(torch.autograd.Function):
     @staticmethod
     @outside_autocast
     def backward(ctx, grad_out: Tensor, grad_final: Tensor):  # type: ignore[override]
-        return _backward(ctx.saved_tensors, ctx.gated, ctx.stride, grad_out.contiguous(), grad_final) + (None,)
+        return _backward(ctx.saved_tensors, ctx.gated, ctx.stride, grad_out.contiguous(), grad_final)
 
 
 __all__ = ["ChunkedDeltaRule"]
