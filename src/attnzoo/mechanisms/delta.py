@@ -1,4 +1,6 @@
-"""The delta rule: ``delta`` (DeltaNet) and ``gated_delta`` (Gated DeltaNet).
+"""The delta rule: ``delta`` (DeltaNet), ``gated_delta`` (Gated DeltaNet) and ``delta_product`` (Gated
+DeltaProduct: n_h delta-rule steps per position, each step's key, value and beta from learned per-head maps of
+the position's key and value; :class:`DeltaProductAttention`, docs/delta_product.md).
 
 A linear-attention state ``S`` (d_k x d_v) that each position *corrects*: the key reads what the state holds
 for it and the state moves a fraction beta of the way to the new value (Schlag et al. 2021, Yang et al.
