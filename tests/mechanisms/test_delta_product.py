@@ -15,7 +15,7 @@ from attnzoo.functional import (
     delta_product_step,
     gated_delta_rule,
 )
-from attnzoo.mechanisms import build_mechanism
+from attnzoo.mechanisms import UnsupportedOptionError, build_mechanism
 
 B, H, D, D_V = 2, 3, 8, 5
 
@@ -219,9 +219,12 @@ def _mechanism_by_hand(module, q, k, v, mask):
     beta = (2 if module.negative_eigenvalues else 1) * torch.sigmoid(logits)
     step = F.softplus(torch.einsum("bhnd,hd->bhn", raw_k, module.decay_weight) + module.dt_bias[:, None])
     log_decay = -module.A_log.exp()[:, None] * step
-    keys = F.normalize(torch.einsum("hjed,bhnd->bhnje", module.key_maps, raw_k), dim=-1)
-    values = torch.einsum("hjed,bhnd->bhnje", module.value_maps, v)
-    return _paper(F.normalize(q, dim=-1), keys, values, beta, log_decay, mask)
+    keys, values = [F.normalize(raw_k, dim=-1)], [v]
+    for j in range(module.householder_steps - 1):  # steps 2 .. n_h: W_j k and U_j v
+        keys.append(F.normalize(torch.einsum("hed,bhnd->bhne", module.key_maps[:, j], raw_k), dim=-1))
+        values.append(torch.einsum("hed,bhnd->bhne", module.value_maps[:, j], v))
+    return _paper(F.normalize(q, dim=-1), torch.stack(keys, dim=3), torch.stack(values, dim=3), beta, log_decay,
+                  mask)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3])
@@ -277,10 +280,22 @@ def test_mechanism_prefill_and_steps_equal_the_forward(options):
 
 
 def test_the_steps_are_distinct_at_initialisation():
-    """The maps of the later steps start away from the first's, so the steps are not one repeated reflection."""
+    """The maps of the later steps start away from the identity (the first step's key and value) and from each
+    other, so the steps are not one repeated reflection; one step has no maps."""
     torch.manual_seed(0)
     module = build_mechanism("delta_product", H, D, householder_steps=3)
     eye = torch.eye(D)
     for maps in (module.key_maps, module.value_maps):
-        assert torch.equal(maps[:, 0], eye.expand(H, D, D))
-        assert all((maps[:, j] - eye).abs().max() > 0.1 for j in (1, 2))
+        assert maps.shape == (H, 2, D, D)
+        assert all((maps[:, j] - eye).abs().max() > 0.1 for j in (0, 1))
+        assert (maps[:, 0] - maps[:, 1]).abs().max() > 0.1
+    assert not hasattr(build_mechanism("delta_product", H, D, householder_steps=1), "key_maps")
+
+
+def test_value_width_is_free_with_one_step_only():
+    """The value maps of the later steps need v as wide as head_dim; one step takes any width, as gated_delta."""
+    q, k = torch.randn(2, B, H, 6, D, dtype=torch.float64).unbind(0)
+    v = torch.randn(B, H, 6, D + 3, dtype=torch.float64)
+    assert _mechanism(householder_steps=1)(q, k, v, causal=True).shape == (B, H, 6, D + 3)
+    with pytest.raises(UnsupportedOptionError, match="householder_steps=2"):
+        _mechanism(householder_steps=2)(q, k, v, causal=True)

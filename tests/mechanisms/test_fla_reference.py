@@ -152,8 +152,9 @@ def _delta_product_mechanism(x):
 
 
 def _delta_product_mechanism_in_fla(x):
-    """The ``delta_product`` mechanism written out: step j's key ``normalize(W_j k)``, value ``U_j v``, beta
-    ``2 sigmoid(k . w_j + b_j)`` (negative eigenvalues), gated_delta's decay, L2-normalised q."""
+    """The ``delta_product`` mechanism written out: the first step's key ``normalize(k)`` and value ``v``, step
+    j's ``normalize(W_j k)`` and ``U_j v``, beta ``2 sigmoid(k . w_j + b_j)`` (negative eigenvalues),
+    gated_delta's decay, L2-normalised q."""
     module = _seeded("delta_product", x.q.shape[1], x.q.shape[3], chunk_size=16, negative_eigenvalues=True)
     module = module.to(x.q.dtype)
     steps = module.householder_steps
@@ -161,8 +162,9 @@ def _delta_product_mechanism_in_fla(x):
         beta = 2 * torch.sigmoid(torch.einsum("bhnd,hjd->bhnj", x.k, module.beta_weight) + module.beta_bias[:, None])
         step = F.softplus(torch.einsum("bhnd,hd->bhn", x.k, module.decay_weight) + module.dt_bias[:, None])
         log_decay = -module.A_log.exp()[:, None] * step
-        keys = F.normalize(torch.einsum("hjed,bhnd->bhnje", module.key_maps, x.k), dim=-1)
-        values = torch.einsum("hjed,bhnd->bhnje", module.value_maps, x.v)
+        mapped_keys = F.normalize(torch.einsum("hjed,bhnd->bhnje", module.key_maps, x.k), dim=-1)
+        keys = torch.cat([F.normalize(x.k, dim=-1).unsqueeze(3), mapped_keys], dim=3)
+        values = torch.cat([x.v.unsqueeze(3), torch.einsum("hjed,bhnd->bhnje", module.value_maps, x.v)], dim=3)
         out = naive_recurrent_gated_delta_product(
             to_fla(F.normalize(x.q, dim=-1)), _interleaved_for_fla(keys), _interleaved_for_fla(values),
             to_fla(log_decay), _interleaved_for_fla(beta), x.scale, num_householder=steps)[0]

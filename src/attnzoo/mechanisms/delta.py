@@ -41,6 +41,7 @@ from .._dtypes import working_dtype
 from .._validation import check_bool, check_number, check_positive_int
 from ..functional.delta import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_PRODUCT_CHUNK_SIZE,
     delta_product_reference,
     delta_product_step_unchecked,
     delta_product_unchecked,
@@ -293,19 +294,22 @@ class DeltaProductAttention(_GatedDeltaRuleMechanism):
     ``S_t = (prod_j (I - beta_{t,j} k_{t,j} k_{t,j}^T)) a_t S_{t-1} + ...`` (:mod:`attnzoo.functional.delta.product`).
 
     The paper projects each step's key, value and beta from the layer input; the mechanism sees q, k, v, so
-    each step's come from learned per-head maps of the position's own key and value (docs/delta_product.md):
-    ``k_{t,j} = normalize(W_j k_t)`` (W_j (head_dim x head_dim) per head, applied after the short convolution
-    and normalisation, which the normalisation makes the same), ``v_{t,j} = U_j v_t``, ``beta_{t,j} =
-    sigmoid(k_t . w_j + b_j)`` from the raw key, and the decay as ``gated_delta``. The first step's maps start
-    at the identity, so that ``householder_steps=1`` is ``gated_delta`` at equal parameters; the others at the
-    identity plus Gaussian noise of std ``1 / sqrt(head_dim)``, so that the steps start distinct.
+    the later steps' come from learned per-head maps of the position's own key and value
+    (docs/delta_product.md): the first step writes ``normalize(k_t)`` and ``v_t`` as ``gated_delta`` does (a
+    map there would repeat the layer's own key and value projections), step j >= 2 ``k_{t,j} =
+    normalize(W_j k_t)`` and ``v_{t,j} = U_j v_t`` (W_j, U_j (head_dim x head_dim) per head, after the short
+    convolution; on the unit key, which the normalisation makes the same), every step
+    ``beta_{t,j} = sigmoid(k_t . w_j + b_j)`` from the raw key, and the decay as ``gated_delta``. So
+    ``householder_steps=1`` is ``gated_delta`` at equal parameters. The maps start at the identity plus
+    Gaussian noise of std ``1 / sqrt(head_dim)``, so that the steps start distinct.
 
     Options:
         householder_steps: n_h, the delta-rule (generalised Householder) steps per position.
         negative_eigenvalues: beta in (0, 2) (``2 sigmoid``) instead of (0, 1), so each step's transition
             ``I - beta k k^T`` may reflect (eigenvalue down to -1), as fla's ``allow_neg_eigval``; the paper's
             state-tracking results use it. Off by default.
-        chunk_size: positions per chunk of the parallel form (``chunk_size * householder_steps`` steps).
+        chunk_size: positions per chunk of the parallel form (``chunk_size * householder_steps`` steps); 16 by
+            default, 32 steps at two steps per position.
         conv_size: as ``gated_delta``: short causal convolutions on q, k and v (with SiLU); 0: none.
     """
 
@@ -315,8 +319,6 @@ class DeltaProductAttention(_GatedDeltaRuleMechanism):
         cross=False,
         key_padding=True,
         recurrent_step=True,
-        # U_j maps v's channels: v must be head_dim wide.
-        any_value_width=False,
         kind=OWN,
         complexity="time O(N n_h c d + N n_h d^2), memory O(N n_h c + N n_h d^2 / c); n_h = householder_steps, "
                    "c = chunk_size; decoding O(n_h d^2) per token",
@@ -342,7 +344,7 @@ class DeltaProductAttention(_GatedDeltaRuleMechanism):
         *,
         householder_steps: int = 2,
         negative_eigenvalues: bool = False,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int = DEFAULT_PRODUCT_CHUNK_SIZE,
         conv_size: int = 0,
     ) -> None:
         super().__init__(heads, head_dim, chunk_size=chunk_size, conv_size=conv_size)
@@ -351,10 +353,12 @@ class DeltaProductAttention(_GatedDeltaRuleMechanism):
         # One row of beta weights per step (gated_delta's are the first step's).
         self.beta_weight = nn.Parameter(torch.randn(heads, steps, head_dim) / math.sqrt(head_dim))
         self.beta_bias = nn.Parameter(torch.zeros(heads, steps))
-        for name in ("key_maps", "value_maps"):
-            maps = torch.eye(head_dim).repeat(heads, steps, 1, 1)
-            maps[:, 1:] += torch.randn(heads, steps - 1, head_dim, head_dim) / math.sqrt(head_dim)
-            self.register_parameter(name, nn.Parameter(maps))
+        if steps > 1:  # the maps W_j, U_j of steps 2 .. n_h
+            for name in ("key_maps", "value_maps"):
+                noise = torch.randn(heads, steps - 1, head_dim, head_dim) / math.sqrt(head_dim)
+                self.register_parameter(name, nn.Parameter(torch.eye(head_dim) + noise))
+            if self.capabilities.any_value_width:  # U_j maps v's channels: v must be head_dim wide
+                self.capabilities = self.capabilities.narrowed(f"householder_steps={steps}", any_value_width=False)
 
     def write_strengths(self, k: Tensor) -> Tensor:
         """beta (B, H, N, n_h) from the (masked, raw) keys, in (0, 1), or (0, 2) with negative_eigenvalues."""
@@ -364,13 +368,16 @@ class DeltaProductAttention(_GatedDeltaRuleMechanism):
 
     def written_keys_values(self, unit_k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor]
                             ) -> Tuple[Tensor, Tensor]:
-        """Each step's unit key ``normalize(W_j k)`` (B, H, N, n_h, d) and value ``U_j v`` (B, H, N, n_h, d)."""
+        """Each step's unit key (B, H, N, n_h, d): ``k`` then ``normalize(W_j k)``, and value (B, H, N, n_h, d_v):
+        ``v`` then ``U_j v``."""
+        if self.householder_steps == 1:
+            return unit_k.unsqueeze(3), v.unsqueeze(3)
         if key_padding_mask is not None:  # a NaN there would reach U_j's gradient (0 * NaN)
             v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
         v = v.to(unit_k.dtype)
-        keys = torch.einsum("bhnd,hjed->bhnje", unit_k, self.key_maps.to(unit_k.dtype))
+        keys = F.normalize(torch.einsum("bhnd,hjed->bhnje", unit_k, self.key_maps.to(unit_k.dtype)), dim=-1)
         values = torch.einsum("bhnd,hjed->bhnje", v, self.value_maps.to(v.dtype))
-        return F.normalize(keys, dim=-1), values
+        return torch.cat([unit_k.unsqueeze(3), keys], dim=3), torch.cat([v.unsqueeze(3), values], dim=3)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, householder_steps={self.householder_steps}" + (

@@ -13,6 +13,7 @@ corrected, not only added to, at each position. One family, one module per form.
 
 from .chunk import DEFAULT_CHUNK_SIZE, delta_rule, delta_rule_unchecked, gated_delta_rule
 from .product import (
+    DEFAULT_PRODUCT_CHUNK_SIZE,
     delta_product,
     delta_product_prefill,
     delta_product_step,
@@ -24,6 +25,7 @@ from .reference import delta_product_reference, delta_rule_reference
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_PRODUCT_CHUNK_SIZE",
     "delta_product",
     "delta_product_prefill",
     "delta_product_reference",

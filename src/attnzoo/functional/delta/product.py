@@ -35,6 +35,11 @@ from .checks import (
 from .chunk import DEFAULT_CHUNK_SIZE, delta_chunked
 from .recurrent import start_state, written
 
+DEFAULT_PRODUCT_CHUNK_SIZE = DEFAULT_CHUNK_SIZE // 2
+"""Positions per chunk of the parallel form: 16, so that at the default two steps a chunk holds 32 steps, the
+delta rule's own fastest chunk at head dim 64; 32 positions (64 steps) ran about 10% slower
+(docs/delta_product.md)."""
+
 
 def delta_product_unchecked(
     q: Tensor,
@@ -45,7 +50,7 @@ def delta_product_unchecked(
     key_padding_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     causal: bool = True,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = DEFAULT_PRODUCT_CHUNK_SIZE,
     initial_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """:func:`delta_product` on checked arguments. Returns (out in q's dtype, final state in the working
@@ -67,7 +72,7 @@ def delta_product(
     scale: Optional[float] = None,
     causal: bool = True,
     key_padding_mask: Optional[Tensor] = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = DEFAULT_PRODUCT_CHUNK_SIZE,
     initial_state: Optional[Tensor] = None,
 ) -> Tensor:
     """Gated DeltaProduct (see the module docstring), chunked: the gated delta rule's WY form on the n_h steps
@@ -109,7 +114,7 @@ def delta_product_prefill(
     log_decay: Optional[Tensor],
     *,
     scale: Optional[float] = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = DEFAULT_PRODUCT_CHUNK_SIZE,
     initial_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The causal :func:`delta_product` over a prompt and the state after it: (out (B, H, N, d_v) in q's dtype,
@@ -163,5 +168,5 @@ def delta_product_step(
     return delta_product_step_unchecked(q_t, k_t, v_t, beta_t, log_decay_t, state, scale)
 
 
-__all__ = ["delta_product", "delta_product_prefill", "delta_product_step", "delta_product_step_unchecked",
+__all__ = ["DEFAULT_PRODUCT_CHUNK_SIZE", "delta_product", "delta_product_prefill", "delta_product_step", "delta_product_step_unchecked",
            "delta_product_unchecked"]
