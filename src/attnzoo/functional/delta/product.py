@@ -37,8 +37,7 @@ from .recurrent import start_state, written
 
 DEFAULT_PRODUCT_CHUNK_SIZE = DEFAULT_CHUNK_SIZE // 2
 """Positions per chunk of the parallel form: 16, so that at the default two steps a chunk holds 32 steps, the
-delta rule's own fastest chunk at head dim 64; 32 positions (64 steps) ran about 10% slower
-(docs/delta_product.md)."""
+delta rule's own fastest chunk at head dim 64; 32 positions (64 steps) ran 7-8% slower (docs/delta_product.md)."""
 
 
 def delta_product_unchecked(
