@@ -26,6 +26,11 @@ Where the definitions differ on purpose, the case maps one onto the other and sa
 * ``kda``: fla's ``g`` (batch, seq, heads, d_k) is attnzoo's per-channel ``log_decay``; its references compute in
   float32 whatever they are given (``float64=False``, 1e-5). The mechanism's gate comes from the raw key
   (docs/kda.md), so the written-out mechanism computes it from the key and passes fla the decay.
+* ``delta_product``: fla's ``naive_recurrent_gated_delta_product`` takes each position's n_h keys, values and
+  betas interleaved along the sequence, (batch, seq * n_h, heads, ...), a position's steps in order; attnzoo's
+  (batch, heads, seq, n_h, ...) is the same order. The reference casts to float32 whatever it is given, so
+  the cases run in float32 only (1e-5). The steps' keys, values and betas are made from the shared inputs
+  here; the mechanism's case writes out its maps of the key and value (docs/delta_product.md).
 * ``based``: fla's ``naive_parallel_based`` divides by ``z + 1e-6``, attnzoo by ``z``: equal in float32, and in
   float64 once fla's numerator and ``z`` are taken apart (``use_norm=False`` on values with a column of ones).
   fla's Based has no window; the mechanism's window part is checked against ``naive_forgetting_attn`` with
@@ -45,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from attnzoo.functional import (
+    delta_product,
     delta_rule,
     dplr_delta_rule,
     elu_plus_one,
@@ -65,6 +71,7 @@ from fla.ops.based.naive import naive_parallel_based  # noqa: E402
 from fla.ops.delta_rule.naive import delta_rule_chunkwise, delta_rule_recurrence  # noqa: E402
 from fla.ops.generalized_delta_rule.dplr.naive import dplr_chunkwise, dplr_recurrence  # noqa: E402
 from fla.ops.forgetting_attn.naive import naive_forgetting_attn  # noqa: E402
+from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product  # noqa: E402
 from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule  # noqa: E402
 from fla.ops.gla.naive import naive_recurrent_gla  # noqa: E402
 from fla.ops.kda.naive import naive_chunk_kda, naive_recurrent_kda  # noqa: E402
@@ -149,6 +156,64 @@ def _kda_mechanism_in_fla(x):
     with torch.no_grad():
         q, k = F.normalize(x.q, dim=-1), F.normalize(x.k, dim=-1)
         return _in_dtype(_fla(naive_chunk_kda, q, k, x.v, log_decay, beta, chunk_size=64), x.q)
+
+
+# -- delta_product: n_h steps per position, interleaved along fla's sequence ------------------------------------
+def _product_steps(x, steps, beta_range=1.0):
+    """Each position's ``steps`` unit keys, values and betas in attnzoo's (batch, heads, seq, n_h, ...) layout,
+    made from the shared inputs: step j's key mixes k and q, its value is v turned by j channels, its beta
+    ``beta_range`` times beta or 1 - beta alternately."""
+    keys = torch.stack([F.normalize(x.k + 0.5 * j * x.q, dim=-1) for j in range(steps)], dim=3)
+    values = torch.stack([x.v.roll(j, dims=-1) for j in range(steps)], dim=3)
+    betas = torch.stack([x.beta if j % 2 == 0 else 1 - x.beta for j in range(steps)], dim=3) * beta_range
+    return keys, values, betas
+
+
+def _interleaved_for_fla(x):
+    """(batch, heads, seq, n_h, ...) -> fla's (batch, seq * n_h, heads, ...)."""
+    return to_fla(x.flatten(2, 3))
+
+
+def _product_ours(steps, gated=True, beta_range=1.0):
+    def ours(x):
+        k, v, beta = _product_steps(x, steps, beta_range)
+        return delta_product(x.q, k, v, beta, x.log_decay if gated else None, chunk_size=16)
+    return ours
+
+
+def _product_in_fla(steps, gated=True, beta_range=1.0):
+    def theirs(x):
+        k, v, beta = _product_steps(x, steps, beta_range)
+        out = naive_recurrent_gated_delta_product(
+            to_fla(x.q), _interleaved_for_fla(k), _interleaved_for_fla(v), to_fla(x.log_decay) if gated else None,
+            _interleaved_for_fla(beta), x.scale, num_householder=steps)[0]
+        return _in_dtype(from_fla(out), x.q)
+    return theirs
+
+
+def _delta_product_mechanism(x):
+    module = _seeded("delta_product", x.q.shape[1], x.q.shape[3], chunk_size=16, negative_eigenvalues=True)
+    return module.to(x.q.dtype)(x.q, x.k, x.v, causal=True)
+
+
+def _delta_product_mechanism_in_fla(x):
+    """The ``delta_product`` mechanism written out: the first step's key ``normalize(k)`` and value ``v``, step
+    j's ``normalize(W_j k)`` and ``U_j v``, beta ``2 sigmoid(k . w_j + b_j)`` (negative eigenvalues),
+    gated_delta's decay, L2-normalised q."""
+    module = _seeded("delta_product", x.q.shape[1], x.q.shape[3], chunk_size=16, negative_eigenvalues=True)
+    module = module.to(x.q.dtype)
+    steps = module.householder_steps
+    with torch.no_grad():
+        beta = 2 * torch.sigmoid(torch.einsum("bhnd,hjd->bhnj", x.k, module.beta_weight) + module.beta_bias[:, None])
+        step = F.softplus(torch.einsum("bhnd,hd->bhn", x.k, module.decay_weight) + module.dt_bias[:, None])
+        log_decay = -module.A_log.exp()[:, None] * step
+        mapped_keys = F.normalize(torch.einsum("hjed,bhnd->bhnje", module.key_maps, x.k), dim=-1)
+        keys = torch.cat([F.normalize(x.k, dim=-1).unsqueeze(3), mapped_keys], dim=3)
+        values = torch.cat([x.v.unsqueeze(3), torch.einsum("hjed,bhnd->bhnje", module.value_maps, x.v)], dim=3)
+        out = naive_recurrent_gated_delta_product(
+            to_fla(F.normalize(x.q, dim=-1)), _interleaved_for_fla(keys), _interleaved_for_fla(values),
+            to_fla(log_decay), _interleaved_for_fla(beta), x.scale, num_householder=steps)[0]
+    return _in_dtype(from_fla(out), x.q)
 
 
 def _retention_in_fla(x):
@@ -438,6 +503,14 @@ CASES = [
     FlaCase("kda/recurrent", _kda_ours, _kda_in_fla(naive_recurrent_kda)),
     FlaCase("kda/chunk", _kda_ours, _kda_in_fla(naive_chunk_kda, chunk_size=64)),
     FlaCase("kda/mechanism", _kda_mechanism, _kda_mechanism_in_fla),
+    # delta_product: functional.delta_product (chunk 16 positions) against fla's per-token recurrence, which
+    # computes in float32 only; n_h = 1 (the gated delta rule), 2 and 3, beta up to 2, no decay.
+    FlaCase("delta_product/one_step", _product_ours(1), _product_in_fla(1)),
+    FlaCase("delta_product/two_steps", _product_ours(2), _product_in_fla(2)),
+    FlaCase("delta_product/three_steps_negative_eigenvalues", _product_ours(3, beta_range=2.0),
+            _product_in_fla(3, beta_range=2.0)),
+    FlaCase("delta_product/no_decay", _product_ours(2, gated=False), _product_in_fla(2, gated=False)),
+    FlaCase("delta_product/mechanism", _delta_product_mechanism, _delta_product_mechanism_in_fla, sizes=dict(d_v=16)),
     # retention: RetNet's decays 1 - 2^(-5 - h) on both sides; attnzoo's row normalisation off.
     FlaCase("retention/mechanism",
             lambda x: _seeded("retention", x.q.shape[1], x.q.shape[3], normalize=False)(x.q, x.k, x.v, causal=True),

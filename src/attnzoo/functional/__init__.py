@@ -24,6 +24,10 @@ from .linear import (
     linear_attention_reference,
 )
 from .delta import (
+    delta_product,
+    delta_product_prefill,
+    delta_product_reference,
+    delta_product_step,
     delta_rule,
     delta_rule_prefill,
     delta_rule_reference,

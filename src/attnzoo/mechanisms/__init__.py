@@ -37,7 +37,7 @@ from .gau import GauAttention  # noqa: E402
 from .mixed_chunk import MixedChunkAttention  # noqa: E402
 from .vq import VQAttention, update_codebooks  # noqa: E402
 # The delta rule.
-from .delta import DeltaNetAttention, GatedDeltaNetAttention  # noqa: E402
+from .delta import DeltaNetAttention, DeltaProductAttention, GatedDeltaNetAttention  # noqa: E402
 from .rwkv7 import RWKV7Attention  # noqa: E402  (the generalized delta rule, DPLR)
 from .ssd import StateSpaceDualityAttention  # noqa: E402  (Mamba-2's SSD)
 from . import differential, forgetting  # noqa: E402,F401 - the softmax family: a forget gate, two maps' difference

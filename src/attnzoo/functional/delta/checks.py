@@ -6,6 +6,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..._dtypes import working_dtype
@@ -13,11 +14,11 @@ from ..._validation import check_bool, check_floating, check_key_padding_mask, c
 
 
 def check_gates(
-    k: Tensor, beta: Tensor, log_decay: Optional[Tensor], key_padding_mask: Optional[Tensor]
+    k: Tensor, beta: Optional[Tensor], log_decay: Optional[Tensor], key_padding_mask: Optional[Tensor]
 ) -> None:
-    """``beta`` shaped (batch, heads, seq) like the keys and ``log_decay`` (where given) the same or (batch,
-    heads, seq, d_k) (a decay per key channel), both finite, ``beta`` in [0, 2] and ``log_decay <= 0``, at
-    every position the padding mask keeps (a padded position may hold anything)."""
+    """``beta`` shaped (batch, heads, seq) like the keys and ``log_decay`` the same or (batch, heads, seq, d_k)
+    (a decay per key channel), where given, both finite, ``beta`` in [0, 2] and ``log_decay <= 0``, at every
+    position the padding mask keeps (a padded position may hold anything)."""
     batch, heads, seq = k.shape[:3]
     for name, gate in (("beta", beta), ("log_decay", log_decay)):
         if gate is None:
@@ -118,3 +119,66 @@ def prepared(
 
 def check_chunk_size(chunk_size: int) -> int:
     return check_positive_int("chunk_size", chunk_size)
+
+
+def _check_steps(q: Tensor, k: Tensor, v: Tensor, beta: Tensor) -> None:
+    """Ranks and the number of steps n_h of Gated DeltaProduct's per-step keys, values and betas."""
+    for name, x, rank, layout in (("k", k, 5, "(batch, heads, seq, n_h, d_k)"),
+                                  ("v", v, 5, "(batch, heads, seq, n_h, d_v)"),
+                                  ("beta", beta, 4, "(batch, heads, seq, n_h)")):
+        check_floating(name, x)
+        if x.dim() != rank:
+            raise ValueError(f"{name} must have shape {layout}, n_h steps per position, got {x.dim()} dims: "
+                             f"{tuple(x.shape)}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape (batch, heads, seq, d_k), got {q.dim()} dims: {tuple(q.shape)}")
+    steps = k.shape[3]
+    if steps < 1 or v.shape[3] != steps or beta.shape[3] != steps:
+        raise ValueError(f"k, v and beta must hold the same number n_h >= 1 of steps per position (dim 3), got "
+                         f"{k.shape[3]}, {v.shape[3]} and {beta.shape[3]}")
+
+
+def check_product_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Optional[Tensor],
+    key_padding_mask: Optional[Tensor],
+    initial_state: Optional[Tensor],
+    causal: bool,
+    scale: Optional[float],
+) -> None:
+    """Every check of a Gated DeltaProduct call: q (batch, heads, seq, d_k); k (batch, heads, seq, n_h, d_k),
+    v (batch, heads, seq, n_h, d_v) and beta (batch, heads, seq, n_h), n_h steps per position; beta in [0, 2]
+    (``I - beta k k^T`` a contraction for unit keys; (0, 1] from a sigmoid, up to 2 for negative eigenvalues)
+    and log_decay (batch, heads, seq), or (batch, heads, seq, d_k) per key channel, finite and <= 0 at every
+    unpadded position."""
+    _check_steps(q, k, v, beta)
+    if beta.shape != k.shape[:4]:
+        raise ValueError(f"beta must have shape (batch, heads, seq, n_h) = {tuple(k.shape[:4])} like k, got "
+                         f"{tuple(beta.shape)}")
+    # The checks of one step's k, v and beta are the delta rule's; the other steps share their shapes, and
+    # every step's beta is checked as the delta rule's on the interleaved steps.
+    check_call(q, k[:, :, :, 0], v[:, :, :, 0], beta[..., 0], log_decay, key_padding_mask, initial_state, causal,
+               scale)
+    k_steps, _, beta_steps, _, mask_steps = interleaved(k, v, beta, None, key_padding_mask)
+    check_gates(k_steps, beta_steps, None, mask_steps)
+
+
+def interleaved(
+    k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], key_padding_mask: Optional[Tensor]
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Gated DeltaProduct's n_h steps per position as one sequence n_h times longer, the steps of a position in
+    order: k (B, H, N n_h, d_k), v (B, H, N n_h, d_v), beta (B, H, N n_h); log_decay (B, H, N n_h), or
+    (B, H, N n_h, d_k) per key channel, with the position's decay on its first step and 0 (no decay) on the
+    others; the mask repeated over the steps."""
+    batch, heads, length, steps = k.shape[:4]
+    k_steps, v_steps = k.reshape(batch, heads, length * steps, -1), v.reshape(batch, heads, length * steps, -1)
+    beta_steps = beta.reshape(batch, heads, length * steps)
+    decay_steps = None
+    if log_decay is not None:  # a steps axis after seq, padded with zeros past the first step
+        decay = log_decay.unsqueeze(3)
+        decay_steps = F.pad(decay, (0, 0) * (decay.dim() - 4) + (0, steps - 1)).flatten(2, 3)
+    mask_steps = None if key_padding_mask is None else key_padding_mask.repeat_interleave(steps, dim=1)
+    return k_steps, v_steps, beta_steps, decay_steps, mask_steps

@@ -35,6 +35,12 @@ K`` scales each key's channels by ``exp(g_t)``, ``gamma_C I`` becomes ``Diag(exp
 Non-causal (``causal=False``): every query reads the state after the whole sequence, ``o_i = S_N^T q_i``,
 which is what non-causal linear attention is (the sum over every key); the delta rule's writes still happen
 in sequence order.
+
+Read positions (``stride`` s, :func:`delta_chunked`): the keys, values and gates may hold s positions per
+query, query t reading the state after position ``(t + 1) s - 1`` only. The output terms above then keep only
+those rows of ``Q K^T * Gamma`` and ``gamma``; everything else is unchanged. Gated DeltaProduct is this form
+(:mod:`.product`). Either decay takes any stride: per channel, the queries are spread over the chunk's C rows
+(zeros between the read positions) for the products of :mod:`.channels`, and the read rows kept.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from torch import Tensor
 from ..._validation import check_floating
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
 from .channels import DecayedProducts
-from .fused import ChunkedDeltaRule
+from .fused import ChunkedDeltaRule, read_positions, spread_reads
 
 DEFAULT_CHUNK_SIZE = 32
 """Chunk length of the parallel form: the triangular solves are C x C, the scan has N / C steps. 32 is the
@@ -63,38 +69,40 @@ def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1, chunk, *x.shape[3:])
 
 
-def _pair_products(q: Tensor, k: Tensor, log_decay: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """For chunked inputs: (K K^T, Q K^T, g), the decay between positions inside both products where gated
-    (g the cumulative log decay within each chunk, with a trailing d_k where it is per channel, or None). Only
-    the lower triangle of either product is read."""
-    chunk = k.shape[3]
+def _pair_products(q: Tensor, k: Tensor, log_decay: Optional[Tensor], stride: int
+                   ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """For chunked inputs (q with C / stride rows, at the read positions): (K K^T, Q K^T, g), the decay between
+    positions inside both products where gated (g the cumulative log decay within each chunk, with a trailing
+    d_k where it is per channel, or None). Only the causal part of either product is read."""
+    chunk, reads = k.shape[3], read_positions(stride)
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
     if log_decay is None:
         kk, qk = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)
-        return kk, qk.masked_fill(~lower, 0.0), None
-    if log_decay.dim() == k.dim():  # per channel: the decay sits inside the sums (.channels)
+        return kk, qk.masked_fill(~lower[reads], 0.0), None
+    if log_decay.dim() == k.dim():  # per channel: the decay sits inside the sums (.channels), over all C rows
         g = log_decay.cumsum(-2)
-        qk, kk = DecayedProducts.apply(torch.stack([q, k], dim=-3), k, g).unbind(-3)
-        return kk, qk, g
+        qk, kk = DecayedProducts.apply(torch.stack([spread_reads(q, stride), k], dim=-3), k, g).unbind(-3)
+        return kk, qk[..., reads, :], g
     g = log_decay.cumsum(-1)
     within = (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
-    return k @ k.transpose(-1, -2) * within, q @ k.transpose(-1, -2) * within, g
+    return k @ k.transpose(-1, -2) * within, q @ k.transpose(-1, -2) * within[..., reads, :], g
 
 
 def _chunk_terms(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], causal: bool
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], causal: bool, stride: int
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Tensor, Tensor]:
-    """For chunked (B, H, n, C, d) inputs: the output terms ``(diag(gamma) Q - P W, P U_state_free)`` (None when
-    not causal) and the scan terms ``(M, B)`` of the module docstring, all batched over chunks. With a decay
-    per channel, gamma is a (d_k) vector per position, ``diag(gamma) Q`` scales each query channel by it."""
-    kk, scores, g = _pair_products(q, k, log_decay)
+    """For chunked (B, H, n, C, d) inputs (q (B, H, n, C / stride, d), read after every stride-th position): the
+    output terms ``(diag(gamma) Q - P W, P U_state_free)`` (None when not causal) and the scan terms ``(M, B)``
+    of the module docstring, all batched over chunks. With a decay per channel, gamma is a (d_k) vector per
+    position, ``diag(gamma) Q`` scales each query channel by it."""
+    kk, scores, g = _pair_products(q, k, log_decay, stride)
     eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
     if g is None:
         gamma_q, gamma_k, k_to_end, carry = q, k, k, eye
     else:
         g = g if g.dim() == k.dim() else g.unsqueeze(-1)  # (.., C, d_k) or (.., C, 1): rows' factors
         gamma, to_end = g.exp(), (g[..., -1:, :] - g).exp()
-        gamma_q, gamma_k, k_to_end = q * gamma, k * gamma, k * to_end
+        gamma_q, gamma_k, k_to_end = q * gamma[..., read_positions(stride), :], k * gamma, k * to_end
         carry = g[..., -1, :].exp().unsqueeze(-1) * eye  # diag(gamma_C)
     strictly_lower = (kk * beta.unsqueeze(-1)).tril(-1)
     rhs = torch.cat([v, gamma_k], dim=-1) * beta.unsqueeze(-1)
@@ -108,17 +116,17 @@ def _chunk_terms(
 
 
 def _fused(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor], state: Tensor, pad: int,
-           chunk: int) -> Tuple[Tensor, Tensor]:
+           chunk: int, stride: int) -> Tuple[Tensor, Tensor]:
     """The causal form through :class:`.fused.ChunkedDeltaRule`, in its (batch * heads, chunks, C, d) layout."""
-    batch, heads, length, _ = k.shape
+    batch, heads, length, _ = q.shape
 
-    def chunked(x: Tensor) -> Tensor:
+    def chunked(x: Tensor, pad: int = pad, chunk: int = chunk) -> Tensor:
         x = _in_chunks(x, pad, chunk)
         return x.reshape(batch * heads, *x.shape[2:]).contiguous()
 
     g = None if log_decay is None else chunked(log_decay).cumsum(2)  # within each chunk, along C
-    out, state = ChunkedDeltaRule.apply(chunked(q), chunked(k), chunked(v), chunked(beta), g,
-                                        state.reshape(batch * heads, *state.shape[2:]))
+    out, state = ChunkedDeltaRule.apply(chunked(q, pad // stride, chunk // stride), chunked(k), chunked(v),
+                                        chunked(beta), g, state.reshape(batch * heads, *state.shape[2:]))
     out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
     return out, state.reshape(batch, heads, *state.shape[1:])
 
@@ -132,21 +140,26 @@ def delta_chunked(
     causal: bool,
     chunk_size: int,
     initial_state: Optional[Tensor],
+    stride: int = 1,
 ) -> Tuple[Tensor, Tensor]:
     """The chunked delta rule on prepared inputs (working dtype, scaled queries, inert padding; see
     :func:`attnzoo.functional.delta.checks.prepared`). Returns (out (B, H, N, d_v), final state
-    (B, H, d_k, d_v)), both in the working dtype."""
-    batch, heads, length, d_k = k.shape
+    (B, H, d_k, d_v)), both in the working dtype.
+
+    ``stride`` s: k, v, beta and log_decay hold s positions per query (N s of them), query t reading the state
+    after position ``(t + 1) s - 1`` (causal); ``chunk_size`` then counts queries, a chunk holding
+    ``chunk_size * s`` positions."""
+    batch, heads, length, d_k = q.shape
     d_v = v.shape[-1]
-    chunk = min(chunk_size, length)
-    pad = -length % chunk
+    chunk = min(chunk_size, length) * stride
+    pad = -length % (chunk // stride) * stride
     state = initial_state.to(k.dtype) if initial_state is not None else k.new_zeros(batch, heads, d_k, d_v)
     if causal and not torch.compiler.is_compiling():
         # dynamo traces the plain operations below instead (a compiled graph plans its own memory).
-        return _fused(q, k, v, beta, log_decay, state, pad, chunk)
-    chunked = [_in_chunks(x, pad, chunk) for x in (q, k, v)]
+        return _fused(q, k, v, beta, log_decay, state, pad, chunk, stride)
+    chunked = [_in_chunks(q, pad // stride, chunk // stride)] + [_in_chunks(x, pad, chunk) for x in (k, v)]
     gates = [None if x is None else _in_chunks(x, pad, chunk) for x in (beta, log_decay)]
-    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, *gates, causal)
+    out_state_term, out_free_term, transition, write = _chunk_terms(*chunked, *gates, causal, stride)
     starts = []
     # unbind: one backward node for every chunk's slice (indexing made one full-size gradient per chunk).
     for chunk_transition, chunk_write in zip(transition.unbind(2), write.unbind(2)):

@@ -12,6 +12,12 @@ Same maths as :mod:`.chunk` (its docstring has the derivation), organised for sp
   (d x d) transition per chunk and multiplying states by it.
 * The backward walks the chunks in reverse with the same two products per chunk; everything else in either
   direction is batched over every chunk. Nothing is differentiated twice (``gradcheck`` covers first order).
+* ``stride`` s: queries read the state only after every s-th position (the last of each group of s), so a chunk
+  of C positions has C / s queries. Gated DeltaProduct is this rule on a sequence of n_h sub-steps per token
+  read at each token's last (:mod:`.product`); the output terms then have C / s rows, and their gradients
+  reach the log decay at the read positions only. s = 1 is the plain rule. With a decay per key channel the
+  decayed products (:mod:`.channels`) take the queries spread over all C rows (zeros between the read
+  positions) and keep the read rows: any stride works with either decay.
 
 Layout inside: (batch * heads, chunks, C, d), the inputs' own memory order (no copy to enter or leave).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
@@ -56,32 +63,59 @@ def _within(g: Tensor) -> Tensor:
     return (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
 
 
-def _pair_terms(q: Tensor, k: Tensor, g: Optional[Tensor]) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-    """(K K^T, the causal Q K^T, Gamma or None), the decay between positions inside both products where gated:
-    a scalar decay multiplies them by Gamma; a per-channel one sits inside the sums
-    (:mod:`.channels`), and K K^T is then 0 above the diagonal (only its strictly lower part is read)."""
+def read_positions(stride: int) -> slice:
+    """The positions of a chunk that queries read after: the last of each group of ``stride``."""
+    return slice(stride - 1, None, stride)
+
+
+def spread_reads(x: Tensor, stride: int) -> Tensor:
+    """(.., C / stride, c) -> (.., C, c): row i at position ``(i + 1) stride - 1`` (a read position), zero rows
+    between; x itself at stride 1. Lets the per-channel products, which pair every position with every
+    position, serve queries at read positions only."""
+    if stride == 1:
+        return x
+    return F.pad(x.unsqueeze(-2), (0, 0, stride - 1, 0)).flatten(-3, -2)
+
+
+def _causal_rows(scores: Tensor, stride: int) -> Tensor:
+    """Zero, in place, what a query may not see in (.., C / stride, C) scores: position j is seen by query i
+    when ``j <= (i + 1) stride - 1``."""
+    if stride == 1:
+        return scores.tril_()
+    chunk = scores.shape[-1]
+    seen = torch.ones(chunk, chunk, dtype=torch.bool, device=scores.device).tril()[read_positions(stride)]
+    return scores.masked_fill_(~seen, 0.0)
+
+
+def _pair_terms(q: Tensor, k: Tensor, g: Optional[Tensor], stride: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(K K^T, the causal Q K^T with q's C / stride rows, Gamma or None), the decay between positions inside
+    both products where gated: a scalar decay multiplies them by Gamma (its read rows for Q K^T); a per-channel
+    one sits inside the sums (:mod:`.channels`), and K K^T is then 0 above the diagonal (only its strictly lower
+    part is read)."""
+    reads = read_positions(stride)
     if g is not None and g.dim() == k.dim():
-        qk, kk = decayed_products_unchecked(torch.stack([q, k], dim=-3), k, g).unbind(-3)
-        return kk, qk, None
+        qk, kk = decayed_products_unchecked(torch.stack([spread_reads(q, stride), k], dim=-3), k, g).unbind(-3)
+        return kk, qk[..., reads, :], None
     kk = k @ k.transpose(-1, -2)
     qk = q @ k.transpose(-1, -2)
     if g is None:
-        return kk, qk.tril_(), None
+        return kk, _causal_rows(qk, stride), None
     within = _within(g)
-    return kk.mul_(within), qk.mul_(within), within  # Gamma is 0 above the diagonal: qk is causal
+    return kk.mul_(within), qk.mul_(within[..., reads, :]), within  # Gamma is 0 above the diagonal: causal
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], state: Tensor
+def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor], state: Tensor, stride: int
              ) -> Tuple[Tensor, Tensor, Saved]:
-    """Chunked inputs (Z, n, C, d), gates (Z, n, C) (g also (Z, n, C, d_k), per channel), state (Z, d_k, d_v).
-    Returns (out (Z, n, C, d_v), final state, what the backward needs)."""
+    """Chunked inputs (Z, n, C, d), q (Z, n, C / stride, d_k), gates (Z, n, C) (g also (Z, n, C, d_k), per
+    channel), state (Z, d_k, d_v). Returns (out (Z, n, C / stride, d_v), final state, what the backward
+    needs)."""
     chunk = k.shape[-2]
-    kk, p, within = _pair_terms(q, k, g)
+    kk, p, within = _pair_terms(q, k, g, stride)
     if g is None:
         gamma_q, gamma_k, k_to_end, gamma_end = q, k, k, None
     else:
         gamma, to_end, gamma_end = _gate_terms(g, g.dim() == k.dim())
-        gamma_q, gamma_k, k_to_end = q * gamma, k * gamma, k * to_end
+        gamma_q, gamma_k, k_to_end = q * gamma[..., read_positions(stride), :], k * gamma, k * to_end
     a = (kk * beta.unsqueeze(-1)).tril_(-1)
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
     # unitriangular: the (zero) diagonal of a is read as ones, so this is (I + A)^{-1}.
@@ -100,7 +134,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
         if gamma_end is not None:
             state.mul_(gamma_end[:, c])
         state.baddbmm_(k_to_end[:, c].transpose(-1, -2), u_c)
-    out = torch.baddbmm(_flat(gamma_q @ states), _flat(p), _flat(u)).view_as(v)
+    out = torch.baddbmm(_flat(gamma_q @ states), _flat(p), _flat(u)).view(*q.shape[:-1], v.shape[-1])
     # kk is K K^T with the decay between positions where gated; p the causal Q K^T with it.
     gates = () if g is None else (g,) if within is None else (g, within)
     return out, state, (q, k, v, beta, kk, p, t, u_free, w, u, states) + gates
@@ -108,7 +142,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
 
 def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Tensor, k_to_end: Tensor, w: Tensor,
                    gamma_end: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """The reverse walk over chunks: (dU (Z, n, C, d_v), dS_{c+1} per chunk (Z, n, d_k, d_v), dS_0)."""
+    """The reverse walk over chunks: (dU (Z, n, C, d_v), dS_{c+1} per chunk (Z, n, d_k, d_v), dS_0). grad_out,
+    p and gamma_q have one row per query (C / stride)."""
     grad_u_local = p.transpose(-1, -2) @ grad_out
     grad_state_local = gamma_q.transpose(-1, -2) @ grad_out
     grad_u = torch.empty_like(grad_u_local)
@@ -124,30 +159,36 @@ def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Ten
     return grad_u, grad_next, grad_state
 
 
-def _pair_backward(saved: Saved, grad_p: Tensor, grad_kk: Tensor) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def _pair_backward(saved: Saved, stride: int, grad_p: Tensor, grad_kk: Tensor
+                   ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Gradients of (q, k, g) through K K^T and Q K^T with their decays (:func:`_pair_terms`), from those of
-    the two products (grad_kk strictly lower, grad_p unmasked); g's is None when not gated."""
+    the two products (grad_kk strictly lower, grad_p (C / stride rows) unmasked); g's is None when not gated."""
     q, k, kk, p = saved[0], saved[1], saved[4], saved[5]
     g = saved[11] if len(saved) > 11 else None
+    reads = read_positions(stride)
     if g is not None and g.dim() == k.dim():
-        grad_x, grad_k = decayed_products_backward(torch.stack([grad_p.tril_(), grad_kk], dim=-3),
-                                                   torch.stack([q, k], dim=-3), k, g)
+        q_spread = spread_reads(q, stride)
+        grad_rows = torch.stack([spread_reads(grad_p, stride).tril_(), grad_kk], dim=-3)
+        grad_x, grad_k = decayed_products_backward(grad_rows, torch.stack([q_spread, k], dim=-3), k, g)
         grad_q, grad_k_rows = grad_x.unbind(-3)
-        # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
-        grad_g = (q * grad_q).add_(k * (grad_k_rows - grad_k))
-        return grad_q, grad_k.add_(grad_k_rows), grad_g
+        # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column (q's zero rows
+        # between the read positions add nothing).
+        grad_g = (q_spread * grad_q).add_(k * (grad_k_rows - grad_k))
+        return grad_q[..., reads, :], grad_k.add_(grad_k_rows), grad_g
     if g is None:
-        grad_qk, grad_kk_plain = grad_p.tril_(), grad_kk
+        grad_qk, grad_kk_plain = _causal_rows(grad_p, stride), grad_kk
     else:
         within = saved[12]
         # Gamma's zeros above the diagonal mask grad_p.
-        grad_qk, grad_kk_plain = grad_p * within, grad_kk * within
+        grad_qk, grad_kk_plain = grad_p * within[..., reads, :], grad_kk * within
     grad_q = grad_qk @ k
     grad_k = torch.baddbmm(_flat(grad_kk_plain @ k), _flat(grad_kk_plain).transpose(-1, -2), _flat(k))
     grad_k = torch.baddbmm(grad_k, _flat(grad_qk).transpose(-1, -2), _flat(q)).view_as(k)
     if g is None:
         return grad_q, grad_k, None
-    through_within = grad_kk * kk + grad_p * p  # the gradient reaching Gamma, times Gamma
+    # The gradient reaching Gamma, times Gamma: Q K^T's rows are those of the read positions.
+    through_within = grad_kk * kk
+    through_within[..., reads, :].addcmul_(grad_p, p)
     return grad_q, grad_k, through_within.sum(-1) - through_within.sum(-2)
 
 
@@ -159,15 +200,17 @@ def _to_gate(grad: Tensor, x: Tensor, factor: Tensor, per_channel: bool) -> Tens
     return (grad * x).mul_(factor)
 
 
-def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor
+def _backward(saved: Saved, stride: int, grad_out: Tensor, grad_final: Tensor
               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor], Tensor]:
     """Gradients of (q, k, v, beta, g, initial state) from those of the outputs and the final state."""
     q, k, v, beta, kk, p, t, u_free, w, u, states = saved[:11]
     g = saved[11] if len(saved) > 11 else None
     per_channel = g is not None and g.dim() == k.dim()
+    reads = read_positions(stride)
     if g is not None:
         gamma, to_end, gamma_end = _gate_terms(g, per_channel)
-        gamma_q, gamma_k, k_to_end = q * gamma, k * gamma, k * to_end
+        gamma_read = gamma[..., reads, :]
+        gamma_q, gamma_k, k_to_end = q * gamma_read, k * gamma, k * to_end
     else:
         gamma_q, gamma_k, k_to_end, gamma_end = q, k, k, None
     grad_u, grad_next, grad_initial = _scan_backward(grad_out, grad_final, p, gamma_q, k_to_end, w, gamma_end)
@@ -183,14 +226,17 @@ def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor
     grad_a = torch.baddbmm(grad_a, _flat(grad_r_k), _flat(w).transpose(-1, -2)).view_as(t).tril_(-1).neg_()
     grad_beta = _row_dot(grad_r_v, v).add_(_row_dot(grad_r_k, gamma_k)).add_(_row_dot(grad_a, kk))
     grad_v, grad_gamma_k = grad_r_v.mul_(beta.unsqueeze(-1)), grad_r_k.mul_(beta.unsqueeze(-1))
-    grad_q, grad_k, grad_g = _pair_backward(saved, grad_p, grad_a.mul_(beta.unsqueeze(-1)))
+    grad_q, grad_k, grad_g = _pair_backward(saved, stride, grad_p, grad_a.mul_(beta.unsqueeze(-1)))
     if g is None:
         return grad_q.add_(grad_gamma_q), grad_k.add_(grad_gamma_k).add_(grad_k_to_end), grad_v, grad_beta, None, \
             grad_initial
-    grad_q.addcmul_(grad_gamma_q, gamma)
+    grad_q.addcmul_(grad_gamma_q, gamma_read)
     grad_k.addcmul_(grad_gamma_k, gamma).addcmul_(grad_k_to_end, to_end)
-    # d/dg through gamma_t = exp(g_t), to_end_t = exp(g_C - g_t), gamma_C = exp(g_C).
-    grad_g += _to_gate(grad_gamma_q, q, gamma, per_channel).add_(_to_gate(grad_gamma_k, k, gamma, per_channel))
+    # d/dg through gamma_t = exp(g_t) (for the queries, at the read positions t), to_end_t = exp(g_C - g_t),
+    # gamma_C = exp(g_C).
+    grad_g += _to_gate(grad_gamma_k, k, gamma, per_channel)
+    (grad_g[..., reads, :] if per_channel else grad_g[..., reads]).add_(
+        _to_gate(grad_gamma_q, q, gamma_read, per_channel))
     through_to_end = _to_gate(grad_k_to_end, k, to_end, per_channel)
     grad_g -= through_to_end
     through_end = (states * grad_next).sum(-1) * gamma_end.squeeze(-1)  # (Z, n, d_k), or (Z, n, 1) scalar
@@ -204,23 +250,29 @@ def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor
 class ChunkedDeltaRule(torch.autograd.Function):
     """The causal (gated) delta rule on chunked inputs, with a hand-written backward (module docstring).
 
-    Shapes: q (scaled), k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C), or (Z, n, C, d_k) for
-    a decay per key channel, the cumulative log decay from each chunk's start, inclusive, or None; initial
-    (Z, d_k, d_v). Returns (out (Z, n, C, d_v), state after the last chunk (Z, d_k, d_v)).
+    Shapes: k (Z, n, C, d_k); v (Z, n, C, d_v); beta (Z, n, C); g (Z, n, C), or (Z, n, C, d_k) for a decay per
+    key channel, the cumulative log decay from each chunk's start, inclusive, or None; initial (Z, d_k, d_v);
+    q (scaled) (Z, n, C / stride, d_k), its query i reading the state after position ``(i + 1) stride - 1`` of
+    its chunk (the stride is C over q's rows; any stride with either decay). Returns (out (Z, n, C / stride,
+    d_v), state after the last chunk (Z, d_k, d_v)).
     """
 
     @staticmethod
     @outside_autocast
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],  # type: ignore[override]
                 initial: Tensor) -> Tuple[Tensor, Tensor]:
-        out, state, saved = _forward(q, k, v, beta, g, initial)
+        # The stride from the shapes, not an argument: torch.jit.trace refuses a non-tensor argument made from
+        # a traced size (int(): under trace a size is a tensor; the chunk length is a constant of the graph).
+        stride = int(k.shape[-2]) // int(q.shape[-2])
+        out, state, saved = _forward(q, k, v, beta, g, initial, stride)
         ctx.save_for_backward(*saved)
+        ctx.stride = stride
         return out, state
 
     @staticmethod
     @outside_autocast
     def backward(ctx, grad_out: Tensor, grad_final: Tensor):  # type: ignore[override]
-        return _backward(ctx.saved_tensors, grad_out.contiguous(), grad_final)
+        return _backward(ctx.saved_tensors, ctx.stride, grad_out.contiguous(), grad_final)
 
 
-__all__ = ["ChunkedDeltaRule"]
+__all__ = ["ChunkedDeltaRule", "read_positions", "spread_reads"]

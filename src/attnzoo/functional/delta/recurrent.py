@@ -27,15 +27,25 @@ def delta_rule_step_unchecked(
     working dtype)."""
     scale = resolve_scale(scale, q_t.shape[3])
     q, k, v, beta, log_decay = prepared(q_t, k_t, v_t, beta_t, log_decay_t, None, scale)
+    state = written(start_state(state, k, v), k, v, beta, log_decay)
+    return (q @ state).to(q_t.dtype), state
+
+
+def start_state(state: Optional[Tensor], k: Tensor, v: Tensor) -> Tensor:
+    """``state`` in the keys' (working) dtype, or zeros (B, H, d_k, d_v) for None."""
     if state is None:
-        state = k.new_zeros(k.shape[0], k.shape[1], k.shape[3], v.shape[3])
-    state = state.to(k.dtype)
+        return k.new_zeros(k.shape[0], k.shape[1], k.shape[3], v.shape[3])
+    return state.to(k.dtype)
+
+
+def written(state: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor]) -> Tensor:
+    """One position's update of prepared inputs, k (B, H, 1, d_k), v (B, H, 1, d_v), beta (B, H, 1) and
+    log_decay (B, H, 1) or per channel (B, H, 1, d_k): ``(I - beta k k^T) Diag(a) S + beta k v^T``."""
     if log_decay is not None:  # (B, H, 1) scales the whole state, (B, H, 1, d_k) each key channel's row
         state = state * (log_decay.exp().unsqueeze(-1) if log_decay.dim() == 3 else log_decay.exp().transpose(-1, -2))
     # The pseudo-value: what the key reads from the decayed state is replaced by beta of the new value.
     pseudo_value = beta.unsqueeze(-1) * (v - k @ state)
-    state = state + k.transpose(-1, -2) @ pseudo_value
-    return (q @ state).to(q_t.dtype), state
+    return state + k.transpose(-1, -2) @ pseudo_value
 
 
 def _check_step(q_t: Tensor, k_t: Tensor, v_t: Tensor, beta_t: Tensor, log_decay_t: Optional[Tensor],

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import check_call, resolve_scale
+from .checks import check_call, check_product_call, interleaved, resolve_scale
 
 
 def delta_rule_reference(
@@ -54,4 +54,28 @@ def delta_rule_reference(
     return torch.cat(outputs, dim=-1).transpose(-1, -2)
 
 
-__all__ = ["delta_rule_reference"]
+def delta_product_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    log_decay: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = True,
+    key_padding_mask: Optional[Tensor] = None,
+    initial_state: Optional[Tensor] = None,
+) -> Tensor:
+    """Gated DeltaProduct (:func:`attnzoo.functional.delta.product.delta_product`, same arguments) in float64:
+    :func:`delta_rule_reference` on the n_h steps of every position in order, the decay on each position's
+    first step, each query read after its position's last step (its query given to every step, the others'
+    outputs dropped). Returns float64 (batch, heads, seq, d_v)."""
+    check_product_call(q, k, v, beta, log_decay, key_padding_mask, initial_state, causal, scale)
+    steps = k.shape[3]
+    k_steps, v_steps, beta_steps, decay_steps, mask_steps = interleaved(k, v, beta, log_decay, key_padding_mask)
+    out = delta_rule_reference(q.repeat_interleave(steps, dim=2), k_steps, v_steps, beta_steps, decay_steps,
+                               scale=scale, causal=causal, key_padding_mask=mask_steps, initial_state=initial_state)
+    return out[:, :, steps - 1::steps]
+
+
+__all__ = ["delta_product_reference", "delta_rule_reference"]
