@@ -116,6 +116,42 @@ def test_scaled_logits_give_the_logits_that_spread_and_keep_v(logit_std):
     assert scaled.v is inputs.v and scaled.grad_out is inputs.grad_out
 
 
+def test_memory_jobs_run_on_every_launcher_at_once_and_land_in_their_rows():
+    import threading
+
+    from attnzoo.bench.compare import _Measured, _measure_memory
+
+    spans = {}
+
+    class Launcher:  # answers with the length of the job's mechanism name, after a pause
+        def __init__(self):
+            self.threads = set()
+
+        def run(self, job, timeout_s):
+            self.threads.add(threading.get_ident())
+            start = time.perf_counter()
+            time.sleep(0.05)
+            spans[job["entry"]["name"]] = (start, time.perf_counter())
+            size = len(job["entry"]["name"])
+            return {"status": "ok", "peak_bytes": size * 2**20, "forward_peak_bytes": size * 2**19}
+
+    launchers = [Launcher(), Launcher()]
+    names = ["softmax", "linear", "performer", "local", "nystrom"]
+    rows = [{"mechanism": name, "length": 16, "status": "ok" if name != "local" else "failed", "reason": None}
+            for name in names]
+    pending = [({"name": name}, row) for name, row in zip(names, rows)]
+    measured, labels = _Measured(current=rows), []
+    _measure_memory(launchers, CompareConfig(), {}, pending, labels.append, measured)
+    (first_start, first_end), (second_start, second_end) = spans["softmax"], spans["linear"]
+    assert first_start < second_end and second_start < first_end  # the first two ran at the same time
+    assert labels == [f"memory {name} N=16" for name in names]  # a progress line for every row, in order
+    for name, row in zip(names, rows):
+        expected = None if name == "local" else len(name)  # the row not timed gets no memory job
+        assert row.get("peak_memory_mib") == expected, name
+        assert id(row) in measured.finished_ids
+    assert all(launcher.threads for launcher in launchers)
+
+
 def test_calibration_times_a_slow_call_once_and_a_fast_one_twice():
     inputs = make_inputs(1, 1, 4, 2, torch.float32, "cpu")
     calls = []

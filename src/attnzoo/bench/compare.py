@@ -72,7 +72,8 @@ class CompareConfig:
     min_sample_s: float = DEFAULT_MIN_SAMPLE_S
     memory_fraction: float = 0.8
     # Memory jobs run at once on the CPU, each in its own fresh process (a peak is a process's own, so they do
-    # not disturb one another's; they only share the cores). 1 on a GPU, whose memory all jobs would share.
+    # not disturb one another's; they only share the cores). 1 on a GPU, whose memory all jobs would share;
+    # at most one per 8 mechanisms measured, since each more is a fork server importing torch.
     memory_jobs: int = 1
     imports: List[str] = field(default_factory=list)
     seed: int = 0
@@ -348,7 +349,8 @@ def run_compare(config: CompareConfig, argv: Sequence[str], progress: Optional[P
         # a process that did cannot use CUDA: on a GPU each child imports its peers itself.
         preload += [PEERS[e["name"]].module for e in entries if e["kind"] == "peer"]
     launch_method, interrupted = None, False
-    parallel = 1 if config.device.startswith("cuda") else config.memory_jobs
+    # A second fork server costs a torch import: worth it for a length of many memory jobs, not a few.
+    parallel = 1 if config.device.startswith("cuda") else max(1, min(config.memory_jobs, len(entries) // 8))
     try:
         with ExitStack() as stack:
             launchers = [stack.enter_context(Launcher(config.launch, preload=preload)) for _ in range(parallel)]
