@@ -152,22 +152,20 @@ def test_memory_jobs_run_on_every_launcher_at_once_and_land_in_their_rows():
     assert all(launcher.threads for launcher in launchers)
 
 
-def test_calibration_times_a_slow_call_once_and_a_fast_one_twice():
+def test_calibration_costs_a_call_by_its_second_run_not_its_lazy_first():
     inputs = make_inputs(1, 1, 4, 2, torch.float32, "cpu")
     calls = []
 
-    def attention(delay):
-        def fn(q, k, v, causal):
-            calls.append(delay)
-            time.sleep(delay)
-            return v * 1.0
-        return fn
+    def fn(q, k, v, causal):  # the first call pays 0.3 s of set-up, every later one 0.01 s
+        calls.append(None)
+        time.sleep(0.3 if len(calls) == 1 else 0.01)
+        return v * 1.0
 
-    inner, one = calibrate(attention(0.05), inputs, False, "cpu", min_sample_s=0.01)
-    assert (inner, len(calls)) == (1, 1) and one >= 0.05  # a sample is one call already: no second call
+    inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=0.05)
+    assert len(calls) == 2 and one < 0.2 and inner >= 3  # priced at 0.01 s: several calls per sample
     calls.clear()
-    inner, one = calibrate(attention(0.0), inputs, False, "cpu", min_sample_s=0.01)
-    assert len(calls) == 2 and inner > 1  # the second call, past lazy initialisation, sets the calls per sample
+    inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=0.05, budget_s=0.1)
+    assert len(calls) == 1 and (inner, one >= 0.3) == (1, True)  # over the budget at once: no second call
 
 
 def test_uniform_attention_averages_the_visible_values():

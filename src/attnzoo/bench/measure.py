@@ -119,14 +119,13 @@ def calibrate(fn: AttentionFn, inputs: Inputs, causal: bool, device: str, min_sa
 
     Returns (inner, seconds of one forward+backward). Short calls are repeated ``inner`` times per sample so
     that a sample lasts at least ``min_sample_s``: timer resolution and scheduler noise then stay small. A
-    first forward+backward already over ``budget_s``, or at least twice ``min_sample_s`` (one call per sample),
-    is returned as is, without spending more time on it.
+    first forward+backward already over ``budget_s`` is returned as is, without spending more time on it.
     """
     first = _timed(lambda: run_forward_backward(fn, inputs, causal), 1, device)
-    if first > budget_s or first >= 2 * min_sample_s:
-        # Too slow for the budget, or slow enough that one call makes a sample whatever its first call paid for
-        # lazy initialisation: a second call would only cost time.
+    if first > budget_s:
         return 1, first
+    # The second call's time, not the first's: a first call can pay seconds of lazy initialisation (kernels,
+    # caches), which would make an entry look too slow for its budget and cut its repeats.
     one = _timed(lambda: run_forward_backward(fn, inputs, causal), 1, device)
     inner = max(1, min(1000, math.ceil(min_sample_s / max(one, 1e-9))))
     return inner, one
