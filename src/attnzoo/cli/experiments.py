@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 from .common import (
     EXIT_INTERRUPTED,
@@ -67,21 +67,12 @@ def lra_command(args: argparse.Namespace) -> int:
         check_output_dir("--output", output)
     except (TypeError, ValueError) as error:
         return usage_error("lra", name_option(str(error)))
-    progress, set_total = _line_progress("lra", args.quiet)
-    try:
-        data = run_lra(config, output, ["attnzoo", "lra", *args.raw_argv], progress, set_total)
-    except ValueError as error:
-        return usage_error("lra", str(error))
-    except KeyboardInterrupt:
-        print("attnzoo lra: interrupted; finished cells are kept: run the same command to continue", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if args.json:
-        print(json.dumps(data, indent=2))
-    elif not args.quiet:
+    def report(data: Dict[str, Any]) -> None:
         print(render_markdown(data))
         curves = ", lra-curves.png" if has_curves(data) else ""
         print(f"wrote lra.json, lra.md, lra.png, lra-long.png{curves} and long-length/ to {output}/")
-    return EXIT_OK
+
+    return _run_cells("lra", args, run_lra, config, output, report)
 
 
 def mqar_command(args: argparse.Namespace) -> int:
@@ -97,19 +88,30 @@ def mqar_command(args: argparse.Namespace) -> int:
         check_output_dir("--output", output)
     except (TypeError, ValueError) as error:
         return usage_error("mqar", str(error))
-    progress, set_total = _line_progress("mqar", args.quiet)
+    def report(data: Dict[str, Any]) -> None:
+        print(render_markdown(data))
+        print(f"wrote {MQAR_JSON}, {MQAR_CSV}, {MQAR_MD} and {MQAR_PNG} to {output}/")
+
+    return _run_cells("mqar", args, run_mqar, config, output, report)
+
+
+def _run_cells(command: str, args: argparse.Namespace, run: Callable[..., Dict[str, Any]], config: Any,
+               output: Path, report: Callable[[Dict[str, Any]], None]) -> int:
+    """What every cell experiment's command does once its settings are checked: progress lines, the run, a
+    Ctrl-C that keeps the finished cells, and the table (``report``) or the JSON."""
+    progress, set_total = _line_progress(command, args.quiet)
     try:
-        data = run_mqar(config, output, ["attnzoo", "mqar", *args.raw_argv], progress, set_total)
+        data = run(config, output, ["attnzoo", command, *args.raw_argv], progress, set_total)
     except ValueError as error:
-        return usage_error("mqar", str(error))
+        return usage_error(command, str(error))
     except KeyboardInterrupt:
-        print("attnzoo mqar: interrupted; finished cells are kept: run the same command to continue", file=sys.stderr)
+        print(f"attnzoo {command}: interrupted; finished cells are kept: run the same command to continue",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     if args.json:
         print(json.dumps(data, indent=2))
     elif not args.quiet:
-        print(render_markdown(data))
-        print(f"wrote {MQAR_JSON}, {MQAR_CSV}, {MQAR_MD} and {MQAR_PNG} to {output}/")
+        report(data)
     return EXIT_OK
 
 
