@@ -275,7 +275,7 @@ def test_decoding_many_wraps_equals_the_parallel_form(sinks):
 
 
 def test_decoding_follows_parameters_changed_in_place():
-    """The step's prepared parameters (paired and stacked maps, f_h) are kept between steps: a parameter
+    """The step's prepared parameters (the stacked maps, f_h) are kept between steps: a parameter
     changed in place (an optimiser's update) is seen by the next step."""
     mechanism = _drawn(window=4, feature_dim=3, sink_tokens=2)
     q, k, v = _inputs(length=12)

@@ -241,24 +241,24 @@ def hedgehog_features_unchecked(x: Tensor, weight: Tensor, bias: Optional[Tensor
     return _softmax_pair(y)
 
 
-def hedgehog_paired_weights(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
-    """Hedgehog's two halves as one map, for :func:`hedgehog_features_paired`: ``[W_h, -W_h]`` (heads,
-    head_dim, 2 * feature_dim) and ``[b_h, -b_h]`` (heads, 1, 2 * feature_dim), zeros for a None bias, in
-    ``dtype``. Negation is exact: the second half's logits are ``-(x W_h + b_h)`` bit for bit."""
+def hedgehog_decoding_weights(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """A Hedgehog map as :func:`hedgehog_features_decoding` takes it: the weight (heads, head_dim,
+    feature_dim) and the bias shaped (heads, 1, feature_dim), zeros for None, both in ``dtype``."""
     weight = weight.to(dtype)
     bias = weight.new_zeros(weight.shape[0], weight.shape[2]) if bias is None else bias.to(dtype)
-    return torch.cat([weight, -weight], -1), torch.cat([bias, -bias], -1).unsqueeze(1)
+    return weight, bias.unsqueeze(1)
 
 
-def hedgehog_features_paired(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """:func:`hedgehog_features` of x (batch, heads, seq, head_dim), already in the weights' dtype, from the
-    paired map of :func:`hedgehog_paired_weights`: one batched product per head, one softmax over each half,
-    and no autograd Function (autograd differentiates it as written). For decoding, where a step's few rows
-    make the op count, not the arithmetic, its cost. Returns (batch, heads, seq, 2 * feature_dim)."""
+def hedgehog_features_decoding(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """:func:`hedgehog_features` of x (batch, heads, seq, head_dim), already in the weights' dtype, with the
+    map of :func:`hedgehog_decoding_weights`: one batched product per head (taken directly for one row), the
+    logits and their negation stacked and one softmax over both, and no autograd Function (autograd
+    differentiates it as written). For decoding, where a step's few rows make the op count, not the
+    arithmetic, its cost. Returns (batch, heads, seq, 2 * feature_dim)."""
     batch, heads, seq, _ = x.shape
     rows = x[0] if batch == 1 else x.transpose(0, 1).reshape(heads, batch * seq, -1)  # one map per head
     y = torch.bmm(rows, weight).add_(bias)
-    features = y.view(heads, batch * seq, 2, -1).softmax(-1).view(heads, batch * seq, -1)
+    features = torch.stack([y, -y], -2).softmax(-1).view(heads, batch * seq, -1)
     return features.unsqueeze(0) if batch == 1 else features.view(heads, batch, seq, -1).transpose(0, 1)
 
 

@@ -53,7 +53,7 @@ from ._autocast import outside_autocast, without_autocast
 from .blocksparse import (BlockPlan, LocalPattern, blocksparse_plan, default_block, window_cache_layout,
                           window_cache_prefill)
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
-from .features import hedgehog_features_paired, hedgehog_features_unchecked, hedgehog_paired_weights
+from .features import hedgehog_decoding_weights, hedgehog_features_decoding, hedgehog_features_unchecked
 from .linear import kernel_attention_unchecked, normalize_output
 from .linear.inputs import _with_ones
 from .masks import zero_padded
@@ -73,11 +73,10 @@ class LolcatsWeights(NamedTuple):
 
 class LolcatsStepWeights(NamedTuple):
     """The parameters as a decoding step takes them (:func:`lolcats_step_weights`), in the working dtype: both
-    Hedgehog maps paired (:func:`~attnzoo.functional.features.hedgehog_paired_weights`) and stacked, the
-    query maps' heads first, ``maps`` (2 * heads, head_dim, 2 * feature_dim) and ``biases`` (2 * heads, 1,
-    2 * feature_dim), so that one product gives the query's features and the leaving key's; and ``f_h =
-    sigmoid(window_factor_h)`` shaped (1, heads, 1, 1). Made once per change of the parameters by a caller
-    that keeps them."""
+    Hedgehog maps (:func:`~attnzoo.functional.features.hedgehog_decoding_weights`) stacked, the query maps'
+    heads first, ``maps`` (2 * heads, head_dim, feature_dim) and ``biases`` (2 * heads, 1, feature_dim), so
+    that one product gives the query's features and the leaving key's; and ``f_h = sigmoid(window_factor_h)``
+    shaped (1, heads, 1, 1). Made once per change of the parameters by a caller that keeps them."""
 
     maps: Tensor
     biases: Tensor
@@ -86,8 +85,8 @@ class LolcatsStepWeights(NamedTuple):
 
 def lolcats_step_weights(weights: LolcatsWeights, dtype: torch.dtype) -> LolcatsStepWeights:
     """``weights`` as :func:`lolcats_step_unchecked` takes them, in ``dtype`` (the working dtype)."""
-    query = hedgehog_paired_weights(weights.query_weight, weights.query_bias, dtype)
-    key = hedgehog_paired_weights(weights.key_weight, weights.key_bias, dtype)
+    query = hedgehog_decoding_weights(weights.query_weight, weights.query_bias, dtype)
+    key = hedgehog_decoding_weights(weights.key_weight, weights.key_bias, dtype)
     return LolcatsStepWeights(torch.cat([query[0], key[0]]), torch.cat([query[1], key[1]]),
                               _window_weight(weights, dtype))
 
@@ -392,8 +391,8 @@ def _step_features(q_t: Tensor, old_k: Optional[Tensor], weights: LolcatsStepWei
     ((batch, heads, 1, 2 m), (batch, heads, 1, 2 m) or None)."""
     heads = q_t.shape[1]
     if old_k is None:
-        return hedgehog_features_paired(q_t, weights.maps[:heads], weights.biases[:heads]), None
-    features = hedgehog_features_paired(torch.cat([q_t, old_k], 1), weights.maps, weights.biases)
+        return hedgehog_features_decoding(q_t, weights.maps[:heads], weights.biases[:heads]), None
+    features = hedgehog_features_decoding(torch.cat([q_t, old_k], 1), weights.maps, weights.biases)
     return features[:, :heads], features[:, heads:]
 
 
@@ -451,13 +450,13 @@ def lolcats_step_unchecked(
 
     A step's rows are few, so its time is its op count: the leaving key's features are the only key features
     it forms, in the query's product (a ring of every window key's features in the state would be copied
-    whole each step to save one (1, d) x (d, 2 m) product), each ring tensor is made by one copy,
+    whole each step to save one (1, d) x (d, m) product), each ring tensor is made by one copy,
     nothing is masked once the ring is full and every sink is behind the window, the products are plain
     batched ones, and the linear state's outer product one broadcast ``addcmul`` (a matmul of a column by a
     row costs several times as much at these sizes)."""
     dtype = working_dtype(v_t.dtype)
     if tensors is None:
-        tensors = _empty_state(k_t, v_t, weights.maps.shape[-1], window, sinks)
+        tensors = _empty_state(k_t, v_t, 2 * weights.maps.shape[-1], window, sinks)
     slot, leaving = length % window, length - window
     kv, q_t, old_k = tensors["kv"], q_t.to(dtype), None
     if leaving >= sinks:  # the slot holds position length - window, which leaves the window now
