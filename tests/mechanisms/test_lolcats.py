@@ -292,6 +292,19 @@ def test_decoding_follows_parameters_changed_in_place():
             before = after
 
 
+def test_decoding_a_mechanism_made_under_inference_mode():
+    """Parameters made under ``torch.inference_mode`` track no version: the step remakes its prepared
+    parameters each time instead of keying on it, and still equals the parallel form."""
+    q, k, v = _inputs(length=9)
+    with torch.inference_mode():
+        mechanism = _drawn(window=3, feature_dim=2, sink_tokens=1)
+        full = mechanism(q, k, v, causal=True)
+        _, state = mechanism.prefill(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+        for t in (7, 8):
+            out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+            torch.testing.assert_close(out_t, full[:, :, t : t + 1], rtol=1e-12, atol=1e-12)
+
+
 def test_decoding_step_gradients():
     """A step under autograd (no prepared parameters kept; every parameter reached by plain ops) against
     finite differences, for the query, the new key and value, and a key leaving the window."""

@@ -385,7 +385,8 @@ def _empty_state(k_t: Tensor, v_t: Tensor, features: int, window: int, sinks: in
     return state
 
 
-def _step_features(q_t: Tensor, old_k: Optional[Tensor], weights: LolcatsStepWeights) -> Tuple[Tensor, Tensor]:
+def _step_features(q_t: Tensor, old_k: Optional[Tensor], weights: LolcatsStepWeights,
+                   ) -> Tuple[Tensor, Optional[Tensor]]:
     """phi_q of the query and phi_k of the key leaving the window (q_t, old_k: (batch, heads, 1, head_dim) in
     the working dtype; old_k None: no key leaves, and phi_k is None), from one product over the stacked maps:
     ((batch, heads, 1, 2 m), (batch, heads, 1, 2 m) or None)."""

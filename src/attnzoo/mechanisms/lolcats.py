@@ -121,12 +121,14 @@ class LolcatsAttention(Mechanism):
     def step_weights(self, dtype: torch.dtype) -> LolcatsStepWeights:
         """The parameters as a decoding step takes them, in the working dtype of ``dtype`` inputs: kept while
         no parameter changes (each one's identity, storage, version and device), remade each step when they
-        may carry a gradient."""
+        may carry a gradient or have no version (made under ``torch.inference_mode``)."""
         weights, dtype = self.weights(), working_dtype(dtype)
-        if (torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in weights)) \
-                or torch.compiler.is_compiling():
+        present = [w for w in weights if w is not None]
+        # Parameters made under inference_mode have no version to key on: those are remade each step too.
+        if (torch.is_grad_enabled() and any(w.requires_grad for w in present)) or torch.compiler.is_compiling() \
+                or any(w.is_inference() for w in present):
             return lolcats_step_weights(weights, dtype)
-        key = (dtype, *((id(w), w.data_ptr(), w._version, w.device) for w in weights if w is not None))
+        key = (dtype, *((id(w), w.data_ptr(), w._version, w.device) for w in present))
         return last_plan(self, "_step_weights", key, lambda: lolcats_step_weights(weights, dtype))
 
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
