@@ -20,7 +20,7 @@ from attnzoo.feature_maps import (
     resolve_feature_map,
 )
 from attnzoo.functional import linear_attention
-from attnzoo.functional.features import hedgehog_features
+from attnzoo.functional.features import hedgehog_decoding_weights, hedgehog_features, hedgehog_features_decoding
 
 
 def seeded(seed):
@@ -331,6 +331,27 @@ def test_hedgehog_features_gradients():
     weight = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(2, 5, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(hedgehog_features, (x, weight, bias))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_hedgehog_paths_without_gradient_and_for_decoding_equal_the_function(batch):
+    """Without a gradient the map skips its autograd Function, and with one row it takes the batched product
+    directly: the same features bit for bit as the Function's path. A decoding step's form (the logits and
+    their negation stacked, one softmax) equals them too, also for a None bias."""
+    g = seeded(2)
+    x = torch.randn(batch, 3, 5, 4, generator=g, dtype=torch.float64)
+    weight = torch.randn(3, 4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    with_function = hedgehog_features(x, weight, bias)
+    assert with_function.grad_fn is not None
+    with torch.no_grad():
+        plain = hedgehog_features(x, weight, bias)
+        for b in (bias, None):
+            decoding = hedgehog_features_decoding(x, *hedgehog_decoding_weights(weight, b, torch.float64))
+            torch.testing.assert_close(decoding, hedgehog_features(x, weight, b), rtol=1e-14, atol=1e-14)
+            assert decoding.shape == (batch, 3, 5, 12)
+    assert torch.equal(plain, with_function.detach())
+    torch.testing.assert_close(with_function, _hedgehog_written_out(x, weight, bias), rtol=1e-14, atol=1e-14)
 
 
 def test_hedgehog_map_starts_as_the_identity_or_a_seeded_draw():

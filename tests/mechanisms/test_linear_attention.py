@@ -17,6 +17,7 @@ from attnzoo.functional import (
 )
 import attnzoo.functional.linear.causal_chunks as causal_chunks_module
 from attnzoo.functional.linear.causal_chunks import _CausalChunks
+from attnzoo.functional.linear.normalize import normalize_output
 
 
 def tensors(*shapes, seed=0, dtype=torch.float64):
@@ -160,6 +161,20 @@ def test_half_precision_large_norms_stay_finite(dtype, causal):
     ref = linear_attention_reference(q.to(dtype), k.to(dtype), v.to(dtype), "elu", causal)
     # float16 has a 2^-11 relative precision on inputs and output: compare against the scale of v.
     assert (out.double() - ref).abs().max() < 0.02 * v.abs().max()
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.5])
+def test_sum_normaliser_without_gradient_equals_its_function(eps):
+    """``normalize_output(.., "sum")`` without a gradient skips its autograd Function: the same outputs bit for
+    bit, the guards included (a zero normaliser gives zeros; ``denominator_eps`` keeps magnitudes >= eps)."""
+    num_den = torch.randn(2, 3, 5, 7, dtype=torch.float64)
+    num_den[0, 0, 0] = 0.0
+    num_den[0, 0, 1, -1] = 0.1
+    with_function = normalize_output(num_den.clone().requires_grad_(True), "sum", eps)
+    assert with_function.grad_fn is not None
+    with torch.no_grad():
+        plain = normalize_output(num_den, "sum", eps)
+    assert torch.equal(plain, with_function.detach()) and bool((plain[0, 0, 0] == 0).all())
 
 
 def test_gradients_of_the_hand_written_paths():

@@ -256,6 +256,75 @@ def test_decoding_past_the_ring_wrap_and_branching(sinks):
         torch.testing.assert_close(again, full[:, :, 25:26], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_decoding_many_wraps_equals_the_parallel_form(sinks):
+    """Steps after a prompt, across several wraps of the ring (batch 2, so the features' batched product over
+    rows is taken, not the one-row one), equal the parallel form at 1e-10 in float64: the ring copied with
+    its slot written, the sinks read only once behind the window, the leaving key's features from the
+    query's product."""
+    mechanism = _drawn(window=5, feature_dim=4, sink_tokens=sinks)
+    q, k, v = _inputs(length=37)
+    with torch.no_grad():
+        full = mechanism(q, k, v, causal=True)
+        out, state = mechanism.prefill(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+        outputs = [out]
+        for t in range(7, 37):
+            out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+            outputs.append(out_t)
+    torch.testing.assert_close(torch.cat(outputs, 2), full, rtol=1e-10, atol=1e-10)
+
+
+def test_decoding_follows_parameters_changed_in_place():
+    """The step's prepared parameters (the stacked maps, f_h) are kept between steps: a parameter
+    changed in place (an optimiser's update) is seen by the next step."""
+    mechanism = _drawn(window=4, feature_dim=3, sink_tokens=2)
+    q, k, v = _inputs(length=12)
+    with torch.no_grad():
+        _, state = mechanism.prefill(q[:, :, :11], k[:, :, :11], v[:, :, :11])
+        before, _ = mechanism.step(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], state)
+        for parameter in (mechanism.key_map.weight, mechanism.query_map.bias, mechanism.window_factor):
+            parameter.mul_(1.5)  # (a constant added to a map would not change its softmaxes)
+            _, state = mechanism.prefill(q[:, :, :11], k[:, :, :11], v[:, :, :11])  # kv holds phi_k
+            after, _ = mechanism.step(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], state)
+            assert not torch.allclose(after, before)
+            full = mechanism(q, k, v, causal=True)[:, :, 11:]
+            torch.testing.assert_close(after, full, rtol=1e-12, atol=1e-12)
+            before = after
+
+
+def test_decoding_a_mechanism_made_under_inference_mode():
+    """Parameters made under ``torch.inference_mode`` track no version: the step remakes its prepared
+    parameters each time instead of keying on it, and still equals the parallel form."""
+    q, k, v = _inputs(length=9)
+    with torch.inference_mode():
+        mechanism = _drawn(window=3, feature_dim=2, sink_tokens=1)
+        full = mechanism(q, k, v, causal=True)
+        _, state = mechanism.prefill(q[:, :, :7], k[:, :, :7], v[:, :, :7])
+        for t in (7, 8):
+            out_t, state = mechanism.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], state)
+            torch.testing.assert_close(out_t, full[:, :, t : t + 1], rtol=1e-12, atol=1e-12)
+
+
+def test_decoding_step_gradients():
+    """A step under autograd (no prepared parameters kept; every parameter reached by plain ops) against
+    finite differences, for the query, the new key and value, and a key leaving the window."""
+    mechanism = _drawn(window=3, feature_dim=2, sink_tokens=1)
+    q, k, v = _inputs(batch=1, length=6)
+    with torch.no_grad():
+        _, state = mechanism.prefill(q[:, :, :5], k[:, :, :5], v[:, :, :5])
+    ring_k = state.tensors["k"].clone().requires_grad_(True)
+
+    def step(q_t, k_t, v_t, ring):
+        tensors = {**state.tensors, "k": ring}
+        return mechanism.step(q_t, k_t, v_t, type(state)(state.mechanism, state.length, tensors))[0]
+
+    inputs = [x[:, :, 5:].clone().requires_grad_(True) for x in (q, k, v)]
+    assert torch.autograd.gradcheck(step, (*inputs, ring_k))
+    out = step(*inputs, ring_k)
+    out.sum().backward()
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in mechanism.parameters())
+
+
 @pytest.mark.parametrize("prompt", [0, 2, 9])
 def test_decoding_with_sinks_from_a_prompt_shorter_than_them(prompt):
     """The sinks written while decoding (a prompt shorter than them, or none) and the keys that leave the

@@ -163,6 +163,12 @@ def relu_features(x: Tensor) -> Tensor:
 
 
 # -- Hedgehog: learned softmax features -----------------------------------------------------------------------
+def _softmax_pair(y: Tensor) -> Tensor:
+    """``cat[softmax(y), softmax(-y)]`` over the last dim: :class:`_SoftmaxPair`'s forward (both callers run
+    with autocast off)."""
+    return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+
+
 class _SoftmaxPair(torch.autograd.Function):
     """``cat[softmax(y), softmax(-y)]`` over the last dim, whose backward reads only the output: with
     ``s = softmax(y)``, ``t = softmax(-y)`` and the gradient ``[g, h]``, the gradient of y is
@@ -172,7 +178,7 @@ class _SoftmaxPair(torch.autograd.Function):
     @staticmethod
     @outside_autocast
     def forward(ctx, y: Tensor) -> Tensor:  # type: ignore[override]
-        out = torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+        out = _softmax_pair(y)
         ctx.save_for_backward(out)
         return out
 
@@ -222,10 +228,38 @@ def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
 def hedgehog_features_unchecked(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """:func:`hedgehog_features` on checked arguments (in the working dtype under autocast too)."""
     dtype = working_dtype(x.dtype)
-    y = x.to(dtype) @ weight.to(dtype)  # (batch, heads, seq, d) @ (heads, d, m), one map per head
+    x, weight = x.to(dtype), weight.to(dtype)
+    # (batch, heads, seq, d) @ (heads, d, m), one map per head. With one row the batched product is taken
+    # directly: the same products, without the broadcasting matmul's cost (half a decoding step's features).
+    y = (x[0] @ weight).unsqueeze(0) if x.shape[0] == 1 else x @ weight
     if bias is not None:
         y = y + bias.to(dtype).unsqueeze(-2)
-    return _SoftmaxPair.apply(y)
+    if torch.is_grad_enabled() and y.requires_grad:
+        return _SoftmaxPair.apply(y)
+    # No gradient: the same forward without an autograd Function's overhead (tens of microseconds a call,
+    # most of a decoding step's feature map).
+    return _softmax_pair(y)
+
+
+def hedgehog_decoding_weights(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """A Hedgehog map as :func:`hedgehog_features_decoding` takes it: the weight (heads, head_dim,
+    feature_dim) and the bias shaped (heads, 1, feature_dim), zeros for None, both in ``dtype``."""
+    weight = weight.to(dtype)
+    bias = weight.new_zeros(weight.shape[0], weight.shape[2]) if bias is None else bias.to(dtype)
+    return weight, bias.unsqueeze(1)
+
+
+def hedgehog_features_decoding(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """:func:`hedgehog_features` of x (batch, heads, seq, head_dim), already in the weights' dtype, with the
+    map of :func:`hedgehog_decoding_weights`: one batched product per head (taken directly for one row), the
+    logits and their negation stacked and one softmax over both, and no autograd Function (autograd
+    differentiates it as written). For decoding, where a step's few rows make the op count, not the
+    arithmetic, its cost. Returns (batch, heads, seq, 2 * feature_dim)."""
+    batch, heads, seq, _ = x.shape
+    rows = x[0] if batch == 1 else x.transpose(0, 1).reshape(heads, batch * seq, -1)  # one map per head
+    y = torch.bmm(rows, weight).add_(bias)
+    features = torch.stack([y, -y], -2).softmax(-1).view(heads, batch * seq, -1)
+    return features.unsqueeze(0) if batch == 1 else features.view(heads, batch, seq, -1).transpose(0, 1)
 
 
 # Feature functions by the names :func:`attnzoo.functional.linear_attention` accepts.

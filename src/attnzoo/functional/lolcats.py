@@ -53,7 +53,7 @@ from ._autocast import outside_autocast, without_autocast
 from .blocksparse import (BlockPlan, LocalPattern, blocksparse_plan, default_block, window_cache_layout,
                           window_cache_prefill)
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
-from .features import hedgehog_features_unchecked
+from .features import hedgehog_decoding_weights, hedgehog_features_decoding, hedgehog_features_unchecked
 from .linear import kernel_attention_unchecked, normalize_output
 from .linear.inputs import _with_ones
 from .masks import zero_padded
@@ -69,6 +69,26 @@ class LolcatsWeights(NamedTuple):
     key_weight: Tensor
     key_bias: Optional[Tensor]
     window_factor: Tensor
+
+
+class LolcatsStepWeights(NamedTuple):
+    """The parameters as a decoding step takes them (:func:`lolcats_step_weights`), in the working dtype: both
+    Hedgehog maps (:func:`~attnzoo.functional.features.hedgehog_decoding_weights`) stacked, the query maps'
+    heads first, ``maps`` (2 * heads, head_dim, feature_dim) and ``biases`` (2 * heads, 1, feature_dim), so
+    that one product gives the query's features and the leaving key's; and ``f_h = sigmoid(window_factor_h)``
+    shaped (1, heads, 1, 1). Made once per change of the parameters by a caller that keeps them."""
+
+    maps: Tensor
+    biases: Tensor
+    window_weight: Tensor
+
+
+def lolcats_step_weights(weights: LolcatsWeights, dtype: torch.dtype) -> LolcatsStepWeights:
+    """``weights`` as :func:`lolcats_step_unchecked` takes them, in ``dtype`` (the working dtype)."""
+    query = hedgehog_decoding_weights(weights.query_weight, weights.query_bias, dtype)
+    key = hedgehog_decoding_weights(weights.key_weight, weights.key_bias, dtype)
+    return LolcatsStepWeights(torch.cat([query[0], key[0]]), torch.cat([query[1], key[1]]),
+                              _window_weight(weights, dtype))
 
 
 def window_pattern(window: int) -> LocalPattern:
@@ -350,10 +370,9 @@ def lolcats_prefill_unchecked(
     return out, {"kv": kv, **state}
 
 
-def _empty_state(k_t: Tensor, v_t: Tensor, weights: LolcatsWeights, window: int, sinks: int) -> Dict[str, Tensor]:
-    """The state before the first position."""
+def _empty_state(k_t: Tensor, v_t: Tensor, features: int, window: int, sinks: int) -> Dict[str, Tensor]:
+    """The state before the first position (``features``: the linear state's rows, 2 * feature_dim)."""
     batch, heads, _, head_dim = k_t.shape
-    features = 2 * weights.query_weight.shape[-1]
     state = {
         "kv": k_t.new_zeros(batch, heads, features, v_t.shape[3] + 1, dtype=working_dtype(v_t.dtype)),
         "k": k_t.new_zeros(batch, heads, window, head_dim),
@@ -366,42 +385,95 @@ def _empty_state(k_t: Tensor, v_t: Tensor, weights: LolcatsWeights, window: int,
     return state
 
 
+def _step_features(q_t: Tensor, old_k: Optional[Tensor], weights: LolcatsStepWeights,
+                   ) -> Tuple[Tensor, Optional[Tensor]]:
+    """phi_q of the query and phi_k of the key leaving the window (q_t, old_k: (batch, heads, 1, head_dim) in
+    the working dtype; old_k None: no key leaves, and phi_k is None), from one product over the stacked maps:
+    ((batch, heads, 1, 2 m), (batch, heads, 1, 2 m) or None)."""
+    heads = q_t.shape[1]
+    if old_k is None:
+        return hedgehog_features_decoding(q_t, weights.maps[:heads], weights.biases[:heads]), None
+    features = hedgehog_features_decoding(torch.cat([q_t, old_k], 1), weights.maps, weights.biases)
+    return features[:, :heads], features[:, heads:]
+
+
+def _next_ring(tensors: Dict[str, Tensor], k_t: Tensor, v_t: Tensor, slot: int, length: int, sinks: int,
+               ) -> Tuple[Dict[str, Tensor], Tensor, Tensor]:
+    """The state's ring and sinks with position ``length`` written in ``slot`` (new tensors: the previous state's
+    are never written), and the keys and values a step reads, (batch, heads, sinks + window, dim): the sinks,
+    then the ring. One copy per tensor makes both: the new ring is a view of the keys read."""
+    sink_k, sink_v = tensors.get("sink_k"), tensors.get("sink_v")
+    if length < sinks:  # the sinks are still being written
+        sink_k, sink_v = sink_k.clone(), sink_v.clone()
+        sink_k[:, :, length], sink_v[:, :, length] = k_t[:, :, 0], v_t[:, :, 0]
+    window = tensors["k"].shape[2]
+
+    def written(ring: Tensor, x_t: Tensor, front: Optional[Tensor]) -> Tensor:
+        # Copied whole, then the slot written: a concatenation around the slot (non-contiguous pieces) costs
+        # about twice as much.
+        out = ring.clone() if front is None else torch.cat([front, ring], 2)
+        out[:, :, sinks + slot] = x_t[:, :, 0]
+        return out
+
+    keys, values = written(tensors["k"], k_t, sink_k), written(tensors["v"], v_t, sink_v)
+    positions = tensors["positions"].clone()
+    positions[:, slot] = length
+    new = {"k": keys.narrow(2, sinks, window), "v": values.narrow(2, sinks, window), "positions": positions}
+    if sinks:
+        new["sink_k"], new["sink_v"] = sink_k, sink_v
+    return new, keys, values
+
+
+def _step_unseen(positions: Tensor, length: int, window: int, sinks: int) -> Tensor:
+    """Which of a step's keys (the sinks, then the ring) it does not read, (batch, 1, 1, sinks + window): the
+    ring's empty slots, and the sinks still inside the window (they are in the ring)."""
+    batch = positions.shape[0]
+    sink_unseen = (torch.arange(sinks, device=positions.device) > length - window).expand(batch, sinks)
+    return torch.cat([sink_unseen, positions < 0], 1).view(batch, 1, 1, -1)
+
+
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for (batch, heads, n, k) and (batch, heads, k, p) as one batched product over batch * heads:
+    the broadcasting matmul's dispatch costs as much as the product itself at a decoding step's sizes."""
+    return torch.bmm(a.flatten(0, 1), b.flatten(0, 1)).unflatten(0, a.shape[:2])
+
+
 @without_autocast
 def lolcats_step_unchecked(
-    q_t: Tensor, k_t: Tensor, v_t: Tensor, weights: LolcatsWeights, window: int, scale: Optional[float],
+    q_t: Tensor, k_t: Tensor, v_t: Tensor, weights: LolcatsStepWeights, window: int, scale: Optional[float],
     tensors: Optional[Dict[str, Tensor]], length: int, sinks: int = 0,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """One decoding position (q_t, k_t: (batch, heads, 1, head_dim), v_t: (batch, heads, 1, head_dim_v)) after
-    ``length`` positions whose state is ``tensors`` (None at the start): O((w + sinks) d + m d). The key
-    leaving the window (position ``length - window``) joins the linear state unless it is a sink, the new one
-    takes its slot. The previous state's tensors are never written (a state may be stepped from twice).
-    Returns the output and the new state."""
+    ``length`` positions whose state is ``tensors`` (None at the start), with the parameters of
+    :func:`lolcats_step_weights`: O((w + sinks) d + m d). The key leaving the window (position ``length -
+    window``) joins the linear state unless it is a sink, the new one takes its slot. The previous state's
+    tensors are never written (a state may be stepped from twice). Returns the output and the new state.
+
+    A step's rows are few, so its time is its op count: the leaving key's features are the only key features
+    it forms, in the query's product (a ring of every window key's features in the state would be copied
+    whole each step to save one (1, d) x (d, m) product), each ring tensor is made by one copy,
+    nothing is masked once the ring is full and every sink is behind the window, the products are plain
+    batched ones, and the linear state's outer product one broadcast ``addcmul`` (a matmul of a column by a
+    row costs several times as much at these sizes)."""
     dtype = working_dtype(v_t.dtype)
-    batch, heads, _, head_dim = k_t.shape
-    tensors = _empty_state(k_t, v_t, weights, window, sinks) if tensors is None else tensors
+    if tensors is None:
+        tensors = _empty_state(k_t, v_t, 2 * weights.maps.shape[-1], window, sinks)
     slot, leaving = length % window, length - window
-    kv = tensors["kv"]
+    kv, q_t, old_k = tensors["kv"], q_t.to(dtype), None
     if leaving >= sinks:  # the slot holds position length - window, which leaves the window now
-        old_k, old_v = tensors["k"][:, :, slot : slot + 1], tensors["v"][:, :, slot : slot + 1]
-        phi_old = hedgehog_features_unchecked(old_k.to(dtype), weights.key_weight, weights.key_bias)
-        kv = kv + phi_old.transpose(-1, -2) @ _with_ones(old_v.to(dtype))
-    k, v, positions = tensors["k"].clone(), tensors["v"].clone(), tensors["positions"].clone()
-    k[:, :, slot], v[:, :, slot], positions[:, slot] = k_t[:, :, 0], v_t[:, :, 0], length
-    seen = (positions >= 0).view(batch, 1, 1, window)
-    new = {"kv": kv, "k": k, "v": v, "positions": positions}
-    if sinks:
-        new["sink_k"], new["sink_v"] = tensors["sink_k"], tensors["sink_v"]
-        if length < sinks:
-            new["sink_k"], new["sink_v"] = new["sink_k"].clone(), new["sink_v"].clone()
-            new["sink_k"][:, :, length], new["sink_v"][:, :, length] = k_t[:, :, 0], v_t[:, :, 0]
-        # A sink still inside the window is in the ring: only the older ones are read from the sink slots.
-        sink_seen = (torch.arange(sinks, device=k_t.device) <= leaving).view(1, 1, 1, sinks)
-        k, v = torch.cat([new["sink_k"], k], 2), torch.cat([new["sink_v"], v], 2)
-        seen = torch.cat([sink_seen.expand(batch, 1, 1, sinks), seen], -1)
-    logits = (q_t.to(dtype) @ k.to(dtype).transpose(-1, -2)) * _logit_scale(scale, head_dim)
-    logits = logits.masked_fill(~seen, -math.inf)
+        old_k, old_v = tensors["k"].narrow(2, slot, 1).to(dtype), tensors["v"].narrow(2, slot, 1).to(dtype)
+    phi_q, phi_old = _step_features(q_t, old_k, weights)
+    if phi_old is not None:  # kv + phi_k(k) [v, 1]^T
+        kv = torch.addcmul(kv, phi_old.transpose(-1, -2), F.pad(old_v, (0, 1), value=1.0))
+    new, keys, values = _next_ring(tensors, k_t, v_t, slot, length, sinks)
+    logits = _bmm(q_t, keys.to(dtype).transpose(-1, -2)).mul_(_logit_scale(scale, k_t.shape[3]))
+    if length < window - 1 + sinks:  # an empty slot, or a sink still inside the window
+        logits.masked_fill_(_step_unseen(new["positions"], length, window, sinks), -math.inf)
     top = logits.amax(-1, keepdim=True)  # finite: the new key is in the window
-    window_sums = torch.exp(logits - top) @ _with_ones(v.to(dtype))
-    phi_q = hedgehog_features_unchecked(q_t, weights.query_weight, weights.query_bias)
-    sums = _window_weight(weights, dtype) * window_sums + phi_q @ kv
-    return normalize_output(sums, "sum").to(v_t.dtype), new
+    weighted = torch.exp(logits - top) * weights.window_weight  # f_h exp(s - m); amax keeps logits for autograd
+    linear = _bmm(phi_q, kv)  # (batch, heads, 1, d_v + 1): numerator and normaliser
+    head_dim_v = v_t.shape[3]
+    numerator = _bmm(weighted, values.to(dtype)).add_(linear.narrow(-1, 0, head_dim_v))
+    normaliser = weighted.sum(-1, keepdim=True).add_(linear.narrow(-1, head_dim_v, 1))
+    out = numerator / normaliser.masked_fill_(normaliser == 0, 1.0)  # as normalize_output's guard
+    return out.to(v_t.dtype), {"kv": kv, **new}

@@ -11,17 +11,20 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from .._dtypes import working_dtype
 from .._validation import check_number, check_positive_int
 from ..feature_maps import HedgehogFeatureMap
 from ..functional.blocksparse import BlockPlan, check_sink_tokens
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from ..functional.lolcats import (
+    LolcatsStepWeights,
     LolcatsWeights,
     lolcats_attention_reference,
     lolcats_attention_unchecked,
     lolcats_prefill_unchecked,
     lolcats_state_layout,
     lolcats_step_unchecked,
+    lolcats_step_weights,
     window_plan,
 )
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
@@ -115,6 +118,19 @@ class LolcatsAttention(Mechanism):
         return LolcatsWeights(self.query_map.weight, self.query_map.bias, self.key_map.weight, self.key_map.bias,
                               self.window_factor)
 
+    def step_weights(self, dtype: torch.dtype) -> LolcatsStepWeights:
+        """The parameters as a decoding step takes them, in the working dtype of ``dtype`` inputs: kept while
+        no parameter changes (each one's identity, storage, version and device), remade each step when they
+        may carry a gradient or have no version (made under ``torch.inference_mode``)."""
+        weights, dtype = self.weights(), working_dtype(dtype)
+        present = [w for w in weights if w is not None]
+        # Parameters made under inference_mode have no version to key on: those are remade each step too.
+        if (torch.is_grad_enabled() and any(w.requires_grad for w in present)) or torch.compiler.is_compiling() \
+                or any(w.is_inference() for w in present):
+            return lolcats_step_weights(weights, dtype)
+        key = (dtype, *((id(w), w.data_ptr(), w._version, w.device) for w in present))
+        return last_plan(self, "_step_weights", key, lambda: lolcats_step_weights(weights, dtype))
+
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
         """The window's block plan, the last one kept while the length, causality and device stay."""
         return last_plan(self, "_plan", (length, causal, device),
@@ -147,8 +163,8 @@ class LolcatsAttention(Mechanism):
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
-        return lolcats_step_unchecked(q_t, k_t, v_t, self.weights(), self.window, self.scale, tensors, length,
-                                      self.sink_tokens)
+        return lolcats_step_unchecked(q_t, k_t, v_t, self.step_weights(v_t.dtype), self.window, self.scale,
+                                      tensors, length, self.sink_tokens)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window={self.window}, feature_dim={self.feature_dim}, scale={self.scale}, "

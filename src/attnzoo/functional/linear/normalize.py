@@ -24,7 +24,10 @@ def normalize_output(num_den: Tensor, normalizer: str, denominator_eps: float = 
     ``"max_abs"``: ``num / max(|den|, 1)`` (RetNet), for features of either sign. ``"none"``: ``num``.
     """
     if normalizer == "sum":
-        return _SumNormalise.apply(num_den, denominator_eps)
+        if torch.is_grad_enabled() and num_den.requires_grad:
+            return _SumNormalise.apply(num_den, denominator_eps)
+        # No gradient: the same division without an autograd Function's overhead (a decoding step's share).
+        return num_den[..., :-1] / _guarded_denominator(num_den[..., -1:], denominator_eps)
     num, den = num_den[..., :-1], num_den[..., -1:]
     if normalizer == "none":
         return num
