@@ -121,7 +121,7 @@ def test_memory_jobs_run_on_every_launcher_at_once_and_land_in_their_rows():
 
     from attnzoo.bench.compare import _Measured, _measure_memory
 
-    spans = {}
+    spans, job_threads = {}, set()
 
     class Launcher:  # answers with the length of the job's mechanism name, after a pause
         def __init__(self):
@@ -132,6 +132,7 @@ def test_memory_jobs_run_on_every_launcher_at_once_and_land_in_their_rows():
             start = time.perf_counter()
             time.sleep(0.05)
             spans[job["entry"]["name"]] = (start, time.perf_counter())
+            job_threads.add(job["threads"])
             size = len(job["entry"]["name"])
             return {"status": "ok", "peak_bytes": size * 2**20, "forward_peak_bytes": size * 2**19}
 
@@ -141,7 +142,8 @@ def test_memory_jobs_run_on_every_launcher_at_once_and_land_in_their_rows():
             for name in names]
     pending = [({"name": name}, row) for name, row in zip(names, rows)]
     measured, labels = _Measured(current=rows), []
-    _measure_memory(launchers, CompareConfig(), {}, pending, labels.append, measured)
+    _measure_memory(launchers, CompareConfig(), {"threads": 2}, pending, labels.append, measured)
+    assert job_threads == {1}  # two jobs at once on two threads: one thread each
     (first_start, first_end), (second_start, second_end) = spans["softmax"], spans["linear"]
     assert first_start < second_end and second_start < first_end  # the first two ran at the same time
     assert labels == [f"memory {name} N=16" for name in names]  # a progress line for every row, in order
@@ -161,11 +163,33 @@ def test_calibration_costs_a_call_by_its_second_run_not_its_lazy_first():
         time.sleep(0.3 if len(calls) == 1 else 0.01)
         return v * 1.0
 
-    inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=0.05)
-    assert len(calls) == 2 and one < 0.2 and inner >= 3  # priced at 0.01 s: several calls per sample
+    # (A process's first backward also pays for lazy imports: the first call can take 0.7 s.)
+    inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=1.0)
+    assert len(calls) == 2 and one < 0.2 and inner >= 10  # priced at 0.01 s: several calls per sample
     calls.clear()
     inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=0.05, budget_s=0.1)
     assert len(calls) == 1 and (inner, one >= 0.3) == (1, True)  # over the budget at once: no second call
+    calls.clear()
+    inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=0.05, budget_s=1.2)
+    assert len(calls) == 2 and one < 0.2  # within the budget, but priced by its first call it would not be
+    calls.clear()
+    inner, one = calibrate(fn, inputs, False, "cpu", min_sample_s=0.05, budget_s=2.0)
+    # A sample is one call anyway, and 3 repeats of 1.5 first calls fit the budget: no second call.
+    assert len(calls) == 1 and (inner, one >= 0.3) == (1, True)
+
+
+def test_calibration_hands_the_first_output_to_check_untimed():
+    inputs = make_inputs(1, 1, 4, 2, torch.float32, "cpu")
+    seen = []
+
+    def check(out):
+        time.sleep(0.2)
+        seen.append(out.clone())
+
+    inner, one = calibrate(lambda q, k, v, causal: v * 2.0, inputs, False, "cpu", min_sample_s=0.01,
+                           check=check)
+    assert len(seen) == 1 and torch.equal(seen[0], inputs.v * 2.0) and not seen[0].requires_grad
+    assert one < 0.1  # the check's 0.2 s is not in the price
 
 
 def test_uniform_attention_averages_the_visible_values():

@@ -14,7 +14,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 import platform
+import queue
 import shlex
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,9 +34,9 @@ from .worker import finite
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     # Under three minutes on two CPU cores however many mechanisms are registered: the timed repeats of one
-    # length share 20 s (up to 9 each, at least 3, shorter samples when many mechanisms must share them).
-    "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=10.0,
-                  timing_budget_s=20.0, sweep_values=[16, 32, 64, 128, 256], sweep_logit_stds=[1.0, 0.25],
+    # length share 15 s (up to 9 each, at least 3, shorter samples when many mechanisms must share them).
+    "quick": dict(lengths=[256, 1024, 4096], batch=1, heads=4, head_dim=64, repeats=9, budget_s=15.0,
+                  timing_budget_s=15.0, sweep_values=[16, 32, 64, 128, 256], sweep_logit_stds=[1.0, 0.25],
                   memory_jobs=2),
     # The long sweep: up to 16K positions, minutes per mechanism at the longest lengths.
     "full": dict(lengths=[512, 1024, 2048, 4096, 8192, 16384], batch=1, heads=8, head_dim=64, repeats=7,
@@ -441,20 +443,37 @@ def _measure_lengths(launchers: List[Launcher], config: CompareConfig, entries: 
 def _measure_memory(launchers: List[Launcher], config: CompareConfig, base: Dict[str, Any],
                     pending: List[Tuple[Entry, Dict[str, Any]]], report: Progress, measured: _Measured) -> None:
     """The peak memory of each timed row of ``pending`` (rows not timed get none, but a progress line all the
-    same), ``len(launchers)`` jobs at a time, each row marked finished (in ``measured``) once its memory is in."""
+    same), ``len(launchers)`` jobs at a time, each row marked finished (in ``measured``) once its memory is in.
+
+    Jobs start in order, each on the first launcher free (not in lockstep pairs), with the cores shared
+    among the jobs running at once: two jobs of two threads each on two cores would fight over them."""
     timeout = 4 * config.budget_s + 60
+    threads = max(1, int(base.get("threads", 1)) // len(launchers))
+    free: "queue.Queue[Launcher]" = queue.Queue()
+    for launcher in launchers:
+        free.put(launcher)
+    turn = threading.Condition()
+    next_start = [0]
+
+    def measure(index: int, entry: Entry, row: Dict[str, Any]) -> None:
+        with turn:  # the progress line is printed when the job starts, and the jobs start in order
+            turn.wait_for(lambda: next_start[0] == index)
+            launcher = free.get() if row["status"] == "ok" else None
+            report(f"memory {row['mechanism']} N={row['length']}")
+            next_start[0] += 1
+            turn.notify_all()
+        if launcher is not None:
+            try:
+                _apply_memory(row, launcher.run(dict(base, kind="memory", entry=entry, threads=threads), timeout))
+            finally:
+                free.put(launcher)
+        with turn:
+            measured.finished_ids.add(id(row))
+
     with ThreadPoolExecutor(len(launchers)) as pool:
-        for start in range(0, len(pending), len(launchers)):
-            batch = pending[start:start + len(launchers)]
-            futures = []
-            for launcher, (entry, row) in zip(launchers, batch):
-                report(f"memory {row['mechanism']} N={row['length']}")
-                job = dict(base, kind="memory", entry=entry)
-                futures.append(pool.submit(launcher.run, job, timeout) if row["status"] == "ok" else None)
-            for (entry, row), future in zip(batch, futures):
-                if future is not None:
-                    _apply_memory(row, future.result())
-                measured.finished_ids.add(id(row))
+        futures = [pool.submit(measure, index, entry, row) for index, (entry, row) in enumerate(pending)]
+        for future in futures:
+            future.result()
 
 
 def _measure_sweeps(launcher: Launcher, config: CompareConfig, sweeps: List[Tuple[Entry, str]], report: Progress,

@@ -71,10 +71,12 @@ def run_forward(fn: AttentionFn, inputs: Inputs, causal: bool) -> Tensor:
         return fn(inputs.q, inputs.k, inputs.v, causal)
 
 
-def run_forward_backward(fn: AttentionFn, inputs: Inputs, causal: bool) -> None:
+def run_forward_backward(fn: AttentionFn, inputs: Inputs, causal: bool) -> Tensor:
+    """One forward and backward pass; returns the output, detached."""
     q, k, v = (t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
     out = fn(q, k, v, causal)
     out.backward(inputs.grad_out.to(out.dtype))
+    return out.detach()
 
 
 @dataclass
@@ -113,16 +115,31 @@ def _timed(call: Callable[[], object], inner: int, device: str) -> float:
 DEFAULT_MIN_SAMPLE_S = 0.2
 
 
+# The fewest timed repeats an entry gets when a shared timing budget is tight: a median and a spread need three.
+MIN_REPEATS = 3
+# One repeat is a forward and a forward+backward: about 1.5 forward+backward.
+REPEAT_COST = 1.5
+
+
 def calibrate(fn: AttentionFn, inputs: Inputs, causal: bool, device: str, min_sample_s: float,
-              budget_s: float = math.inf) -> Tuple[int, float]:
+              budget_s: float = math.inf, check: Optional[Callable[[Tensor], None]] = None) -> Tuple[int, float]:
     """Warm up (first calls pay for lazy initialisation) and choose how many calls make one timed sample.
 
     Returns (inner, seconds of one forward+backward). Short calls are repeated ``inner`` times per sample so
     that a sample lasts at least ``min_sample_s``: timer resolution and scheduler noise then stay small. A
     first forward+backward already over ``budget_s`` is returned as is, without spending more time on it.
+    ``check`` is given the first call's output (untimed), so that checking it costs no extra forward pass.
     """
-    first = _timed(lambda: run_forward_backward(fn, inputs, causal), 1, device)
+    outputs: List[Tensor] = []
+    first = _timed(lambda: outputs.append(run_forward_backward(fn, inputs, causal)), 1, device)
+    if check is not None:
+        check(outputs.pop())
+    outputs.clear()
     if first > budget_s:
+        return 1, first
+    if first >= 2 * min_sample_s and REPEAT_COST * MIN_REPEATS * first <= budget_s:
+        # One call makes a sample whatever lazy initialisation the first paid for, and even priced by that
+        # first call the entry keeps every repeat it could get: a second call would only cost time.
         return 1, first
     # The second call's time, not the first's: a first call can pay seconds of lazy initialisation (kernels,
     # caches), which would make an entry look too slow for its budget and cut its repeats.

@@ -34,6 +34,8 @@ import torch
 
 from .measure import (
     DEFAULT_MIN_SAMPLE_S,
+    MIN_REPEATS,
+    REPEAT_COST,
     Inputs,
     PeakMemory,
     calibrate,
@@ -111,12 +113,6 @@ def _check_output(out: torch.Tensor, inputs: Inputs) -> None:
         raise FloatingPointError("output contains NaN or inf")
 
 
-# The fewest timed repeats an entry gets when a shared timing budget is tight: a median and a spread need three.
-MIN_REPEATS = 3
-# One repeat is a forward and a forward+backward: about 1.5 forward+backward.
-REPEAT_COST = 1.5
-
-
 def _sample_seconds(job: Job, entries: int) -> float:
     """How long one timed sample should last: ``min_sample_s``, shortened when a timing budget per length
     (``timing_budget_s``, shared by all entries) could not otherwise give every entry ``MIN_REPEATS``."""
@@ -150,11 +146,14 @@ def _calibrated(job: Job, inputs: Inputs, reference: Optional[torch.Tensor], ref
             if isinstance(fn, str):
                 results[key] = {"status": "unsupported", "reason": fn}
                 continue
-            out = run_forward(fn, inputs, causal)
-            _check_output(out, inputs)
-            error = relative_error(out, reference) if reference is not None else None
-            del out
-            n, one = calibrate(fn, inputs, causal, device, min_sample, budget)
+            errors: List[Optional[float]] = []
+
+            def check(out: torch.Tensor) -> None:  # the first call's output: its shape, finiteness and error
+                _check_output(out, inputs)
+                errors.append(relative_error(out, reference) if reference is not None else None)
+
+            n, one = calibrate(fn, inputs, causal, device, min_sample, budget, check=check)
+            error = errors[0]
         except Exception as failure:  # noqa: BLE001
             results[key] = _failure(failure)
             continue
@@ -218,6 +217,8 @@ def memory_job(job: Job) -> Result:
         if isinstance(fn, str):
             return {"status": "unsupported", "reason": fn}
         # One untimed pass first: lazily created kernels and caches are not what a configuration costs.
+        # (Both passes: warmed by a forward alone, the backward's first-call set-up, 2-4 MiB and 50 MiB for
+        # nsa, landed in the training peak.)
         run_forward_backward(fn, inputs, causal)
         with PeakMemory(device) as forward:
             run_forward(fn, inputs, causal)
