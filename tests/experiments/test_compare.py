@@ -576,7 +576,7 @@ def test_the_quick_preset_shares_a_timing_budget_per_length_however_many_mechani
     assert _sample_seconds(job, 10) == 0.2
     assert _sample_seconds(job, 100) == pytest.approx(20.0 / (MIN_REPEATS * 1.5 * 100))  # shorter samples instead
     assert _rounds(dict(job, timing_budget_s=None), {name: 5.0 for name in range(50)}) == 9
-    assert CompareConfig.from_preset("quick").timing_budget_s == 20.0
+    assert CompareConfig.from_preset("quick").timing_budget_s == 15.0
     assert CompareConfig.from_preset("quick", repeats=5).timing_budget_s is None  # repeats asked for, given in full
     assert CompareConfig.from_preset("full").timing_budget_s is None
     with pytest.raises(ConfigError, match="timing_budget_s"):
