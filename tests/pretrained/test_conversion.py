@@ -6,8 +6,6 @@ settings are refused before any work. SmolLM2 itself is converted by ``attnzoo c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -172,6 +170,40 @@ def test_a_stage_1_that_does_not_fit_is_refused_naming_why(teacher, tmp_path):
                            source={"model": "other"}, progress=False, transfer_from=tmp_path / "every")
 
 
+def test_stage_2_trains_on_its_own_longer_windows_after_another_conversions_stage_1(teacher, tmp_path):
+    """finetune_seq_len: stage 2 on windows longer than stage 1's (a length curriculum), from a stage 1 run
+    once; its tokens counted at its own length, and killed, it resumes to the same model."""
+    every = _run(teacher, tmp_path / "every", _settings(keep_softmax=0))
+    settings = _settings(keep_softmax=0, finetune_seq_len=32)
+    with pytest.raises(ValueError, match="finetune_windows must be a .n, finetune_seq_len=32"):
+        _run(teacher, tmp_path / "none", settings, transfer_from=tmp_path / "every")
+    longer = _windows(4, length=32, seed=4)
+    whole = _run(teacher, tmp_path / "long", settings, transfer_from=tmp_path / "every", finetune_windows=longer)
+    stage_2 = [row for row in whole.history if row["stage"] == "finetune"]
+    assert [row["tokens"] for row in stage_2] == [32 * step for step in range(1, 5)]
+    assert [row["loss"] for row in stage_2] != [row["loss"] for row in every.history if row["stage"] == "finetune"]
+
+    def kill(stage, step):
+        if (stage, step) == ("finetune", 3):
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        _run(teacher, tmp_path / "killed", settings, transfer_from=tmp_path / "every", finetune_windows=longer,
+             on_step=kill)
+    again = _run(teacher, tmp_path / "killed", settings, finetune_windows=longer)
+    assert [row["loss"] for row in again.history] == [row["loss"] for row in whole.history]
+    assert (tmp_path / "killed" / "model" / "weights.safetensors").read_bytes() == \
+        (tmp_path / "long" / "model" / "weights.safetensors").read_bytes()
+
+
+def test_a_conversion_written_before_a_setting_existed_still_resumes(teacher, tmp_path):
+    _run(teacher, tmp_path / "run", _settings(finetune_steps=0))
+    written = json.loads((tmp_path / "run" / "conversion.json").read_text())
+    del written["config"]["finetune_seq_len"]  # as a conversion from before the setting wrote it
+    (tmp_path / "run" / "conversion.json").write_text(json.dumps(written))
+    assert conversion.run.check_output(tmp_path / "run", _settings(finetune_steps=0), {"model": "tiny"})
+
+
 def test_a_folder_of_another_conversion_is_refused(teacher, tmp_path):
     _run(teacher, tmp_path / "run", _settings(finetune_steps=0))
     with pytest.raises(ValueError, match="other settings"):
@@ -235,7 +267,9 @@ def test_a_target_that_cannot_take_the_models_place_is_refused_before_any_work(t
     assert not (tmp_path / "run").exists()
 
 
-def test_the_command_refuses_bad_input_in_one_line(tmp_path):
+def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from attnzoo.cli import main
+
     gguf = pytest.importorskip("gguf")  # noqa: F841
     from test_pretrained import write_tiny_gguf
 
@@ -246,16 +280,18 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path):
         (["--keep-softmax", "2"], "keeps every one"),
         (["--eval-length", "4096"], "--eval-length 4096 is past the model's context (128 tokens)"),
         (["--seq-len", "0"], "--seq-len"),
+        (["--finetune-seq-len", "256"], "--finetune-seq-len 256 is past the model's context (128 tokens)"),
         (["--gguf", str(tmp_path / "missing.gguf")], "does not exist"),
         (["--transfer-from", str(tmp_path)], "--transfer-from"),
     ]:
         argv = ["--gguf", str(path), "--seq-len", "16", "--eval-length", "16", "--target", TARGET,
                 "--target-options", ",".join(f"{k}={v}" for k, v in TARGET_OPTIONS.items()), *flags]
-        done = subprocess.run([sys.executable, "-m", "attnzoo", "convert", str(tmp_path / "out"), *argv],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2, (flags, done.stderr)
-        lines = [line for line in done.stderr.splitlines() if line.startswith("attnzoo convert: error")]
-        assert len(lines) == 1 and message in lines[0], (flags, done.stderr)
+        # In this process: a subprocess per case cost 3 s of imports each; the exit code and stderr are the same.
+        code = main(["convert", str(tmp_path / "out"), *argv])
+        stderr = capsys.readouterr().err
+        assert code == 2, (flags, stderr)
+        lines = [line for line in stderr.splitlines() if line.startswith("attnzoo convert: error")]
+        assert len(lines) == 1 and message in lines[0], (flags, stderr)
         assert not (tmp_path / "out").exists()  # refused before anything was written
 
 

@@ -59,7 +59,8 @@ def convert_command(args: argparse.Namespace) -> int:
         if args.eval_windows and args.eval_length < 2:
             raise ValueError(f"--eval-length must be at least 2, got {args.eval_length}")
         model_config = config_from_gguf(GGUFFile(path))  # the header only: every check before the weights
-        for flag, length in (("--eval-length", args.eval_length), ("--seq-len", config.seq_len)):
+        for flag, length in (("--eval-length", args.eval_length), ("--seq-len", config.seq_len),
+                             ("--finetune-seq-len", config.finetune_seq_len)):
             if length > model_config.context_length:
                 raise ValueError(f"{flag} {length} is past the model's context ({model_config.context_length} "
                                  f"tokens)")
@@ -71,8 +72,11 @@ def convert_command(args: argparse.Namespace) -> int:
             transfer_start(args.transfer_from, config, source, model_config.depth)  # checked before the weights
         print(f"attnzoo convert: reading {path.name} ...", file=sys.stderr, flush=True)
         teacher, tokenizer = load(path)
-        count = max(config.transfer_steps, config.finetune_steps, 1) * config.batch_size
+        own_stage_2 = config.stage_2_seq_len != config.seq_len
+        count = max(config.transfer_steps, 0 if own_stage_2 else config.finetune_steps, 1) * config.batch_size
         train = mixed_windows(tokenizer, "train", config.seq_len, count)
+        stage_2 = None if not own_stage_2 else \
+            mixed_windows(tokenizer, "train", config.stage_2_seq_len, max(config.finetune_steps, 1) * config.batch_size)
         selection = mixed_windows(tokenizer, "validation", config.seq_len, config.selection_windows)
         evaluation = evaluation_windows(tokenizer, args.eval_length, args.eval_windows) if args.eval_windows else None
     except (TypeError, ValueError, FileNotFoundError) as error:
@@ -85,7 +89,8 @@ def convert_command(args: argparse.Namespace) -> int:
     try:
         result = convert(teacher, train, selection, Path(args.output), config, source=source,
                          evaluation_windows=evaluation, progress=not args.quiet,
-                         command=["attnzoo", "convert", *args.raw_argv], transfer_from=args.transfer_from)
+                         command=["attnzoo", "convert", *args.raw_argv], transfer_from=args.transfer_from,
+                         finetune_windows=stage_2)
     except KeyboardInterrupt:
         print("attnzoo convert: interrupted; run the same command to resume from the last checkpoint",
               file=sys.stderr)

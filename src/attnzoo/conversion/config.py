@@ -44,6 +44,10 @@ class ConversionConfig:
         help="layers kept in softmax attention (a hybrid): those with the largest held-out transfer error after "
              "stage 1")
     seq_len: int = setting(1024, check=positive_int, commands=COMMAND, help="tokens per training window")
+    finetune_seq_len: int = setting(
+        0, check=_non_negative_int, commands=COMMAND,
+        help="tokens per stage 2 window, when longer windows should teach the converted model longer contexts "
+             "than stage 1 saw (0: seq_len)")
     batch_size: int = setting(1, check=positive_int, commands=COMMAND, help="windows per optimiser step")
     transfer_steps: int = setting(
         200, check=_non_negative_int, commands=COMMAND,
@@ -82,6 +86,11 @@ class ConversionConfig:
             raise ValueError(f"conversion settings {', '.join(unknown)} are not known to this version of attnzoo")
         return cls(**saved)
 
+    @property
+    def stage_2_seq_len(self) -> int:
+        """Tokens per stage 2 window."""
+        return self.finetune_seq_len or self.seq_len
+
     def check_fits(self, model_config: CausalLMConfig) -> None:
         """Refuse, before any work, a target that cannot take the place of this model's causal self-attention
         (no causal form, no grouped key/value heads, a length limit below ``seq_len``), and a ``keep_softmax``
@@ -94,7 +103,8 @@ class ConversionConfig:
                                         **self.target_options)
         except (TypeError, ValueError) as error:
             raise type(error)(f"target_options: {error}") from None
-        q, k, v = shapes_only(1, model_config.heads, self.seq_len, self.seq_len, model_config.head_dim,
+        longest = max(self.seq_len, self.stage_2_seq_len)
+        q, k, v = shapes_only(1, model_config.heads, longest, longest, model_config.head_dim,
                               kv_heads=model_config.kv_heads)
         reasons = mechanism.unsupported_reasons(q, k, v, causal=True)
         if reasons:

@@ -108,8 +108,13 @@ def check_output(output: Union[str, os.PathLike], config: ConversionConfig, sour
     if not written.exists():
         return False
     saved = json.loads(written.read_text())
+    if isinstance(saved.get("config"), dict):  # settings added since it was written take their defaults
+        try:
+            saved["config"] = ConversionConfig.from_dict(saved["config"]).to_dict()
+        except (TypeError, ValueError):
+            pass  # unreadable settings: refused below as other settings
     settings = _settings(config, source)
-    if {key: saved.get(key) for key in settings} != json.loads(json.dumps(settings)):
+    if {key: saved.get(key) for key in json.loads(json.dumps(settings))} != json.loads(json.dumps(settings)):
         raise ValueError(f"output {str(output)!r} holds a conversion with other settings or another teacher "
                          f"({written}): choose a new folder, or repeat that conversion's settings to resume it")
     return (Path(output) / CHECKPOINT).exists()
@@ -203,7 +208,7 @@ def _train(
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         state["step"] = step + 1
-        tokens = state["step"] * config.batch_size * config.seq_len
+        tokens = state["step"] * config.batch_size * windows.shape[1]
         state["history"].append({"stage": stage, "step": state["step"], "tokens": tokens, "loss": loss})
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.4f}")
@@ -230,6 +235,7 @@ def convert(
     command: Optional[Sequence[str]] = None,
     on_step: Optional[Callable[[str, int], None]] = None,
     transfer_from: Optional[Union[str, os.PathLike]] = None,
+    finetune_windows: Optional[Tensor] = None,
 ) -> ConversionResult:
     """Convert ``teacher`` (a softmax :class:`~attnzoo.pretrained.CausalLM`, frozen) to ``config.target``.
 
@@ -250,12 +256,19 @@ def convert(
         transfer_from: another conversion's folder whose stage 1 this one takes instead of running its own
             (:func:`transfer_start`): a hybrid with another ``keep_softmax``, or another stage 2, at the cost of
             stage 2 alone. Its raw swap is not measured again.
+        finetune_windows: (n, finetune_seq_len) ids stage 2 trains on, required when ``config.finetune_seq_len``
+            differs from ``seq_len`` (otherwise stage 2 takes ``train_windows``).
     """
     output = Path(output)
     config.check_fits(teacher.config)
-    for name, windows in (("train_windows", train_windows), ("selection_windows", selection_windows)):
-        if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.shape[1] != config.seq_len:
-            raise ValueError(f"{name} must be a (n, seq_len={config.seq_len}) tensor of token ids")
+    if finetune_windows is None and config.stage_2_seq_len == config.seq_len:
+        finetune_windows = train_windows
+    for name, windows, length in (("train_windows", train_windows, config.seq_len),
+                                  ("selection_windows", selection_windows, config.seq_len),
+                                  ("finetune_windows", finetune_windows, config.stage_2_seq_len)):
+        if not isinstance(windows, Tensor) or windows.dim() != 2 or windows.shape[1] != length:
+            setting = "seq_len" if length == config.seq_len else "finetune_seq_len"
+            raise ValueError(f"{name} must be a (n, {setting}={length}) tensor of token ids")
     teacher.requires_grad_(False).eval()
     resuming = check_output(output, config, source)  # before anything is written
     reused = _stage_1_source(output, transfer_from)
@@ -266,8 +279,8 @@ def convert(
         "format": FORMAT, "stage": TRANSFER, "step": 0, "tensors": {}, "optimizer": {}, "history": [],
         "layer_errors": [], "kept": [], "perplexity": {}, "seconds": {},
     }
-    job = _Job(teacher, train_windows, selection_windows, output, config, dict(source), evaluation_windows,
-               progress, on_step, state)
+    job = _Job(teacher, train_windows, finetune_windows, selection_windows, output, config, dict(source),
+               evaluation_windows, progress, on_step, state)
     if state["stage"] == TRANSFER:
         _transfer_stage(job)
     if state["stage"] == FINETUNE:
@@ -284,6 +297,7 @@ class _Job:
 
     teacher: CausalLM
     train_windows: Tensor
+    finetune_windows: Tensor
     selection_windows: Tensor
     output: Path
     config: ConversionConfig
@@ -300,8 +314,9 @@ class _Job:
 
     def train(self, stage: str, student: CausalLM, names: Sequence[str], steps: int, lr: float,
               step_loss: Callable[[Tensor], float]) -> None:
-        _train(stage, student, names, steps, lr, self.state, step_loss, self.train_windows, self.config,
-               self.output, self.progress, self.on_step)
+        windows = self.finetune_windows if stage == FINETUNE else self.train_windows
+        _train(stage, student, names, steps, lr, self.state, step_loss, windows, self.config, self.output,
+               self.progress, self.on_step)
 
 
 def _transfer_stage(job: _Job) -> None:
