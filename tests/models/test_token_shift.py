@@ -140,7 +140,7 @@ def test_token_shift_lets_a_small_model_learn_associative_recall(tmp_path, one_t
     results = {}
     for shift in (False, True):
         config = TrainConfig(task="recall", task_options=dict(num_pairs=8), token_shift=shift,
-                             positional="rotary", steps=400, lr=3e-3, eval_interval=400, batch_size=32)
+                             positional="rotary", steps=200, lr=6e-3, eval_interval=200, batch_size=32)
         results[shift] = train(config, output=tmp_path / str(shift), progress=False).test["accuracy"]
     assert results[True] > 0.9, results
     assert results[False] < 0.5, results
