@@ -196,6 +196,19 @@ def test_stage_2_trains_on_its_own_longer_windows_after_another_conversions_stag
         (tmp_path / "long" / "model" / "weights.safetensors").read_bytes()
 
 
+def test_the_teacher_fine_tuned_alike_is_a_conversion_to_softmax_without_stage_1(teacher, tmp_path):
+    """The fair reference for a conversion's perplexity ratios: the teacher given the same adapters and the same
+    stage 2 tokens (``target="softmax"``, no stage 1): nothing to transfer, every layer's error 0, and before
+    stage 2 it is the teacher."""
+    reference = _run(teacher, tmp_path / "reference", _settings(target="softmax", target_options={},
+                                                                keep_softmax=0, transfer_steps=0))
+    assert reference.layer_errors == [0.0, 0.0, 0.0]
+    assert [row["stage"] for row in reference.history] == ["finetune"] * 4
+    assert reference.perplexity["transferred"]["text"] == pytest.approx(reference.perplexity["teacher"]["text"],
+                                                                       rel=1e-5)
+    assert reference.perplexity["converted"]["text"] != reference.perplexity["teacher"]["text"]
+
+
 def test_a_conversion_written_before_a_setting_existed_still_resumes(teacher, tmp_path):
     _run(teacher, tmp_path / "run", _settings(finetune_steps=0))
     written = json.loads((tmp_path / "run" / "conversion.json").read_text())
