@@ -154,6 +154,32 @@ def test_memory_jobs_run_on_every_launcher_at_once_and_land_in_their_rows():
     assert all(launcher.threads for launcher in launchers)
 
 
+def test_an_interrupt_during_the_memory_jobs_starts_no_more_of_them():
+    import os
+    import signal
+
+    from attnzoo.bench.compare import _Measured, _measure_memory
+
+    ran = []
+
+    class Launcher:  # the third job is interrupted by Ctrl-C (SIGINT to this process, as a terminal sends it)
+        def run(self, job, timeout_s):
+            ran.append(job["entry"]["name"])
+            if len(ran) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            return {"status": "ok", "peak_bytes": 2**20, "forward_peak_bytes": 2**20}
+
+    names = [f"m{index}" for index in range(8)]
+    rows = [{"mechanism": name, "length": 16, "status": "ok", "reason": None} for name in names]
+    measured = _Measured(current=rows)
+    with pytest.raises(KeyboardInterrupt):
+        _measure_memory([Launcher(), Launcher()], CompareConfig(), {"threads": 2},
+                        [({"name": name}, row) for name, row in zip(names, rows)], lambda label: None, measured)
+    time.sleep(0.5)
+    assert len(ran) <= 4, ran  # the jobs running or about to start when it came, none after
+
+
 def test_calibration_costs_a_call_by_its_second_run_not_its_lazy_first():
     inputs = make_inputs(1, 1, 4, 2, torch.float32, "cpu")
     calls = []

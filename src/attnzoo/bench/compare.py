@@ -454,10 +454,15 @@ def _measure_memory(launchers: List[Launcher], config: CompareConfig, base: Dict
         free.put(launcher)
     turn = threading.Condition()
     next_start = [0]
+    stopped = threading.Event()
 
     def measure(index: int, entry: Entry, row: Dict[str, Any]) -> None:
         with turn:  # the progress line is printed when the job starts, and the jobs start in order
             turn.wait_for(lambda: next_start[0] == index)
+            if stopped.is_set():
+                next_start[0] += 1
+                turn.notify_all()
+                return
             launcher = free.get() if row["status"] == "ok" else None
             report(f"memory {row['mechanism']} N={row['length']}")
             next_start[0] += 1
@@ -470,10 +475,18 @@ def _measure_memory(launchers: List[Launcher], config: CompareConfig, base: Dict
         with turn:
             measured.finished_ids.add(id(row))
 
-    with ThreadPoolExecutor(len(launchers)) as pool:
-        futures = [pool.submit(measure, index, entry, row) for index, (entry, row) in enumerate(pending)]
+    pool = ThreadPoolExecutor(len(launchers))
+    futures = [pool.submit(measure, index, entry, row) for index, (entry, row) in enumerate(pending)]
+    try:
         for future in futures:
             future.result()
+    except BaseException:
+        stopped.set()
+        raise
+    finally:
+        # Interrupted (Ctrl-C): the jobs not started are dropped, not started after the interrupt; those running
+        # end with their children, which got the same signal.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _measure_sweeps(launcher: Launcher, config: CompareConfig, sweeps: List[Tuple[Entry, str]], report: Progress,
