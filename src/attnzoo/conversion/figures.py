@@ -41,10 +41,12 @@ def plot_history(history: Sequence[Dict[str, Any]], layer_errors: Sequence[float
         axis.set_xlabel("training tokens")
         axis.set_ylabel("relative output error" if stage == "transfer" else "loss")
         axis.grid(alpha=0.3)
-    if layer_errors:
+    if layer_errors and max(layer_errors) > 0:
         colours = ["tab:red" if index in kept else "tab:blue" for index in range(len(layer_errors))]
         axes[2].bar(range(len(layer_errors)), layer_errors, color=colours)
         axes[2].set_yscale("log")
+    elif layer_errors:  # e.g. the teacher fine-tuned alike (target softmax): nothing to transfer, nothing to draw
+        axes[2].text(0.5, 0.5, "every layer's error is 0", ha="center", va="center", transform=axes[2].transAxes)
     axes[2].set_title("held-out transfer error per layer" + (" (red: kept softmax)" if kept else ""), fontsize=10)
     axes[2].set_xlabel("layer")
     axes[2].set_ylabel("relative output error")
