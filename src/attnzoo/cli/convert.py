@@ -75,8 +75,8 @@ def convert_command(args: argparse.Namespace) -> int:
         own_stage_2 = config.stage_2_seq_len != config.seq_len
         count = max(config.transfer_steps, 0 if own_stage_2 else config.finetune_steps, 1) * config.batch_size
         train = mixed_windows(tokenizer, "train", config.seq_len, count)
-        stage_2 = None if not own_stage_2 else \
-            mixed_windows(tokenizer, "train", config.stage_2_seq_len, max(config.finetune_steps, 1) * config.batch_size)
+        stage_2 = mixed_windows(tokenizer, "train", config.stage_2_seq_len,
+                                max(config.finetune_steps, 1) * config.batch_size) if own_stage_2 else None
         selection = mixed_windows(tokenizer, "validation", config.seq_len, config.selection_windows)
         evaluation = evaluation_windows(tokenizer, args.eval_length, args.eval_windows) if args.eval_windows else None
     except (TypeError, ValueError, FileNotFoundError) as error:
