@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from attnzoo.functional import delta_rule_reference, gated_delta_rule, gated_delta_rule_step
 from attnzoo.functional.delta import delta_rule_prefill
+from attnzoo.functional.delta import channels
 from attnzoo.functional.delta.channels import DecayedProducts
 from attnzoo.mechanisms import build_mechanism
 
@@ -146,6 +147,49 @@ def test_decayed_products_equal_their_definition(chunk):
     torch.testing.assert_close(DecayedProducts.apply(x, y, cumulative), expected, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda *xs: DecayedProducts.apply(xs[0], xs[1], xs[2].cumsum(-2)),
                                     (x, y, log_decay))
+
+
+def _products_by_definition(x, y, cumulative):
+    lower = torch.ones(x.shape[-2], x.shape[-2], dtype=torch.bool).tril()
+    gaps = cumulative.unsqueeze(-2) - cumulative.unsqueeze(-3)  # (.., C, C, d): g_t - g_j
+    gaps = gaps.masked_fill(~lower.unsqueeze(-1), float("-inf")).exp()  # masked before exp: no overflow
+    return torch.einsum("bstc,btjc,bjc->bstj", x, gaps, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decayed_products_mix_both_forms_by_chunk(dtype):
+    """Chunks whose decay spans little take one reference (one matmul), the others the recursion; a call mixing
+    them equals the definition in value and gradient, and the strong chunks do take the recursion."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 2, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(6, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    per_step = torch.tensor([0.1, 2.0, 200.0, 0.5, 60.0, 3.0], dtype=torch.float64).view(6, 1, 1)
+    cumulative = (-per_step * torch.rand(6, 16, 5, generator=g, dtype=torch.float64)).cumsum(-2)
+    safe = channels._single_reference_chunks(cumulative.to(dtype))
+    assert safe is not None and 0 < int(safe.sum()) < 6 and not safe[2] and not safe[4]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, y)]
+    out = DecayedProducts.apply(leaves[0], leaves[1], cumulative.to(dtype))
+    expected = _products_by_definition(x, y, cumulative)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=0, atol=tolerance)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).tril()
+    out.backward(grad.to(dtype))
+    expected_grads = torch.autograd.grad(expected, [x, y], grad)
+    for leaf, want in zip(leaves, expected_grads):
+        torch.testing.assert_close(leaf.grad.double(), want, rtol=0, atol=10 * tolerance)
+
+
+def test_decayed_products_in_a_traced_graph_always_take_the_recursion():
+    """A traced graph holds one path: traced on gentle decays, it still gives the right products for strong ones
+    (the single-reference form would overflow there)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 2, 8, 5, generator=g)
+    y = torch.randn(2, 8, 5, generator=g)
+    gentle = (-0.1 * torch.rand(2, 8, 5, generator=g)).cumsum(-2)
+    strong = (-300.0 * torch.rand(2, 8, 5, generator=g)).cumsum(-2)
+    traced = torch.jit.trace(channels.decayed_products_unchecked, (x, y, gentle))
+    torch.testing.assert_close(traced(x, y, strong).double(),
+                               _products_by_definition(x.double(), y.double(), strong.double()), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name, value", [("beta", float("nan")), ("beta", 2.5), ("beta", -0.1),

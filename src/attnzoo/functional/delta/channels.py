@@ -18,11 +18,21 @@ single positions (the diagonal, ``x_t . y_t``). Each level is one matmul of the 
 C/2 first-half columns (the blocks of the level lie on its block diagonal), so the cost is O(C d log C)
 elementwise work and log2(C) matmuls of (C/2 x d)(d x C/2) per chunk. A chunk whose length is not a power of
 two is padded with positions that hold zeros and do not decay.
+
+Most chunks need none of that: where every channel's log decay falls by at most ``log(max) / 2`` of the
+dtype across the chunk (44 in float32, 354 in float64), one reference per channel at the middle of its range,
+``r = (g_first + g_last) / 2``, keeps both factors within ``exp(+-log(max) / 4)`` (e^22 in float32), far from
+overflow and underflow, and the whole chunk is one matmul, ``tril((X * exp(g - r)) (Y * exp(r - g))^T)``, as
+exact as the recursion (each term is still a product of two rounded factors). The functions here take that
+form for every such chunk and the recursion for the others (gathered, computed, and written back), so a head
+with strong decays costs only its own chunks. A traced or compiled graph always takes the recursion: the
+choice reads the data, and a graph must hold one path that is right for any input.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import math
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -105,10 +115,8 @@ def _gathered(source: Tensor, batch_dims: int, index: Tensor) -> Tensor:
     return flat.view(*source.shape[:batch_dims], index.shape[0])
 
 
-def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
-    """x (..., S, C, d) (S stacked row operands, e.g. queries and keys), y (..., C, d), g (..., C, d) the
-    cumulative log decay within the chunk (non-increasing along C). Returns M (..., S, C, C):
-    ``M_tj = sum_c x_tc y_jc exp(g_tc - g_jc)`` for j <= t, 0 above the diagonal (module docstring)."""
+def _recursive_products(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
+    """:func:`decayed_products_unchecked` by the recursion over halves, safe for any decay."""
     chunk = int(y.shape[-2])
     padded = _padded_length(chunk)
     x, y, g = _pad(x, y, g, padded - chunk)
@@ -123,10 +131,8 @@ def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
     return out[..., :chunk, :chunk]
 
 
-def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
-    """Gradients (of x (..., S, C, d), of y (..., C, d)) from that of M (..., S, C, C), whose entries above the
-    diagonal must be zero. That of g is ``(x * grad_x).sum(S) - y * grad_y``: M depends on g only through
-    ``exp(g_t - g_j)``, which multiplies x_t and y_j."""
+def _recursive_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`decayed_products_backward` by the recursion over halves, safe for any decay."""
     chunk, stacked = int(y.shape[-2]), int(x.shape[-3])
     padded = _padded_length(chunk)
     x, y, g = _pad(x, y, g, padded - chunk)
@@ -151,6 +157,77 @@ def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> 
         grad_columns = (grad_level.transpose(-1, -2) @ x_scaled).view_as(columns)
         _halves(grad_y, level, 0).addcmul_(grad_columns, columns)
     return grad_x[..., :chunk, :], grad_y[..., :chunk, :]
+
+
+def _single_reference_factors(g: Tensor, clamp: bool) -> Tuple[Tensor, Tensor]:
+    """``exp(g - r)`` and ``exp(r - g)`` (..., C, d), r the middle of each chunk's range per channel. ``clamp``
+    bounds the exponents at ``log(max) / 4`` (a no-op in a chunk that may take this form; elsewhere it keeps the
+    values, which the recursion then replaces, finite and clear of slow subnormals)."""
+    difference = g - 0.5 * (g[..., :1, :] + g[..., -1:, :])
+    if clamp:
+        bound = _log_max(g.dtype) / 4
+        difference.clamp_(-bound, bound)
+    return difference.exp(), difference.neg_().exp_()
+
+
+def _log_max(dtype: torch.dtype) -> float:
+    return math.log(torch.finfo(dtype).max)
+
+
+def _single_reference_chunks(g: Tensor) -> Optional[Tensor]:
+    """For g (L, C, d): which of the L chunks may take the single-reference form (bool (L,)), or None where the
+    recursion must serve them all: none may, or a graph is being traced or compiled (module docstring)."""
+    if torch.jit.is_tracing() or torch.compiler.is_compiling() or g.shape[-2] == 0:
+        return None
+    safe = (g[..., 0, :] - g[..., -1, :]).amax(-1) <= _log_max(g.dtype) / 2
+    return safe if bool(safe.any()) else None
+
+
+def _flat_chunks(x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(L, S, C, d), (L, C, d), (L, C, d): the leading dimensions as one."""
+    return x.reshape(-1, *x.shape[-3:]), y.reshape(-1, *y.shape[-2:]), g.reshape(-1, *g.shape[-2:])
+
+
+def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
+    """x (..., S, C, d) (S stacked row operands, e.g. queries and keys), y (..., C, d), g (..., C, d) the
+    cumulative log decay within the chunk (non-increasing along C). Returns M (..., S, C, C):
+    ``M_tj = sum_c x_tc y_jc exp(g_tc - g_jc)`` for j <= t, 0 above the diagonal (module docstring)."""
+    safe = _single_reference_chunks(g.reshape(-1, *g.shape[-2:]))
+    if safe is None:
+        return _recursive_products(x, y, g)
+    xf, yf, gf = _flat_chunks(x, y, g)
+    unsafe = (~safe).nonzero().squeeze(1)
+    rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
+    stacked, chunk = xf.shape[1], xf.shape[2]
+    x_scaled = (xf * rows.unsqueeze(1)).view(xf.shape[0], stacked * chunk, xf.shape[-1])
+    out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_()
+    if unsafe.numel():
+        out.index_copy_(0, unsafe, _recursive_products(*(t.index_select(0, unsafe) for t in (xf, yf, gf))))
+    return out.view(*x.shape[:-1], chunk)
+
+
+def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+    """Gradients (of x (..., S, C, d), of y (..., C, d)) from that of M (..., S, C, C), whose entries above the
+    diagonal must be zero. That of g is ``(x * grad_x).sum(S) - y * grad_y``: M depends on g only through
+    ``exp(g_t - g_j)``, which multiplies x_t and y_j."""
+    safe = _single_reference_chunks(g.reshape(-1, *g.shape[-2:]))
+    if safe is None:
+        return _recursive_backward(grad, x, y, g)
+    xf, yf, gf = _flat_chunks(x, y, g)
+    unsafe = (~safe).nonzero().squeeze(1)
+    rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
+    length, stacked, chunk, width = xf.shape
+    grad_flat = grad.reshape(length, stacked * chunk, chunk)
+    x_scaled = (xf * rows.unsqueeze(1)).view(length, stacked * chunk, width)
+    grad_x = (grad_flat @ (yf * columns)).view_as(xf).mul_(rows.unsqueeze(1))
+    grad_y = (grad_flat.transpose(-1, -2) @ x_scaled).mul_(columns)
+    if unsafe.numel():
+        grad_unsafe, x_unsafe, y_unsafe, g_unsafe = (
+            t.index_select(0, unsafe) for t in (grad.reshape(length, stacked, chunk, chunk), xf, yf, gf))
+        grad_x_unsafe, grad_y_unsafe = _recursive_backward(grad_unsafe, x_unsafe, y_unsafe, g_unsafe)
+        grad_x.index_copy_(0, unsafe, grad_x_unsafe)
+        grad_y.index_copy_(0, unsafe, grad_y_unsafe)
+    return grad_x.view_as(x), grad_y.view_as(y)
 
 
 class DecayedProducts(torch.autograd.Function):
