@@ -54,6 +54,15 @@ def _tagger(layers: str, dim: int = 16, heads: int = 2) -> SequenceTagger:
     return SequenceTagger(32, 32, dim=dim, heads=heads, depth=2, layers=layers, causal=True)
 
 
+@pytest.mark.parametrize("preset", sorted(mqar.PRESETS))
+def test_every_preset_checks_out_with_its_own_schedules(preset):
+    """A preset's schedules, widths and rates pass the same checks as ones given on the command line."""
+    options = mqar.PRESETS[preset]
+    MqarConfig(preset=preset, schedules=list(options["schedules"]), widths=list(options["widths"]),
+               lrs=list(options["lrs"])).validate()
+    assert preset in mqar.CELL_TIMEOUT_S
+
+
 def test_state_bytes_by_hand():
     """Float32 (4 bytes) per sequence of 2 layers, 2 heads of width 8 (model width 16)."""
     heads, head_dim, seq = 2, 8, 40

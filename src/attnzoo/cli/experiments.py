@@ -211,7 +211,8 @@ def add_mqar_command(commands: Any) -> None:
 
     mqar.add_argument("--preset", choices=list(PRESETS), default="quick",
                       help="quick: 8 pairs in 32 tokens, widths 16-64, 200 steps per cell, 24 cells in about 8 minutes "
-                           "on 2 busy cores with --jobs 2 (default); full: Zoology's 64 pairs in 256 tokens, vocabulary 8,192, widths "
+                           "on 2 busy cores with --jobs 2 (default); medium: 32 pairs in 128 tokens, widths 64 and 128, "
+                           "800 steps per cell, where the mechanisms separate on a CPU; full: Zoology's 64 pairs in 256 tokens, vocabulary 8,192, widths "
                            "64-256, meant for a GPU")
     mqar.add_argument("--schedule", dest="schedules", action="append", metavar="LAYERS",
                       help="a schedule of layers, as attnzoo train --layers takes it ('softmax', "

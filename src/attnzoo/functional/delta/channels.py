@@ -32,7 +32,7 @@ choice reads the data, and a graph must hold one path that is right for any inpu
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -183,51 +183,74 @@ def _single_reference_chunks(g: Tensor) -> Optional[Tensor]:
     return safe if bool(safe.any()) else None
 
 
-def _flat_chunks(x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """(L, S, C, d), (L, C, d), (L, C, d): the leading dimensions as one."""
-    return x.reshape(-1, *x.shape[-3:]), y.reshape(-1, *y.shape[-2:]), g.reshape(-1, *g.shape[-2:])
-
-
 def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
     """x (..., S, C, d) (S stacked row operands, e.g. queries and keys), y (..., C, d), g (..., C, d) the
     cumulative log decay within the chunk (non-increasing along C). Returns M (..., S, C, C):
     ``M_tj = sum_c x_tc y_jc exp(g_tc - g_jc)`` for j <= t, 0 above the diagonal (module docstring)."""
+    return decayed_products_many(x, (y,), g)[0]
+
+
+def decayed_products_many(x: Tensor, ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
+    """:func:`decayed_products_unchecked` of the same rows x against each column operand of ``ys`` (each
+    (..., C, d)), the factors and the scaled rows computed once."""
     safe = _single_reference_chunks(g.reshape(-1, *g.shape[-2:]))
     if safe is None:
-        return _recursive_products(x, y, g)
-    xf, yf, gf = _flat_chunks(x, y, g)
+        return [_recursive_products(x, y, g) for y in ys]
+    xf, gf = x.reshape(-1, *x.shape[-3:]), g.reshape(-1, *g.shape[-2:])
     unsafe = (~safe).nonzero().squeeze(1)
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
     stacked, chunk = xf.shape[1], xf.shape[2]
     x_scaled = (xf * rows.unsqueeze(1)).view(xf.shape[0], stacked * chunk, xf.shape[-1])
-    out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_()
-    if unsafe.numel():
-        out.index_copy_(0, unsafe, _recursive_products(*(t.index_select(0, unsafe) for t in (xf, yf, gf))))
-    return out.view(*x.shape[:-1], chunk)
+    outs = []
+    for y in ys:
+        yf = y.reshape(-1, *y.shape[-2:])
+        out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_()
+        if unsafe.numel():
+            out.index_copy_(0, unsafe, _recursive_products(*(t.index_select(0, unsafe) for t in (xf, yf, gf))))
+        outs.append(out.view(*x.shape[:-1], chunk))
+    return outs
 
 
 def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
     """Gradients (of x (..., S, C, d), of y (..., C, d)) from that of M (..., S, C, C), whose entries above the
     diagonal must be zero. That of g is ``(x * grad_x).sum(S) - y * grad_y``: M depends on g only through
     ``exp(g_t - g_j)``, which multiplies x_t and y_j."""
+    grad_x, (grad_y,) = decayed_products_backward_many((grad,), x, (y,), g)
+    return grad_x, grad_y
+
+
+def decayed_products_backward_many(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g: Tensor
+                                   ) -> Tuple[Tensor, List[Tensor]]:
+    """The backward of :func:`decayed_products_many`: from the gradient of each product (as
+    :func:`decayed_products_backward` takes it), (the gradient of x, summed over the products, [the gradient of
+    each y])."""
     safe = _single_reference_chunks(g.reshape(-1, *g.shape[-2:]))
     if safe is None:
-        return _recursive_backward(grad, x, y, g)
-    xf, yf, gf = _flat_chunks(x, y, g)
+        pairs = [_recursive_backward(grad, x, y, g) for grad, y in zip(grads, ys)]
+        return torch.stack([pair[0] for pair in pairs]).sum(0), [pair[1] for pair in pairs]
+    xf, gf = x.reshape(-1, *x.shape[-3:]), g.reshape(-1, *g.shape[-2:])
     unsafe = (~safe).nonzero().squeeze(1)
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
     length, stacked, chunk, width = xf.shape
-    grad_flat = grad.reshape(length, stacked * chunk, chunk)
     x_scaled = (xf * rows.unsqueeze(1)).view(length, stacked * chunk, width)
-    grad_x = (grad_flat @ (yf * columns)).view_as(xf).mul_(rows.unsqueeze(1))
-    grad_y = (grad_flat.transpose(-1, -2) @ x_scaled).mul_(columns)
+    grad_x_scaled = x_scaled.new_zeros(x_scaled.shape)
+    grad_ys = []
+    for grad, y in zip(grads, ys):
+        yf, grad_flat = y.reshape(-1, *y.shape[-2:]), grad.reshape(length, stacked * chunk, chunk)
+        grad_x_scaled.baddbmm_(grad_flat, yf * columns)
+        grad_ys.append((grad_flat.transpose(-1, -2) @ x_scaled).mul_(columns))
+    grad_x = grad_x_scaled.view_as(xf).mul_(rows.unsqueeze(1))
     if unsafe.numel():
-        grad_unsafe, x_unsafe, y_unsafe, g_unsafe = (
-            t.index_select(0, unsafe) for t in (grad.reshape(length, stacked, chunk, chunk), xf, yf, gf))
-        grad_x_unsafe, grad_y_unsafe = _recursive_backward(grad_unsafe, x_unsafe, y_unsafe, g_unsafe)
+        x_unsafe, g_unsafe = xf.index_select(0, unsafe), gf.index_select(0, unsafe)
+        grad_x_unsafe = None
+        for grad, y, grad_y in zip(grads, ys, grad_ys):
+            grad_unsafe = grad.reshape(length, stacked, chunk, chunk).index_select(0, unsafe)
+            y_unsafe = y.reshape(-1, *y.shape[-2:]).index_select(0, unsafe)
+            part_x, part_y = _recursive_backward(grad_unsafe, x_unsafe, y_unsafe, g_unsafe)
+            grad_x_unsafe = part_x if grad_x_unsafe is None else grad_x_unsafe.add_(part_x)
+            grad_y.index_copy_(0, unsafe, part_y)
         grad_x.index_copy_(0, unsafe, grad_x_unsafe)
-        grad_y.index_copy_(0, unsafe, grad_y_unsafe)
-    return grad_x.view_as(x), grad_y.view_as(y)
+    return grad_x.view_as(x), [grad_y.view_as(y) for grad_y, y in zip(grad_ys, ys)]
 
 
 class DecayedProducts(torch.autograd.Function):
@@ -251,4 +274,5 @@ class DecayedProducts(torch.autograd.Function):
         return grad_x, grad_y, grad_g
 
 
-__all__ = ["DecayedProducts", "decayed_products_backward", "decayed_products_unchecked"]
+__all__ = ["DecayedProducts", "decayed_products_backward", "decayed_products_backward_many", "decayed_products_many",
+           "decayed_products_unchecked"]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
-from ..delta.channels import decayed_products_backward, decayed_products_unchecked
+from ..delta.channels import decayed_products_backward_many, decayed_products_many
 
 Saved = Tuple[Tensor, ...]
 
@@ -53,7 +53,8 @@ def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor) -> Tuple[Te
     """(rows [q, a moved up] (Z, n, 2, C, d_k), products against k, against b, each (Z, n, 2, C, C)): [A_qk,
     A_ak moved up] and [A_qb, A_ab moved up], lower triangular with the diagonal."""
     rows = torch.stack([q, _up(a)], dim=-3)
-    return rows, decayed_products_unchecked(rows, k, g), decayed_products_unchecked(rows, b, g)
+    with_k, with_b = decayed_products_many(rows, (k, b), g)  # the factors and scaled rows shared
+    return rows, with_k, with_b
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Tensor, state: Tensor
@@ -121,9 +122,8 @@ def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor
     q, k, a, b, g = saved[0], saved[1], saved[3], saved[4], saved[5]
     grad_qk, grad_qb, grad_ak, grad_ab = grads
     rows = torch.stack([q, _up(a)], dim=-3)
-    grad_rows, grad_k = decayed_products_backward(torch.stack([grad_qk, _up(grad_ak)], dim=-3), rows, k, g)
-    grad_rows_b, grad_b = decayed_products_backward(torch.stack([grad_qb, _up(grad_ab)], dim=-3), rows, b, g)
-    grad_rows += grad_rows_b
+    grad_rows, (grad_k, grad_b) = decayed_products_backward_many(
+        (torch.stack([grad_qk, _up(grad_ak)], dim=-3), torch.stack([grad_qb, _up(grad_ab)], dim=-3)), rows, (k, b), g)
     # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
     grad_g = (rows * grad_rows).sum(-3).sub_(k * grad_k).sub_(b * grad_b)
     return grad_rows[..., 0, :, :], grad_k, _down(grad_rows[..., 1, :, :]), grad_b, grad_g
