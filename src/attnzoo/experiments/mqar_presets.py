@@ -32,14 +32,13 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     ),
     # A setting that separates on 2 CPU cores (docs/hybrids.md has the time): 32 pairs in 128 tokens of a
     # 256-token vocabulary, at widths where a 2-head model's states hold about that many pairs (head dims 32
-    # and 64), the pure mechanisms and both orders of the 2-layer hybrid. Zoology's three largest learning
-    # rates: at 1e-3 no quick cell learned within its budget.
+    # and 64), the pure mechanisms and both orders of the 2-layer hybrid, Zoology's four learning rates.
     "medium": dict(
         task_options=dict(vocab_size=256, seq_len=128, num_pairs=32, train_size=6000, validation_size=256,
                           test_size=256),
         schedules=("softmax", "gated_delta", "softmax,gated_delta", "gated_delta,softmax"),
         widths=(64, 128),
-        lrs=ZOOLOGY_LRS[1:],
+        lrs=ZOOLOGY_LRS,
         train=dict(batch_size=32, steps=800),
     ),
     # Zoology's hardest training setting (Figure 2: 64 pairs in 256 tokens, vocabulary 8,192), its widths and
