@@ -201,12 +201,14 @@ def decayed_products_many(x: Tensor, ys: Sequence[Tensor], g: Tensor) -> List[Te
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
     stacked, chunk = xf.shape[1], xf.shape[2]
     x_scaled = (xf * rows.unsqueeze(1)).view(xf.shape[0], stacked * chunk, xf.shape[-1])
+    if unsafe.numel():  # gathered once for every column operand
+        x_unsafe, g_unsafe = xf.index_select(0, unsafe), gf.index_select(0, unsafe)
     outs = []
     for y in ys:
         yf = y.reshape(-1, *y.shape[-2:])
         out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_()
         if unsafe.numel():
-            out.index_copy_(0, unsafe, _recursive_products(*(t.index_select(0, unsafe) for t in (xf, yf, gf))))
+            out.index_copy_(0, unsafe, _recursive_products(x_unsafe, yf.index_select(0, unsafe), g_unsafe))
         outs.append(out.view(*x.shape[:-1], chunk))
     return outs
 
