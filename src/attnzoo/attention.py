@@ -111,6 +111,10 @@ class MultiHeadAttention(nn.Module):
         self.dropout = nn.Dropout(check_probability("dropout", dropout))
         self.rotary = RotaryEmbedding(head_dim, **rotary_settings) if rotary else None
         self.mechanism = build_mechanism(mechanism, heads=heads, head_dim=head_dim, **mechanism_options)
+        # A mechanism that rotates itself (capability own_rotary) gets the embedding and unrotated q and k.
+        self._rotates = self.rotary is not None and not self.mechanism.capabilities.own_rotary
+        if self.rotary is not None and not self._rotates:
+            self.mechanism.use_rotary(self.rotary)
         # Registered after every other part, so that a model without the gate keeps its parameter order.
         self.gate_proj = nn.Linear(dim, inner, bias=bias) if output_gate else None
         refused = self.mechanism.grouping_reason(kv_heads)
@@ -192,7 +196,7 @@ class MultiHeadAttention(nn.Module):
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(source))
         v = self._split_heads(self.v_proj(source))
-        if self.rotary is not None:
+        if self._rotates:
             q, k = self._rotate(q, spans), self._rotate(k, spans)
         out = self.mechanism(q, k, v, causal=causal, key_padding_mask=key_padding_mask, cross=context is not None,
                              **options)
@@ -241,7 +245,7 @@ class MultiHeadAttention(nn.Module):
         """Causal self-attention over a prompt x (batch, seq, dim); returns the output and the decoding state."""
         self._check_input("x", x, self.dim)
         q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.rotary is not None:
+        if self._rotates:
             q, k = self.rotary(q), self.rotary(k)
         out, state = self.mechanism.prefill(q, k, v)
         return self._output(out, x), AttentionState(state)
@@ -252,7 +256,7 @@ class MultiHeadAttention(nn.Module):
         self._check_input("x", x, self.dim)
         spans = self.mechanism.check_packing(x.unsqueeze(1), None, False, cu_seqlens)
         q, k, v = (self._split_heads(proj(x)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.rotary is not None:
+        if self._rotates:
             q, k = self._rotate(q, spans), self._rotate(k, spans)
         out, states = self.mechanism.prefill_packed(q, k, v, cu_seqlens=cu_seqlens)
         return self._output(out, x), [AttentionState(state) for state in states]
@@ -275,7 +279,7 @@ class MultiHeadAttention(nn.Module):
         position = 0 if inner is None else inner.length
         if self.mechanism.max_length is not None and position >= self.mechanism.max_length:
             raise ValueError(f"{self.mechanism.name}: decoding past max_length={self.mechanism.max_length}")
-        if self.rotary is not None:
+        if self._rotates:
             q, k = self.rotary(q, start=position), self.rotary(k, start=position)
         out, mechanism_state = self.mechanism.step(q, k, v, inner)
         return self._output(out, x_t), AttentionState(mechanism_state)

@@ -21,10 +21,14 @@ TARGET_OPTIONS = {"window": 4, "feature_dim": 4, "chunk_size": 4}
 CONFIG = CausalLMConfig(vocab_size=64, dim=32, depth=3, heads=4, kv_heads=2, head_dim=8, ff_dim=64)
 
 
-@pytest.fixture
-def teacher():
+def teacher_model():
     torch.manual_seed(0)
     return CausalLM(CONFIG).eval()
+
+
+@pytest.fixture
+def teacher():
+    return teacher_model()
 
 
 def _settings(**changes):
@@ -90,6 +94,23 @@ def test_attention_transfer_lowers_the_held_out_error(teacher):
     assert sum(after) < 0.8 * sum(before), (before, after)
 
 
+def test_adapters_trained_on_the_layer_wise_loss_lower_it():
+    """What ``transfer_lora`` trains in stage 1: the adapters of a target with no parameters (liger), on one window's
+    layer-wise losses, bring them down."""
+    teacher = teacher_model()
+    student = build_student(teacher, layer_plan(3, range(3), "liger", LIGER_OPTIONS), seed=0)
+    names = conversion.add_lora(student, conversion.lora.attention_projection_names(range(3)), 8, 16.0, 0)
+    window = _windows(1, seed=5)
+    parameters = trainable_only(student, names)
+    optimizer = torch.optim.Adam(parameters, lr=1e-2)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        losses.append(sum(transfer_losses(teacher, student, window, [0, 1, 2], backward=True)))
+        optimizer.step()
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
 def test_the_hybrid_keeps_the_layers_with_the_largest_error():
     assert conversion.layers_to_keep([0.1, 0.5, 0.2, 0.5], [0, 1, 2, 3], 2) == [1, 3]
     assert conversion.layers_to_keep([0.1, 0.5, 0.2], [0, 1, 2], 0) == []
@@ -126,6 +147,35 @@ def test_a_killed_conversion_resumes_to_the_same_result(teacher, tmp_path, stage
     assert resumed.perplexity == whole.perplexity
     mine = (tmp_path / "killed" / "model" / "weights.safetensors").read_bytes()
     assert mine == (tmp_path / "whole" / "model" / "weights.safetensors").read_bytes()
+
+
+LIGER_OPTIONS = {"window": 4, "chunk_size": 4, "normalize": True, "sink_tokens": 1}
+
+
+def test_stage_1_trains_the_adapters_of_a_target_without_parameters_and_stage_2_goes_on(teacher, tmp_path):
+    """liger has no parameters: with transfer_lora, stage 1 trains the adapters (of every layer; the kept one's are
+    dropped), stage 2 starts from them, and a run killed in stage 1 resumes to the same bytes."""
+    settings = _settings(target="liger", target_options=LIGER_OPTIONS, transfer_lora=True, transfer_lr=3e-3,
+                         keep_softmax=1)
+    whole = _run(teacher, tmp_path / "whole", settings)
+    assert [row["stage"] for row in whole.history] == ["transfer"] * 6 + ["finetune"] * 4
+    assert whole.perplexity["transferred"] != whole.perplexity["raw_swap"]  # stage 2 starts from stage 1's adapters
+    stopped_at = []
+
+    def kill(stage, step):
+        if (stage, step) == ("transfer", 3):
+            stopped_at.append(step)
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        _run(teacher, tmp_path / "killed", settings, on_step=kill)
+    resumed = _run(teacher, tmp_path / "killed", settings)
+    assert stopped_at == [3] and [row["loss"] for row in resumed.history] == [row["loss"] for row in whole.history]
+    mine = (tmp_path / "killed" / "model" / "weights.safetensors").read_bytes()
+    assert mine == (tmp_path / "whole" / "model" / "weights.safetensors").read_bytes()
+    # A finished conversion no longer holds stage 1's adapters apart: --transfer-from is refused, naming why.
+    with pytest.raises(ValueError, match="transfer_lora"):
+        _run(teacher, tmp_path / "again", settings, transfer_from=tmp_path / "whole")
 
 
 def test_a_hybrid_from_another_conversions_stage_1_is_the_hybrid_converted_whole(teacher, tmp_path):
@@ -267,6 +317,8 @@ def test_a_converted_gguf_model_loads_to_the_same_outputs(tmp_path):
     ({"transfer_lr": 0.0}, "transfer_lr"),
     ({"finetune_loss": "mse"}, "finetune_loss"),
     ({"target_options": "window=4"}, "target_options"),
+    ({"transfer_lora": "yes"}, "transfer_lora"),
+    ({"transfer_lora": True, "transfer_steps": 0}, "transfer_lora=True"),
 ])
 def test_bad_settings_are_refused_naming_them(changes, message):
     with pytest.raises((TypeError, ValueError), match=message):

@@ -11,7 +11,7 @@ from .._validation import check_choice
 from ..mechanisms import LolcatsAttention, available, build_mechanism
 from ..mechanisms.made_inputs import shapes_only
 from ..pretrained import CausalLMConfig
-from ..training.settings import check_declared, number, option_dict, positive_int, setting
+from ..training.settings import boolean, check_declared, number, option_dict, positive_int, setting
 
 FINETUNE_LOSSES = ("next_token", "teacher_logits")
 COMMAND = ("convert",)
@@ -27,6 +27,11 @@ def _non_negative_int(name: str, value: Any) -> Any:
 
 def _positive(name: str, value: Any) -> Any:
     return number(minimum=0.0, exclusive_minimum=True)(name, value)
+
+
+def _adapters_need_stage_1(config: "ConversionConfig") -> None:
+    if config.transfer_lora and not config.transfer_steps:
+        raise ValueError("transfer_lora=True trains adapters in stage 1, but transfer_steps=0 runs no stage 1 step")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,11 @@ class ConversionConfig:
         help="stage 1 steps: each converted layer's mechanism trained to give the frozen teacher layer's "
              "attention output")
     transfer_lr: float = setting(1e-2, check=_positive, commands=COMMAND, help="stage 1 AdamW learning rate")
+    transfer_lora: bool = setting(
+        False, check=boolean, agrees=_adapters_need_stage_1, commands=COMMAND,
+        help="stage 1 also trains the adapters (LoRA on q, k, v and the output projection of every layer) on the "
+             "layer-wise loss, which stage 2 then continues: how a target with no parameters of its own (liger) "
+             "learns from the teacher's attention")
     finetune_steps: int = setting(
         100, check=_non_negative_int, commands=COMMAND,
         help="stage 2 steps: low-rank adapters on the converted layers' q, k, v and output projections")

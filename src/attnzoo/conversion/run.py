@@ -41,7 +41,7 @@ TRANSFER, FINETUNE, DONE = "transfer", "finetune", "done"
 # The settings that decide what stage 1 does: a conversion whose stage 1 ran with the same ones (and the same
 # teacher) can start its stage 2 from that one's (``transfer_from``).
 TRANSFER_SETTINGS = ("target", "target_options", "seq_len", "batch_size", "transfer_steps", "transfer_lr",
-                     "selection_windows", "seed")
+                     "transfer_lora", "selection_windows", "seed")
 
 
 @dataclass
@@ -156,8 +156,11 @@ def transfer_start(folder: Union[str, os.PathLike], config: ConversionConfig, so
     if saved.get("source") != json.loads(json.dumps(dict(source))):
         raise ValueError(f"--transfer-from {folder}: converted from another model file")
     ours = json.loads(json.dumps(config.to_dict()))
+    if config.transfer_lora:  # its stage 2 trained the stage 1 adapters on: they are not kept apart
+        raise ValueError(f"--transfer-from {folder}: a stage 1 with transfer_lora trains the adapters stage 2 goes on "
+                         "training, so a finished conversion no longer holds them; convert from the start")
     for name in TRANSFER_SETTINGS:
-        if saved["config"].get(name) != ours[name]:
+        if saved["config"].get(name, ConversionConfig().to_dict()[name]) != ours[name]:
             raise ValueError(f"--transfer-from {folder}: its stage 1 ran with {name} {saved['config'].get(name)!r}, "
                              f"this conversion asks for {ours[name]!r}")
     state = torch.load(folder / CHECKPOINT, weights_only=True) if (folder / CHECKPOINT).exists() else None
@@ -328,6 +331,9 @@ def _transfer_stage(job: _Job) -> None:
     job.measure("teacher", teacher)
     job.measure("raw_swap", student)
     names = list(mechanism_state(student)) if config.transfer_steps else []
+    if config.transfer_lora:  # the adapters stage 2 continues, trained on the layer-wise loss first
+        names += add_lora(student, attention_projection_names(every_layer), config.lora_rank, config.lora_alpha,
+                          config.seed)
     if state["tensors"]:
         load_tensors(student, state["tensors"])
     if names:
@@ -337,7 +343,7 @@ def _transfer_stage(job: _Job) -> None:
     student.requires_grad_(False)
     state["layer_errors"] = held_out_errors(teacher, student, job.selection_windows, every_layer)
     state["kept"] = layers_to_keep(state["layer_errors"], every_layer, config.keep_softmax)
-    state.update(stage=FINETUNE, step=0, tensors=mechanism_state(student), optimizer={})
+    state.update(stage=FINETUNE, step=0, tensors={**mechanism_state(student), **lora_state(student)}, optimizer={})
     _save_atomically(job.output / CHECKPOINT, state)
 
 
@@ -349,12 +355,11 @@ def _finetune_stage(job: _Job) -> None:
     plan = layer_plan(depth, converted, config.target, config.target_options)
     student = build_student(teacher, plan, config.seed)
     job.measure("teacher", teacher)  # measured in stage 1, unless that stage was another conversion's
-    load_tensors(student, {name: tensor for name, tensor in state["tensors"].items()
-                           if ".lora_" not in name and _layer_of(name) in converted})
-    job.measure("transferred", student)
     lora_names = add_lora(student, attention_projection_names(converted), config.lora_rank, config.lora_alpha,
                           config.seed)
-    load_tensors(student, {name: tensor for name, tensor in state["tensors"].items() if ".lora_" in name})
+    # The converted layers' tensors: stage 1's (its adapters too, with transfer_lora), or stage 2's on resume.
+    load_tensors(student, {name: tensor for name, tensor in state["tensors"].items() if _layer_of(name) in converted})
+    job.measure("transferred", student)  # the adapters are zero here unless stage 1 trained them
     if config.finetune_steps:
         reference = teacher if config.finetune_loss == "teacher_logits" else None
 

@@ -18,7 +18,9 @@ was:
 * a sliding window (Mistral's ``sliding_window``, Qwen2's sliding layers): honoured exactly by an exact
   mechanism (it gets ``transformers``' own mask) and by a mechanism declaring a ``window_option`` (the window
   passed to it unless the options set one); refused for any other mechanism;
-* causal self-attention for a mechanism without a causal form.
+* causal self-attention for a mechanism without a causal form;
+* queries and keys already rotated (Llama, Mistral, Qwen2) for a mechanism that rotates part of its maths itself
+  (capability ``own_rotary``).
 
 ``generate()`` keeps working from the cache, dynamic or static (:mod:`attnzoo.dropin.hf_attention` says how,
 and what is refused). ``save_pretrained`` writes the record and the mechanism's tensors;
@@ -74,6 +76,8 @@ def _supported_classes() -> Dict[type, str]:
 
 ARCHITECTURES = ("bert", "gpt2", "llama", "mistral", "qwen2")
 """The architectures :func:`use_attnzoo` serves (BERT-style encoders include the models built on BERT)."""
+ROTATED = ("llama", "mistral", "qwen2")
+"""The architectures whose attention modules rotate queries and keys before the attention function runs."""
 
 
 def _heads(module: nn.Module, kind: str) -> Tuple[int, int]:
@@ -230,6 +234,11 @@ def _built_for(path: str, module: nn.Module, kind: str, mechanism: str, options:
     if getattr(module, "is_causal", False) and not instance.capabilities.causal:
         raise UnsupportedOptionError(f"{path} is causal self-attention and {mechanism} has no causal form "
                                      f"(capabilities: {mechanism_class(mechanism).capabilities.summary})")
+    if kind in ROTATED and instance.capabilities.own_rotary:
+        raise UnsupportedOptionError(
+            f"{path} rotates its queries and keys before attention, and {mechanism} applies the rotary embedding "
+            f"itself to part of its maths only (capability own_rotary): use attnzoo.pretrained.CausalLM, whose "
+            f"layers give it the unrotated ones")
     _check_scaling(path, module, instance, head_dim)
     reference = next(module.parameters())
     return instance.to(device=reference.device, dtype=reference.dtype).train(module.training)

@@ -45,6 +45,7 @@ from . import differential, forgetting  # noqa: E402,F401 - the softmax family: 
 from . import based, nsa  # noqa: E402,F401
 # Conversion of pretrained softmax models: a sliding window plus learned linear attention beyond it.
 from .lolcats import LolcatsAttention  # noqa: E402
+from .liger import LigerAttention  # noqa: E402  (Liger's: gated linear attention from q and k, plus a window)
 # The training hooks over a whole model (a training loop's, or one written by hand).
 from . import hooks  # noqa: E402
 from .hooks import after_optimizer_step, auxiliary_loss  # noqa: E402
@@ -74,6 +75,7 @@ __all__ = [
     "SoftmaxAttention",
     "LinearAttention",
     "LolcatsAttention",
+    "LigerAttention",
     "PerformerAttention",
     "RandomFeatureAttention",
     "GatedLinearAttention",

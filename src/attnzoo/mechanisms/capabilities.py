@@ -147,6 +147,11 @@ class Capabilities:
             class declares the most its options allow, an instance whose options make it depend on positions
             in the row (or on the row's length) declares the weaker value. Whatever it declares, what padded
             positions hold never reaches an unpadded one.
+        own_rotary: it applies a layer's rotary embedding itself, to the parts of its maths that want positions
+            (Liger's window rotates, its gated linear part reads the keys as projected): a
+            :class:`~attnzoo.MultiHeadAttention` with ``rotary=True`` passes it unrotated queries and keys and
+            hands it the embedding once (``use_rotary``); where the caller rotates (a Hugging Face model's own
+            attention) it is refused.
     """
 
     causal: bool
@@ -170,6 +175,7 @@ class Capabilities:
     causal_rows: bool = False
     linear_recurrence: bool = False
     padding_invariance: str = PADDED_EITHER_SIDE
+    own_rotary: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
