@@ -159,8 +159,9 @@ def transfer_start(folder: Union[str, os.PathLike], config: ConversionConfig, so
     if config.transfer_lora:  # its stage 2 trained the stage 1 adapters on: they are not kept apart
         raise ValueError(f"--transfer-from {folder}: a stage 1 with transfer_lora trains the adapters stage 2 goes on "
                          "training, so a finished conversion no longer holds them; convert from the start")
+    defaults = ConversionConfig().to_dict()  # for settings added since that conversion was written
     for name in TRANSFER_SETTINGS:
-        if saved["config"].get(name, ConversionConfig().to_dict()[name]) != ours[name]:
+        if saved["config"].get(name, defaults[name]) != ours[name]:
             raise ValueError(f"--transfer-from {folder}: its stage 1 ran with {name} {saved['config'].get(name)!r}, "
                              f"this conversion asks for {ours[name]!r}")
     state = torch.load(folder / CHECKPOINT, weights_only=True) if (folder / CHECKPOINT).exists() else None
