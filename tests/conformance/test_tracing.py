@@ -2,11 +2,12 @@
 (``torch.compile(fullgraph=True)``), causal and not where declared, forward and backward equal to eager.
 
 What is already covered elsewhere is not repeated: ``check_traced_matches_eager`` (:mod:`.checks`) traces
-without gradients and runs the graph with a mask of other values; ``tests/mechanisms/test_compile.py`` compiles through
-MultiHeadAttention with AOTAutograd, one form of the call per mechanism. Here the traced graph's first call
+without gradients and runs the graph with a mask of other values; ``tests/mechanisms/test_compile.py`` compiles
+MultiHeadAttention itself (every form of the call) for a few mechanisms. Here the traced graph's first call
 runs with gradients (an in-place write into a view that eager mode accepts can be refused when the graph is
 replayed), every option set in ``test_variants`` is traced, and compiling covers the causal and the
-non-causal path of each mechanism with ``backend="eager"`` (dynamo's graph capture alone, in seconds).
+non-causal path of each mechanism: through AOTAutograd (``backend="aot_eager"``) on the causal one, dynamo's
+graph capture alone (``backend="eager"``, in seconds) on the other.
 """
 
 from __future__ import annotations
@@ -95,9 +96,13 @@ def fresh_dynamo():
 def test_compiles_to_one_graph_and_matches_eager(name, fresh_dynamo, one_thread):
     mechanism = checks.build(name)
     qkv, mask = _inputs(mechanism)
-    for causal in _modes(mechanism):
+    modes = _modes(mechanism)
+    for causal in modes:
         module = _Call(mechanism, causal)
         expected = _forward_backward(module, qkv, mask)
-        compiled = torch.compile(module, fullgraph=True, backend="eager")
-        what = f"{type(mechanism).__name__} causal={causal} compiled with fullgraph=True"
+        # AOTAutograd (functionalized graphs, where an in-place write a replay cannot take fails) on the last
+        # mode, the causal one where declared; dynamo's graph capture alone on the other, in a third of the time.
+        backend = "aot_eager" if causal == modes[-1] else "eager"
+        compiled = torch.compile(module, fullgraph=True, backend=backend)
+        what = f"{type(mechanism).__name__} causal={causal} compiled with fullgraph=True, backend {backend}"
         _assert_same(_forward_backward(compiled, qkv, mask), expected, what)

@@ -2,9 +2,10 @@
 
 Inductor (the real backend, generating and compiling C++) on a representative set: exact softmax on SDPA and the
 causal path of linear attention (whose hand-written eager kernel gives way to plain operations when compiled),
-some 30 s each on two busy cores, cold. Every registered mechanism through dynamo and AOTAutograd (backend
-``aot_eager``: the same graphs without code generation, seconds instead of tens of seconds each), each to one
-graph (``fullgraph=True``), as docs/dropin.md says."""
+some 30 s each on two busy cores, cold. A few mechanisms through dynamo and AOTAutograd (backend ``aot_eager``:
+the same graphs without code generation, seconds instead of tens of seconds each) in every form of the call, each
+to one graph (``fullgraph=True``), as docs/dropin.md says; every registered mechanism alone is compiled by the
+conformance suite (tests/conformance/test_tracing.py)."""
 
 import pytest
 import torch
@@ -81,11 +82,11 @@ def test_inductor_matches_eager(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", attnzoo.available())
-def test_every_mechanism_compiles(name):
-    # Every form of the call for a few, one for the rest: each form is a compilation of its own.
-    every = name in {"softmax", "performer"}
-    assert_compiled_matches_eager(name, "aot_eager", atol=1e-6, every=every)
+@pytest.mark.parametrize("name", ["softmax", "performer"])
+def test_multi_head_attention_compiles_every_form_of_the_call(name):
+    # Each form (causal, not, cross-attention) is a compilation of its own. Every mechanism alone compiles to one
+    # graph in the conformance suite (tests/conformance/test_tracing.py).
+    assert_compiled_matches_eager(name, "aot_eager", atol=1e-6, every=True)
 
 
 def test_traceable_causal_chunks_match_the_kernel(monkeypatch):
