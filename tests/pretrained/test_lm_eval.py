@@ -229,10 +229,17 @@ def test_a_run_writes_every_table_and_figure(tiny, tmp_path):
                           sources=["code"], lengths=[32, 64], passkey_lengths=[100], depths=[0.0, 1.0],
                           decode_lengths=[32, 100], decode_tokens=3, swap_length=64,
                           swap_mechanisms=["softmax", "linear", "bigbird"])
-    seen = []
-    data = run_lm_eval(config, tmp_path, ["attnzoo", "lm-eval", "..."], progress=seen.append,
+    seen = []  # each measurement's label, with the tables and figures already written when it started
+
+    def progress(label):
+        seen.append((label, (tmp_path / "lm-eval.json").exists(), any(tmp_path.glob("*.png"))))
+
+    data = run_lm_eval(config, tmp_path, ["attnzoo", "lm-eval", "..."], progress=progress,
                        prepared=prepare(config, needs_tokenizer=False), tokenizer=WordTokenizer())
     assert len(seen) == 2 * (2 + 2 + 2) + 3
+    # The tables after the first variant (an interrupted run keeps them), the figures once, at the end.
+    assert [tables for _, tables, _ in seen] == [False] * 6 + [True] * 9
+    assert not any(figures for _, _, figures in seen)
     assert [v["label"] for v in data["variants"]] == ["softmax", "local window=8 sink_tokens=2"]
     assert all(row["status"] == "ok" for part in ("perplexity", "passkey", "decode") for row in data[part])
     assert {row["mechanism"]: row["status"] for row in data["swap"]} == \

@@ -297,8 +297,8 @@ def machine(threads: int) -> Dict[str, Any]:
 def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progress: Optional[Progress] = None,
                 set_total: Optional[Callable[[int], None]] = None, prepared: Optional[Prepared] = None,
                 tokenizer: Any = None) -> Dict[str, Any]:
-    """Measure everything ``config`` asks for and write the outputs into ``output`` (after each variant and each
-    raw-swap row); returns lm-eval.json's data.
+    """Measure everything ``config`` asks for and write the outputs into ``output`` (the tables after each
+    variant and each raw-swap row, the figures at the end); returns lm-eval.json's data.
     ``progress(label)`` is called as each measurement starts, after ``set_total(count)``. ``prepared``: what
     :func:`prepare` returned for ``config`` (else it is called); ``tokenizer``: one to use instead of the model
     file's (anything with ``encode``, ``decode`` and ``eos_token_id`` over the model's vocabulary)."""
@@ -324,9 +324,11 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
                     for (source, length), w in text.items()},
         "perplexity": [], "passkey": [], "decode": [], "swap": [],
     }
-    def write() -> None:  # after each variant and swap row: an interrupted run keeps what it measured
+    def write(figures: bool = False) -> None:
+        # The tables after each variant and swap row (an interrupted run keeps what it measured); the figures,
+        # seconds each, once at the end.
         data["seconds"] = round(time.perf_counter() - started, 1)
-        write_outputs(data, output)
+        write_outputs(data, output, figures)
 
     for variant in prepared.variants:
         for part, rows in measure_variant(config, prepared, variant, base, tokenizer, text, progress).items():
@@ -334,7 +336,7 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
         write()
     if "swap" in config.parts:
         measure_swaps(config, prepared, base, text, progress, rows=data["swap"], measured=write)
-        write()
+    write(figures=True)
     return data
 
 

@@ -33,8 +33,9 @@ def finite(value: Any) -> Any:
     return value
 
 
-def write_outputs(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
-    """Every file of the run into ``output`` (created if missing); returns their paths by kind."""
+def write_outputs(data: Dict[str, Any], output: Path, figures: bool = True) -> Dict[str, Path]:
+    """Every file of the run into ``output`` (created if missing), the figures only with ``figures``; returns
+    their paths by kind."""
     from .lm_eval_figures import write_figures
 
     output.mkdir(parents=True, exist_ok=True)
@@ -47,7 +48,8 @@ def write_outputs(data: Dict[str, Any], output: Path) -> Dict[str, Path]:
             for row in data.get(part, []):
                 writer.writerow({"part": part, **{k: ("" if v is None else v) for k, v in row.items()}})
     paths["markdown"].write_text(render_markdown(data))
-    paths.update(write_figures(data, output))
+    if figures:
+        paths.update(write_figures(data, output))
     return paths
 
 

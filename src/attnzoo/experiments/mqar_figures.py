@@ -16,6 +16,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib import ticker  # noqa: E402
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+DASHES = ("-", "--", "-.", ":")
 
 
 def _lines(data: Dict[str, Any]) -> Dict[str, List[Dict[str, Any]]]:
@@ -31,8 +35,14 @@ def plot_mqar(data: Dict[str, Any], path: Path) -> None:
     """Draw ``mqar.png`` from mqar.json's ``data`` (:func:`attnzoo.experiments.mqar.collect`)."""
     fig, (by_width, by_state) = plt.subplots(1, 2, figsize=(12, 4.8))
     colors = plt.get_cmap("tab10").colors
-    for index, (schedule, entries) in enumerate(_lines(data).items()):
-        style = dict(color=colors[index % 10], marker="o", label=schedule)
+    lines = _lines(data)
+    for index, (schedule, entries) in enumerate(lines.items()):
+        # Schedules often coincide (every one that recalls everything sits at 100%): each later line is drawn
+        # thinner, with a marker and dashes of its own, over the earlier ones, so every line stays visible.
+        later = len(lines) - 1 - index
+        style = dict(color=colors[index % 10], marker=MARKERS[index % len(MARKERS)],
+                     linestyle=DASHES[index % len(DASHES)], linewidth=1.2 + 0.9 * later, markersize=4 + 1.5 * later,
+                     label=schedule)
         by_width.plot([e["width"] for e in entries], [100 * e["test_accuracy"] for e in entries], **style)
         stated = [e for e in entries if e["state_bytes"] is not None]
         by_state.plot([e["state_bytes"] for e in stated], [100 * e["test_accuracy"] for e in stated], **style)
@@ -47,6 +57,11 @@ def plot_mqar(data: Dict[str, Any], path: Path) -> None:
         ax.set_ylabel("test accuracy (%), best learning rate")
         ax.set_ylim(-2, 102)
         ax.grid(True, which="both", alpha=0.3)
+    # Within a decade or two, log axes label their minor ticks too, and the labels run into each other: label
+    # 1, 2 and 5 times each power of ten only.
+    by_state.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    by_state.xaxis.set_major_formatter(ticker.LogFormatterSciNotation(labelOnlyBase=False))
+    by_state.xaxis.set_minor_formatter(ticker.NullFormatter())
     widths = sorted({entry["width"] for entry in data["table"]})
     by_width.set_xticks(widths, [str(width) for width in widths])
     by_width.minorticks_off()
