@@ -33,12 +33,11 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from .blocksparse import (
     BlockPlan,
-    LocalPattern,
     blocksparse_attention_reference,
     blocksparse_attention_unchecked,
-    default_block,
     window_cache_prefill,
     window_cache_step,
+    window_pattern,
 )
 from .linear import (
     kernel_attention_prefill_unchecked,
@@ -75,11 +74,6 @@ def based_features(q: Tensor, k: Tensor, q_proj: Tensor, k_proj: Tensor) -> Tupl
     projected_q = torch.einsum("bhnd,hdm->bhnm", q.to(dtype), q_proj.to(dtype)) * scale
     projected_k = torch.einsum("bhnd,hdm->bhnm", k.to(dtype), k_proj.to(dtype))
     return taylor_features(projected_q), taylor_features(projected_k)
-
-
-def window_pattern(window: int) -> LocalPattern:
-    """The window part's pattern: ``|i - j| < window`` on the blockwise family's blocks (``min(window, 64)``)."""
-    return LocalPattern(window, default_block(window))
 
 
 def based_attention_unchecked(

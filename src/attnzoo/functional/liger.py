@@ -41,29 +41,19 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from .blocksparse import (
-    BlockPattern,
     BlockPlan,
-    LocalPattern,
-    SinkLocalPattern,
     blocksparse_attention_reference,
     blocksparse_attention_unchecked,
-    default_block,
     window_cache_layout,
     window_cache_prefill,
     window_cache_step,
+    window_pattern,
 )
 from .delta.channels import DecayedProducts
 from .linear import normalize_output
 from .linear.inputs import _with_ones
 
 _RING = ("k", "v", "positions", "sink_k", "sink_v")
-
-
-def window_pattern(window: int, sinks: int) -> BlockPattern:
-    """The window part's pattern: ``window`` nearest keys, plus ``sinks`` first positions when > 0."""
-    if sinks:
-        return SinkLocalPattern(window, sinks, default_block(window))
-    return LocalPattern(window, default_block(window))
 
 
 def liger_features(q: Tensor, k: Tensor, gate_normalizer: float, key_padding_mask: Optional[Tensor]
@@ -229,4 +219,4 @@ def liger_step_unchecked(
 
 
 __all__ = ["gated_channels_unchecked", "liger_attention_reference", "liger_attention_unchecked", "liger_features",
-           "liger_prefill_unchecked", "liger_state_layout", "liger_step_unchecked", "window_pattern"]
+           "liger_prefill_unchecked", "liger_state_layout", "liger_step_unchecked"]

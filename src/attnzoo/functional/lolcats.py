@@ -50,8 +50,7 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from ._autocast import outside_autocast, without_autocast
-from .blocksparse import (BlockPlan, LocalPattern, blocksparse_plan, default_block, window_cache_layout,
-                          window_cache_prefill)
+from .blocksparse import BlockPlan, blocksparse_plan, window_cache_layout, window_cache_prefill, window_pattern
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
 from .features import hedgehog_decoding_weights, hedgehog_features_decoding, hedgehog_features_unchecked
 from .linear import kernel_attention_unchecked, normalize_output
@@ -89,11 +88,6 @@ def lolcats_step_weights(weights: LolcatsWeights, dtype: torch.dtype) -> Lolcats
     key = hedgehog_decoding_weights(weights.key_weight, weights.key_bias, dtype)
     return LolcatsStepWeights(torch.cat([query[0], key[0]]), torch.cat([query[1], key[1]]),
                               _window_weight(weights, dtype))
-
-
-def window_pattern(window: int) -> LocalPattern:
-    """The window's pattern, ``|i - j| < window``, on blocks of ``min(window, 64)``."""
-    return LocalPattern(window, default_block(window))
 
 
 def window_plan(window: int, length: int, causal: bool, device: torch.device) -> BlockPlan:

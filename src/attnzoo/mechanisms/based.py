@@ -16,9 +16,8 @@ from ..functional.based import (
     based_prefill_unchecked,
     based_state_layout,
     based_step_unchecked,
-    window_pattern,
 )
-from ..functional.blocksparse import BlockPlan, blocksparse_plan
+from ..functional.blocksparse import BlockPlan, blocksparse_plan, window_pattern
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
 from .plan_cache import last_plan

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .._validation import check_bool, check_number, check_positive_int
-from ..functional.blocksparse import BlockPlan, blocksparse_plan, check_sink_tokens
+from ..functional.blocksparse import BlockPlan, blocksparse_plan, check_sink_tokens, window_pattern
 from ..functional.linear import DEFAULT_CHUNK_SIZE
 from ..functional.liger import (
     liger_attention_reference,
@@ -19,7 +19,6 @@ from ..functional.liger import (
     liger_prefill_unchecked,
     liger_state_layout,
     liger_step_unchecked,
-    window_pattern,
 )
 from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
 from .capabilities import PADDED_RIGHT

@@ -20,9 +20,7 @@ from ..functional.blocksparse import (
     BlockPlan,
     DilatedPattern,
     FixedPattern,
-    LocalPattern,
     PackedBlockPlan,
-    SinkLocalPattern,
     StridedPattern,
     blocksparse_attention_reference,
     blocksparse_attention_unchecked,
@@ -35,6 +33,7 @@ from ..functional.blocksparse import (
     window_cache_layout,
     window_cache_prefill,
     window_cache_step,
+    window_pattern,
 )
 from .base import NATIVE_KV, OWN, PACKED_NATIVE, Capabilities, Mechanism, StateLayout
 from .capabilities import PADDED_NEITHER, PADDED_RIGHT
@@ -146,9 +145,7 @@ class LocalAttention(BlockSparseAttention):
             self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
 
     def pattern(self) -> BlockPattern:
-        if self.sink_tokens:
-            return SinkLocalPattern(self.window, self.sink_tokens, default_block(self.window, self.block_size))
-        return LocalPattern(self.window, default_block(self.window, self.block_size))
+        return window_pattern(self.window, self.sink_tokens, self.block_size)
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(

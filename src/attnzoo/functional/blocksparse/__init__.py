@@ -48,6 +48,7 @@ from .patterns import (
     LongformerPattern,
     SinkLocalPattern,
     StridedPattern,
+    window_pattern,
 )
 from .packed import (
     DenseDocuments,
@@ -90,4 +91,5 @@ __all__ = [
     "window_cache_layout",
     "window_cache_prefill",
     "window_cache_step",
+    "window_pattern",
 ]

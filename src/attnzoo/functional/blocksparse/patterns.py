@@ -301,3 +301,11 @@ class SinkLocalPattern(BlockPattern):
     def dense(self, length: int, device: Optional[torch.device] = None) -> Tensor:
         i = torch.arange(length, device=device)
         return ((i[:, None] - i[None, :]).abs() < self.window) | (i[None, :] < self.sinks)
+
+
+def window_pattern(window: int, sinks: int = 0, block_size: Optional[int] = None) -> BlockPattern:
+    """A sliding window, ``|i - j| < window``, plus the first ``sinks`` positions when > 0, on blocks of
+    ``block_size`` (None: :func:`default_block` of the window): the exact part of ``local`` and of the
+    mechanisms that pair a window with a linear-time part (``based``, ``lolcats``, ``liger``)."""
+    block = default_block(window, block_size)
+    return SinkLocalPattern(window, sinks, block) if sinks else LocalPattern(window, block)
