@@ -158,8 +158,8 @@ def _products_by_definition(x, y, cumulative):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decayed_products_mix_both_forms_by_chunk(dtype):
-    """Chunks whose decay spans little take one reference (one matmul), the others the recursion; a call mixing
-    them equals the definition in value and gradient, and the strong chunks do take the recursion."""
+    """Chunks whose decay spans little take one reference (one matmul), the others are split in halves; a call
+    mixing them equals the definition in value and gradient, and the strong chunks are the ones told apart."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 2, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randn(6, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)

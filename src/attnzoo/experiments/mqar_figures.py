@@ -60,7 +60,7 @@ def plot_mqar(data: Dict[str, Any], path: Path) -> None:
     # Within a decade or two, log axes label their minor ticks too, and the labels run into each other: label
     # 1, 2 and 5 times each power of ten only.
     by_state.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    by_state.xaxis.set_major_formatter(ticker.LogFormatterSciNotation(labelOnlyBase=False))
+    by_state.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:,.0f}"))
     by_state.xaxis.set_minor_formatter(ticker.NullFormatter())
     widths = sorted({entry["width"] for entry in data["table"]})
     by_width.set_xticks(widths, [str(width) for width in widths])
