@@ -179,35 +179,6 @@ def test_decayed_products_mix_both_forms_by_chunk(dtype):
         torch.testing.assert_close(leaf.grad.double(), want, rtol=0, atol=10 * tolerance)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_a_chunk_whose_halves_span_little_is_split_once_not_recursed(dtype, monkeypatch):
-    """A chunk whose decay spans too much for one reference but whose halves do not: the pairs across the halves
-    take the boundary's reference and each half one reference of its own, no recursion; values and gradients
-    equal the definition, alone and beside chunks of every other kind."""
-    g = torch.Generator().manual_seed(6)
-    span = 1.2 * math.log(torch.finfo(dtype).max) / 2  # the whole chunk's log decay: too much; each half's: not
-    steps = torch.full((3, 16, 5), span / 15, dtype=torch.float64)
-    steps[1] *= 0.01  # a gentle chunk: one reference
-    steps[2, 12] = 1000.0  # a drop of 1,000 in one step inside the second half: that half is split again
-    cumulative = (-steps).cumsum(-2)
-    x = torch.randn(3, 2, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(3, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
-    safe = channels._single_reference_chunks(cumulative.to(dtype))
-    assert safe.tolist() == [False, True, False]
-    monkeypatch.setattr(channels, "_recursive_products", lambda *args: pytest.fail("the recursion was taken"))
-    monkeypatch.setattr(channels, "_recursive_backward", lambda *args: pytest.fail("the recursion was taken"))
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
-    for rows in ([0], [0, 1, 2]):
-        leaves = [t[rows].detach().to(dtype).requires_grad_() for t in (x, y)]
-        out = DecayedProducts.apply(leaves[0], leaves[1], cumulative[rows].to(dtype))
-        expected = _products_by_definition(x[rows], y[rows], cumulative[rows])
-        torch.testing.assert_close(out.double(), expected.detach(), rtol=0, atol=tolerance)
-        grad = torch.randn(out.shape, generator=g, dtype=torch.float64).tril()
-        out.backward(grad.to(dtype))
-        for leaf, want in zip(leaves, torch.autograd.grad(expected, [x, y], grad)):
-            torch.testing.assert_close(leaf.grad.double(), want[rows], rtol=0, atol=10 * tolerance)
-
-
 def test_decayed_products_of_many_columns_equal_one_at_a_time():
     """The shared-factor form (rwkv7 takes its rows against k and b at once) equals the single products, forward
     and backward, with gentle and strong chunks mixed."""

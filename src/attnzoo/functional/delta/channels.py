@@ -24,12 +24,9 @@ dtype across the chunk (44 in float32, 354 in float64), one reference per channe
 ``r = (g_first + g_last) / 2``, keeps both factors within ``exp(+-log(max) / 4)`` (e^22 in float32), far from
 overflow and underflow, and the whole chunk is one matmul, ``tril((X * exp(g - r)) (Y * exp(r - g))^T)``, as
 exact as the recursion (each term is still a product of two rounded factors). The functions here take that
-form for every such chunk and split the others (gathered, computed, and written back): the pairs across their
-two halves take the reference at the boundary (one matmul, the recursion's first level), and each half is a
-chunk of its own, which again takes one reference if its decay spans little and is split if not. A decay of a
-few units per position (a chunk of 32 spanning 50 to 80) so costs three half-size matmuls, not the whole
-recursion, and a head with strong decays costs only its own chunks. A traced or compiled graph always takes
-the recursion: the choice reads the data, and a graph must hold one path that is right for any input.
+form for every such chunk and the recursion for the others (gathered, computed, and written back), so a head
+with strong decays costs only its own chunks. A traced or compiled graph always takes the recursion: the
+choice reads the data, and a graph must hold one path that is right for any input.
 """
 
 from __future__ import annotations
@@ -179,73 +176,11 @@ def _log_max(dtype: torch.dtype) -> float:
 
 def _single_reference_chunks(g: Tensor) -> Optional[Tensor]:
     """For g (L, C, d): which of the L chunks may take the single-reference form (bool (L,)), or None where the
-    recursion must serve them all: a graph is being traced or compiled (module docstring)."""
+    recursion must serve them all: none may, or a graph is being traced or compiled (module docstring)."""
     if torch.jit.is_tracing() or torch.compiler.is_compiling() or g.shape[-2] == 0:
         return None
-    return (g[..., 0, :] - g[..., -1, :]).amax(-1) <= _log_max(g.dtype) / 2
-
-
-def _boundary_factors(g: Tensor) -> Tuple[Tensor, Tensor]:
-    """For g (L, C, d), C even: ``exp(g_t - r)`` for the second half's rows and ``exp(r - g_j)`` for the first
-    half's columns, r the first half's last log decay; both (L, C/2, d), both <= 1."""
-    half = int(g.shape[-2]) // 2
-    reference = g[..., half - 1:half, :]
-    return torch.sub(g[..., half:, :], reference).exp_(), torch.sub(reference, g[..., :half, :]).exp_()
-
-
-def _halves_stacked(x: Tensor) -> Tensor:
-    """(L, ..., C, d) -> (2L, ..., C/2, d): the first halves of the L chunks, then their second halves, as chunks
-    of their own."""
-    half = int(x.shape[-2]) // 2
-    return torch.cat([x[..., :half, :], x[..., half:, :]])
-
-
-def _split_products(x: Tensor, ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
-    """:func:`decayed_products_many` of chunks whose decay spans too much for one reference, flattened (x (L, S,
-    C, d), each y (L, C, d), g (L, C, d)): the pairs across the two halves take the reference at the boundary,
-    one matmul whose factors are <= 1 (the recursion's first level), and each half is a chunk of its own, which
-    takes one reference if its decay spans little and is split again if not. A chunk of odd length takes the
-    recursion."""
-    length, stacked, chunk, width = x.shape
-    if chunk % 2:
-        return [_recursive_products(x, y, g) for y in ys]
-    half = chunk // 2
-    rows, columns = _boundary_factors(g)
-    x_scaled = (x[..., half:, :] * rows.unsqueeze(1)).reshape(length, stacked * half, width)
-    inner = decayed_products_many(_halves_stacked(x), [_halves_stacked(y) for y in ys], _halves_stacked(g))
-    outs = []
-    for y, both in zip(ys, inner):
-        out = x.new_zeros(length, stacked, chunk, chunk)
-        out[..., :half, :half] = both[:length]
-        out[..., half:, half:] = both[length:]
-        across = x_scaled @ (y[..., :half, :] * columns).transpose(-1, -2)
-        out[..., half:, :half] = across.view(length, stacked, half, half)
-        outs.append(out)
-    return outs
-
-
-def _split_backward(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g: Tensor
-                    ) -> Tuple[Tensor, List[Tensor]]:
-    """The backward of :func:`_split_products` (each grad (L, S, C, C), zero above the diagonal)."""
-    length, stacked, chunk, width = x.shape
-    if chunk % 2:
-        pairs = [_recursive_backward(grad, x, y, g) for grad, y in zip(grads, ys)]
-        return torch.stack([pair[0] for pair in pairs]).sum(0), [pair[1] for pair in pairs]
-    half = chunk // 2
-    rows, columns = _boundary_factors(g)
-    x_scaled = (x[..., half:, :] * rows.unsqueeze(1)).reshape(length, stacked * half, width)
-    inner_grads = [torch.cat([grad[..., :half, :half], grad[..., half:, half:]]) for grad in grads]
-    inner_x, inner_ys = decayed_products_backward_many(inner_grads, _halves_stacked(x),
-                                                       [_halves_stacked(y) for y in ys], _halves_stacked(g))
-    grad_x = torch.cat([inner_x[:length], inner_x[length:]], dim=-2)
-    grad_ys = [torch.cat([inner[:length], inner[length:]], dim=-2) for inner in inner_ys]
-    grad_x_scaled = x_scaled.new_zeros(x_scaled.shape)
-    for grad, y, grad_y in zip(grads, ys, grad_ys):
-        across = grad[..., half:, :half].reshape(length, stacked * half, half)
-        grad_x_scaled.baddbmm_(across, y[..., :half, :] * columns)
-        grad_y[..., :half, :].addcmul_(across.transpose(-1, -2) @ x_scaled, columns)
-    grad_x[..., half:, :].addcmul_(grad_x_scaled.view(length, stacked, half, width), rows.unsqueeze(1))
-    return grad_x, grad_ys
+    safe = (g[..., 0, :] - g[..., -1, :]).amax(-1) <= _log_max(g.dtype) / 2
+    return safe if bool(safe.any()) else None
 
 
 def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
@@ -262,20 +197,20 @@ def decayed_products_many(x: Tensor, ys: Sequence[Tensor], g: Tensor) -> List[Te
     if safe is None:
         return [_recursive_products(x, y, g) for y in ys]
     xf, gf = x.reshape(-1, *x.shape[-3:]), g.reshape(-1, *g.shape[-2:])
-    yfs = [y.reshape(-1, *y.shape[-2:]) for y in ys]
-    stacked, chunk = xf.shape[1], xf.shape[2]
-    if not bool(safe.any()):
-        return [out.view(*x.shape[:-1], chunk) for out in _split_products(xf, yfs, gf)]
     unsafe = (~safe).nonzero().squeeze(1)
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
+    stacked, chunk = xf.shape[1], xf.shape[2]
     x_scaled = (xf * rows.unsqueeze(1)).view(xf.shape[0], stacked * chunk, xf.shape[-1])
-    outs = [(x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_() for yf in yfs]
-    if unsafe.numel():
-        parts = _split_products(xf.index_select(0, unsafe), [yf.index_select(0, unsafe) for yf in yfs],
-                                gf.index_select(0, unsafe))
-        for out, part in zip(outs, parts):
-            out.index_copy_(0, unsafe, part)
-    return [out.view(*x.shape[:-1], chunk) for out in outs]
+    if unsafe.numel():  # gathered once for every column operand
+        x_unsafe, g_unsafe = xf.index_select(0, unsafe), gf.index_select(0, unsafe)
+    outs = []
+    for y in ys:
+        yf = y.reshape(-1, *y.shape[-2:])
+        out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_()
+        if unsafe.numel():
+            out.index_copy_(0, unsafe, _recursive_products(x_unsafe, yf.index_select(0, unsafe), g_unsafe))
+        outs.append(out.view(*x.shape[:-1], chunk))
+    return outs
 
 
 def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
@@ -296,10 +231,6 @@ def decayed_products_backward_many(grads: Sequence[Tensor], x: Tensor, ys: Seque
         pairs = [_recursive_backward(grad, x, y, g) for grad, y in zip(grads, ys)]
         return torch.stack([pair[0] for pair in pairs]).sum(0), [pair[1] for pair in pairs]
     xf, gf = x.reshape(-1, *x.shape[-3:]), g.reshape(-1, *g.shape[-2:])
-    if not bool(safe.any()):
-        flat_grads = [grad.reshape(xf.shape[0], *grad.shape[-3:]) for grad in grads]
-        grad_x, grad_ys = _split_backward(flat_grads, xf, [y.reshape(-1, *y.shape[-2:]) for y in ys], gf)
-        return grad_x.view_as(x), [grad_y.view_as(y) for grad_y, y in zip(grad_ys, ys)]
     unsafe = (~safe).nonzero().squeeze(1)
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
     length, stacked, chunk, width = xf.shape
@@ -312,11 +243,13 @@ def decayed_products_backward_many(grads: Sequence[Tensor], x: Tensor, ys: Seque
         grad_ys.append((grad_flat.transpose(-1, -2) @ x_scaled).mul_(columns))
     grad_x = grad_x_scaled.view_as(xf).mul_(rows.unsqueeze(1))
     if unsafe.numel():
-        grad_x_unsafe, parts_y = _split_backward(
-            [grad.reshape(length, stacked, chunk, chunk).index_select(0, unsafe) for grad in grads],
-            xf.index_select(0, unsafe), [y.reshape(-1, *y.shape[-2:]).index_select(0, unsafe) for y in ys],
-            gf.index_select(0, unsafe))
-        for grad_y, part_y in zip(grad_ys, parts_y):
+        x_unsafe, g_unsafe = xf.index_select(0, unsafe), gf.index_select(0, unsafe)
+        grad_x_unsafe = None
+        for grad, y, grad_y in zip(grads, ys, grad_ys):
+            grad_unsafe = grad.reshape(length, stacked, chunk, chunk).index_select(0, unsafe)
+            y_unsafe = y.reshape(-1, *y.shape[-2:]).index_select(0, unsafe)
+            part_x, part_y = _recursive_backward(grad_unsafe, x_unsafe, y_unsafe, g_unsafe)
+            grad_x_unsafe = part_x if grad_x_unsafe is None else grad_x_unsafe.add_(part_x)
             grad_y.index_copy_(0, unsafe, part_y)
         grad_x.index_copy_(0, unsafe, grad_x_unsafe)
     return grad_x.view_as(x), [grad_y.view_as(y) for grad_y, y in zip(grad_ys, ys)]
