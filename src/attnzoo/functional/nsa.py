@@ -54,7 +54,7 @@ from .._validation import (
     check_positive_int,
     check_qkv,
 )
-from .blocksparse import BlockPlan, LocalPattern, blocksparse_attention_unchecked
+from .blocksparse import BlockPlan, blocksparse_attention_unchecked, window_pattern
 from .blocksparse.selected import selected_blocks_attention_unchecked
 from .masks import zero_padded
 from .softmax import masked_sdpa, masked_softmax_reference
@@ -222,7 +222,7 @@ def nsa_attention_unchecked(
     causal: bool, key_padding_mask: Optional[Tensor], scale: Optional[float], plan: Optional[BlockPlan] = None,
 ) -> Tensor:
     """:func:`nsa_attention` on checked inputs (the mechanism's path). ``plan``: a block plan of the window's
-    :class:`~attnzoo.functional.blocksparse.LocalPattern` for this length and causality, to reuse."""
+    :func:`~attnzoo.functional.blocksparse.window_pattern` for this length and causality, to reuse."""
     order = None
     if key_padding_mask is not None:
         # Each row's unpadded positions first, in order: blocks and the window then start at the sequence's
@@ -261,8 +261,8 @@ def window_attention(
     queries the last ``seq_q`` positions) a masked softmax over the last ``window + seq_q - 1`` keys."""
     q_len, k_len = q.shape[2], k0.shape[2]
     if q_len == k_len:
-        pattern = LocalPattern(window, min(window, 64))
-        return blocksparse_attention_unchecked(q, k0, v0, pattern, causal, key_padding_mask, scale, plan)
+        return blocksparse_attention_unchecked(q, k0, v0, window_pattern(window), causal, key_padding_mask, scale,
+                                               plan)
     start = max(0, k_len - q_len - window + 1)
     keys = torch.arange(start, k_len, device=q.device)
     distance = positions.view(-1, 1) - keys.view(1, -1)

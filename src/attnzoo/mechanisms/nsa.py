@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..functional.blocksparse import BlockPlan, LocalPattern, blocksparse_plan, default_block
+from ..functional.blocksparse import BlockPlan, blocksparse_plan, window_pattern
 from ..functional.nsa import (
     NSABlocks,
     compress,
@@ -95,7 +95,7 @@ class NativeSparseAttention(Mechanism):
 
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
         """The window's block plan, the last one kept while the length, causality and device stay."""
-        pattern = LocalPattern(self.blocks.window, default_block(self.blocks.window))
+        pattern = window_pattern(self.blocks.window)
         return last_plan(self, "_plan", (length, causal, device),
                          lambda: blocksparse_plan(pattern, length, causal, device))
 
