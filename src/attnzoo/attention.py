@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from ._validation import check_bool, check_choice, check_floating, check_number, check_positive_int, check_probability
 from .mechanisms.base import UnsupportedOptionError, shapes_only
 from .mechanisms.registry import build_mechanism
+from .mechanisms.state_checks import check_state_made_here
 from .state import DecodingState
 from .positional import ROTARY_PAIRS, RotaryEmbedding
 
@@ -274,8 +275,8 @@ class MultiHeadAttention(nn.Module):
         inner = None if state is None else state.mechanism
         q, k, v = (self._split_heads(proj(x_t)) for proj in (self.q_proj, self.k_proj, self.v_proj))
         self.mechanism.require_recurrent_step()
-        grouped = {} if self.kv_heads == self.heads else {"kv_heads": self.kv_heads}
-        self.mechanism.check_state(inner, q, **grouped)  # before its length sets the rotary position
+        if inner is not None:  # before its length sets the rotary position (the mechanism's step checks its tensors)
+            check_state_made_here(inner, self.mechanism.name)
         position = 0 if inner is None else inner.length
         if self.mechanism.max_length is not None and position >= self.mechanism.max_length:
             raise ValueError(f"{self.mechanism.name}: decoding past max_length={self.mechanism.max_length}")

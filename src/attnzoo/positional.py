@@ -8,6 +8,7 @@ rotate per-head queries and keys inside attention, (batch, heads, seq, head_dim)
 from __future__ import annotations
 
 import math
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -81,20 +82,47 @@ class RotaryEmbedding(nn.Module):
             "inv_freq", 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim),
             persistent=False,
         )
+        self._table: Optional[Tuple[tuple, Tensor, Tensor]] = None  # see _cos_sin
+
+    def _cos_sin(self, start: int, seq: int) -> Tuple[Tensor, Tensor]:
+        """cos and sin of the angles of positions ``[start, start + seq)`` in float32 (:meth:`_angles`): rows
+        of a table kept for the longest length asked so far (a decoding step would otherwise form its one row
+        in five operations), the same values as computed afresh. Under tracing or compilation, computed afresh."""
+        end = start + seq
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return self._angles(start, end)
+        key = (self.inv_freq.device, self.inv_freq.data_ptr(), self.inv_freq._version)
+        table = self._table
+        if table is None or table[0] != key or table[1].shape[0] < end:
+            length = max(end, 2 * table[1].shape[0] if table is not None and table[0] == key else 0, 256)
+            with torch.inference_mode(False), torch.no_grad():  # usable outside inference mode and autograd
+                self._table = table = (key, *self._angles(0, length))
+        return table[1][start:end], table[2][start:end]
+
+    def _angles(self, start: int, end: int) -> Tuple[Tensor, Tensor]:
+        """cos and sin, (end - start, rotary_dim/2), or for ``"halves"`` each repeated to (end - start,
+        rotary_dim): the factors of both halves."""
+        positions = torch.arange(start, end, device=self.inv_freq.device, dtype=torch.float32)
+        angles = positions[:, None] * self.inv_freq[None, :]  # (seq, rotary_dim/2)
+        if self.pairs == "halves":
+            angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
 
     def forward(self, x: Tensor, start: int = 0) -> Tensor:
-        seq = x.shape[-2]
-        positions = torch.arange(start, start + seq, device=x.device, dtype=torch.float32)
-        angles = positions[:, None] * self.inv_freq[None, :]  # (seq, rotary_dim/2)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        rotated, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        cos, sin = self._cos_sin(start, x.shape[-2])
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        whole = self.rotary_dim == x.shape[-1]
+        rotated = x if whole else x[..., : self.rotary_dim]
         if self.pairs == "halves":
-            first, second = rotated[..., : self.rotary_dim // 2], rotated[..., self.rotary_dim // 2 :]
-            out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+            # [a, b] -> [a cos - b sin, b cos + a sin] as x * [cos, cos] + [-b, a] * [sin, sin]: the same values
+            # (a - b == a + (-b) exactly) in fewer operations.
+            half = self.rotary_dim // 2
+            turned = torch.cat([rotated[..., half:].neg(), rotated[..., :half]], dim=-1)
+            out = rotated * cos + turned * sin
         else:
             even, odd = rotated[..., 0::2], rotated[..., 1::2]
             out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-        return torch.cat([out, passthrough], dim=-1)
+        return out if whole else torch.cat([out, x[..., self.rotary_dim :]], dim=-1)
 
     def extra_repr(self) -> str:
         return f"rotary_dim={self.rotary_dim}, pairs={self.pairs!r}"

@@ -128,6 +128,19 @@ def test_greedy_continuation_matches_greedy_decode(tiny):
     assert continuation.steps == 4 and continuation.context == 12 and continuation.tokens_per_second > 0
 
 
+def test_a_batch_decodes_each_prompt_as_alone_and_counts_every_sequence(tiny):
+    _, model = tiny
+    prompts = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(1))
+    together = evaluation.greedy_continue(model, prompts, 5)
+    alone = [evaluation.greedy_continue(model, prompt, 5) for prompt in prompts]
+    assert together.sequences == [one.tokens for one in alone] and together.batch == 3
+    assert together.state_bytes == sum(one.state_bytes for one in alone)
+    assert together.tokens_per_second == pytest.approx(3 * 4 / together.step_seconds)
+    assert together.state_bytes_per_token == pytest.approx(alone[0].state_bytes_per_token)
+    with pytest.raises(ValueError, match="batch of 3: read sequences"):
+        together.tokens
+
+
 def test_decoding_state_is_flat_for_a_constant_state_mechanism_and_grows_for_softmax(tiny):
     _, model = tiny
     linear, _ = evaluation.swapped(model, "linear")
@@ -186,6 +199,7 @@ def _error_line(capsys) -> str:
     (["--decode-lengths", "129"], "--decode-lengths"),
     (["--swap-length", "512"], "--swap-length"),
     (["--windows", "0"], "--windows"),
+    (["--decode-batch", "0"], "--decode-batch"),
     (["--passkey-depths", "0,1.5"], "--passkey-depths"),
     (["--parts", "perplexity,speed"], "--parts"),
     (["--sources", "poetry"], "--sources"),
@@ -220,6 +234,9 @@ def test_a_split_too_short_for_the_windows_is_named(tiny, tmp_path):
     config = LmEvalConfig(gguf=str(path), parts=["perplexity"], sources=["code"], lengths=[100], windows=10**6)
     with pytest.raises(ValueError, match="--windows"):
         run_lm_eval(config, tmp_path, ["test"], tokenizer=WordTokenizer())
+    batch = LmEvalConfig(gguf=str(path), parts=["decode"], decode_lengths=[100], decode_batch=10**6)
+    with pytest.raises(ValueError, match="--decode-batch"):
+        run_lm_eval(batch, tmp_path, ["test"], tokenizer=WordTokenizer())
     assert not (tmp_path / "lm-eval.json").exists()
 
 
@@ -227,7 +244,7 @@ def test_a_run_writes_every_table_and_figure(tiny, tmp_path):
     path, _ = tiny
     config = LmEvalConfig(gguf=str(path), variants=[Variant("local", {"window": 8, "sink_tokens": 2})],
                           sources=["code"], lengths=[32, 64], passkey_lengths=[100], depths=[0.0, 1.0],
-                          decode_lengths=[32, 100], decode_tokens=3, swap_length=64,
+                          decode_lengths=[32, 100], decode_tokens=3, decode_batch=2, swap_length=64,
                           swap_mechanisms=["softmax", "linear", "bigbird"])
     seen = []  # each measurement's label, with the tables and figures already written when it started
 
@@ -249,6 +266,7 @@ def test_a_run_writes_every_table_and_figure(tiny, tmp_path):
     assert softmax_swap["code_perplexity"] == pytest.approx(softmax_row["perplexity"])
     local = [r for r in data["decode"] if r["variant"].startswith("local")]
     assert local[0]["state_bytes"] == local[1]["state_bytes"]  # a window and sinks: a bounded cache
+    assert all(row["batch"] == 2 for row in data["decode"])
     written = json.loads((tmp_path / "lm-eval.json").read_text())
     assert written["command"] == ["attnzoo", "lm-eval", "..."] and written["schema"] == "attnzoo.lm-eval/1"
     with (tmp_path / "lm-eval.csv").open() as handle:

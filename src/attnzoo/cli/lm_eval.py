@@ -55,8 +55,8 @@ def lm_eval_command(args: argparse.Namespace) -> int:
 
     given = {name: getattr(args, name) for name in (
         "parts", "sources", "lengths", "windows", "passkey_lengths", "depths", "trials", "decode_lengths",
-        "decode_tokens", "swap_length", "swap_windows", "swap_mechanisms", "seed", "threads") if getattr(args, name)
-        is not None}
+        "decode_tokens", "decode_batch", "swap_length", "swap_windows", "swap_mechanisms", "seed", "threads")
+        if getattr(args, name) is not None}
     output = Path(args.output)
     try:
         import_modules(args.imports)  # first: they register mechanisms --variant may name
@@ -122,6 +122,9 @@ def add_lm_eval_command(commands: Any) -> None:
                         help=f"contexts decoding is timed after (default {join(default.decode_lengths)})")
     parser.add_argument("--decode-tokens", dest="decode_tokens", type=int,
                         help=f"greedy steps timed (default {default.decode_tokens})")
+    parser.add_argument("--decode-batch", dest="decode_batch", type=int, metavar="N",
+                        help=f"prose prompts decoded together, each step reading the weights once for all of them; "
+                             f"tokens/s counts every sequence's tokens (default {default.decode_batch})")
     parser.add_argument("--swap-length", dest="swap_length", type=int,
                         help=f"tokens per raw-swap window (default {default.swap_length})")
     parser.add_argument("--swap-windows", dest="swap_windows", type=int,

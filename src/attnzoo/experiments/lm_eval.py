@@ -56,7 +56,7 @@ TOKENIZER_FIELD = "tokenizer.ggml.tokens"
 OPTION = {"gguf": "--gguf", "variants": "--variant", "parts": "--parts", "sources": "--sources",
           "lengths": "--lengths", "windows": "--windows", "passkey_lengths": "--passkey-lengths",
           "depths": "--passkey-depths", "trials": "--passkey-trials", "decode_lengths": "--decode-lengths",
-          "decode_tokens": "--decode-tokens", "swap_length": "--swap-length", "swap_windows": "--swap-windows",
+          "decode_tokens": "--decode-tokens", "decode_batch": "--decode-batch", "swap_length": "--swap-length", "swap_windows": "--swap-windows",
           "swap_mechanisms": "--swap-mechanisms", "seed": "--seed", "threads": "--threads",
           "converted": "--converted"}
 
@@ -98,6 +98,7 @@ class LmEvalConfig:
     trials: int = 1
     decode_lengths: Sequence[int] = (1024, 4096, 8192)
     decode_tokens: int = 16
+    decode_batch: int = 1  # prompts decoded together (each step reads the weights once for all of them)
     swap_length: int = 2048
     swap_windows: int = 1
     swap_mechanisms: Optional[Sequence[str]] = None  # None: every registered mechanism
@@ -116,7 +117,7 @@ class LmEvalConfig:
         _names("sources", self.sources, TEXT_SOURCES)
         for name in ("lengths", "passkey_lengths", "decode_lengths"):
             _lengths(name, getattr(self, name))
-        for name in ("windows", "trials", "decode_tokens", "swap_length", "swap_windows"):
+        for name in ("windows", "trials", "decode_tokens", "decode_batch", "swap_length", "swap_windows"):
             _count(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"{OPTION['seed']}: expected an integer >= 0, got {self.seed!r}")
@@ -137,7 +138,7 @@ class LmEvalConfig:
         return {"parts": list(self.parts), "sources": list(self.sources), "lengths": list(self.lengths),
                 "windows": self.windows, "passkey_lengths": list(self.passkey_lengths), "depths": list(self.depths),
                 "trials": self.trials, "decode_lengths": list(self.decode_lengths),
-                "decode_tokens": self.decode_tokens, "swap_length": self.swap_length,
+                "decode_tokens": self.decode_tokens, "decode_batch": self.decode_batch, "swap_length": self.swap_length,
                 "swap_windows": self.swap_windows, "swap_mechanisms": self.swap_mechanisms, "seed": self.seed,
                 "threads": self.threads, "split": EVAL_SPLIT, "converted": list(self.converted)}
 
@@ -257,7 +258,8 @@ def plan_text(config: LmEvalConfig, tokenizer: Any) -> Dict[Tuple[str, int], Tok
             wanted[(source, config.swap_length)] = (count, "swap_windows")
     if "decode" in config.parts:
         for length in config.decode_lengths:
-            wanted.setdefault((TEXT_SOURCES[0], length), (1, "decode_lengths"))
+            count = max(config.decode_batch, wanted.get((TEXT_SOURCES[0], length), (0, ""))[0])
+            wanted[(TEXT_SOURCES[0], length)] = (count, "decode_batch" if count > 1 else "decode_lengths")
     if "passkey" in config.parts:
         try:
             passkey_prompt(tokenizer, min(config.passkey_lengths), 0.0, "00000")

@@ -108,7 +108,9 @@ def plot_decode(data: Dict[str, Any], path: Path) -> None:
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
-    _save(fig, path, f"greedy decoding after a prose prompt, {data['settings']['decode_tokens']} steps timed")
+    batch = data["settings"].get("decode_batch", 1)
+    prompts = "a prose prompt" if batch == 1 else f"{batch} prose prompts decoded together"
+    _save(fig, path, f"greedy decoding after {prompts}, {data['settings']['decode_tokens']} steps timed")
 
 
 def plot_swap(data: Dict[str, Any], path: Path) -> None:

@@ -99,7 +99,7 @@ def measure_variant(config: Any, prepared: Any, variant: Any, base: CausalLM, to
     if "decode" in config.parts:
         for length in config.decode_lengths:
             timed(f"{variant.label}: decoding after {length} tokens", progress)
-            prompt = text[(TEXT_SOURCES[0], length)].tokens[0]
+            prompt = text[(TEXT_SOURCES[0], length)].tokens[:config.decode_batch]
             row = {**common, "source": TEXT_SOURCES[0], "length": length}
             rows["decode"].append(_guarded(row, lambda: _decode_row(model, prompt, config.decode_tokens)))
     return rows
@@ -117,7 +117,7 @@ def _passkey_row(model: CausalLM, tokenizer: Any, seed: int, length: int, depth:
 
 def _decode_row(model: CausalLM, prompt: torch.Tensor, steps: int) -> Dict[str, Any]:
     continuation = greedy_continue(model, prompt, steps + 1)
-    return {"context": continuation.context, "steps": continuation.steps,
+    return {"context": continuation.context, "batch": continuation.batch, "steps": continuation.steps,
             "tokens_per_second": continuation.tokens_per_second, "prefill_seconds": continuation.prefill_seconds,
             "state_bytes": continuation.state_bytes, "state_bytes_per_token": continuation.state_bytes_per_token}
 

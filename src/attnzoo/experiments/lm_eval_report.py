@@ -17,7 +17,7 @@ PARTS = ("perplexity", "passkey", "decode", "swap")
 CSV_COLUMNS = [
     "part", "variant", "mechanism", "source", "length", "depth", "trial", "status", "reason", "perplexity",
     "mean_nll", "tokens", "windows", "single_document", "key", "answer", "correct", "depth_reached",
-    "prompt_tokens", "context", "steps", "tokens_per_second", "prefill_seconds", "state_bytes",
+    "prompt_tokens", "context", "batch", "steps", "tokens_per_second", "prefill_seconds", "state_bytes",
     "state_bytes_per_token", "kind", "own_parameters", "prose_perplexity", "code_perplexity", "seconds",
 ]
 
@@ -184,7 +184,9 @@ def render_markdown(data: Dict[str, Any]) -> str:
             if any(r["variant"] == variant and r.get("status") == "ok" for r in data["passkey"]):
                 text += passkey_depth_table(data, variant) + [""]
     if data["decode"]:
-        text += [f"## Decoding ({settings['decode_tokens']} greedy steps after a prose prompt)", ""] \
+        batch = settings.get("decode_batch", 1)
+        prompts = "a prose prompt" if batch == 1 else f"{batch} prose prompts decoded together"
+        text += [f"## Decoding ({settings['decode_tokens']} greedy steps after {prompts})", ""] \
             + decode_table(data) + [""]
     if data["swap"]:
         text += [f"## Raw swap at {settings['swap_length']:,} tokens (no training; {settings['swap_windows']} "

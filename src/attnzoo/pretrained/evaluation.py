@@ -119,38 +119,53 @@ def decodes(model: CausalLM) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Continuation:
-    """What :func:`greedy_continue` returns: the new tokens, and the timing and state of the decoding."""
+    """What :func:`greedy_continue` returns: the new tokens of each prompt, and the timing and state of the
+    decoding."""
 
-    tokens: List[int]
-    context: int
+    sequences: List[List[int]]  # the new tokens, one list per prompt of the batch
+    context: int  # tokens of each prompt
     prefill_seconds: float
     step_seconds: float
     steps: int
-    state_bytes: int
+    state_bytes: int  # the whole batch's state
+
+    @property
+    def tokens(self) -> List[int]:
+        """The new tokens of a single prompt (a batch of one)."""
+        if len(self.sequences) != 1:
+            raise ValueError(f"tokens is the continuation of one prompt; this is a batch of {len(self.sequences)}: "
+                             f"read sequences")
+        return self.sequences[0]
+
+    @property
+    def batch(self) -> int:
+        """Prompts decoded together."""
+        return len(self.sequences)
 
     @property
     def tokens_per_second(self) -> float:
-        """Decoding speed: steps per second after the prefill (each step feeds one token and yields the next)."""
-        return self.steps / self.step_seconds if self.step_seconds > 0 else float("inf")
+        """Decoding speed: tokens made per second after the prefill, over the batch (each step feeds every
+        sequence one token and yields its next)."""
+        return self.batch * self.steps / self.step_seconds if self.step_seconds > 0 else float("inf")
 
     @property
     def state_bytes_per_token(self) -> float:
         """The decoding state's bytes per token of context, measured after the prefill."""
-        return self.state_bytes / self.context
+        return self.state_bytes / (self.batch * self.context)
 
 
 @torch.inference_mode()
 def greedy_continue(model: CausalLM, prompt: Tensor, new_tokens: int) -> Continuation:
-    """Greedy decoding of ``new_tokens`` after ``prompt`` (seq,) or (1, seq): one prefill (only the last position's
-    logits computed), then ``new_tokens - 1`` timed steps. The state's size is measured after the prefill."""
+    """Greedy decoding of ``new_tokens`` after ``prompt``: one sequence (seq,) or (1, seq), or a batch (batch,
+    seq) of equal-length prompts decoded together (their steps share every weight read). One prefill (only the
+    last position's logits computed), then ``new_tokens - 1`` timed steps. The state's size is measured after
+    the prefill."""
     _check_model(model)
     reason = decodes(model)
     if reason is not None:
         raise ValueError(reason)
     prompt = prompt[None] if prompt.dim() == 1 else prompt
     _check_windows("prompt", prompt, model.vocab_size, minimum=1)
-    if prompt.shape[0] != 1:
-        raise ValueError(f"prompt must be one sequence, got a batch of {prompt.shape[0]}")
     if not isinstance(new_tokens, int) or isinstance(new_tokens, bool) or new_tokens < 1:
         raise ValueError(f"new_tokens must be an integer >= 1, got {new_tokens!r}")
     start = time.perf_counter()
@@ -158,13 +173,14 @@ def greedy_continue(model: CausalLM, prompt: Tensor, new_tokens: int) -> Continu
     token = model.head(hidden[:, -1]).argmax(dim=-1)
     prefill_seconds = time.perf_counter() - start
     size = state_bytes(state)
-    generated = [int(token)]
+    generated = [token]
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
         logits, state = model.step(token, state)
         token = logits.argmax(dim=-1)
-        generated.append(int(token))
-    return Continuation(generated, prompt.shape[1], prefill_seconds, time.perf_counter() - start,
+        generated.append(token)
+    step_seconds = time.perf_counter() - start
+    return Continuation(torch.stack(generated, 1).tolist(), prompt.shape[1], prefill_seconds, step_seconds,
                         new_tokens - 1, size)
 
 
