@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import attnzoo
+from attnzoo._malloc import keep_freed_memory
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 LOLCATS_OPTIONS = {"window": 64, "sink_tokens": 4}
@@ -85,8 +86,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--fresh-memory", action="store_true",
+                        help="leave glibc's allocator as it is (by default freed memory is kept for reuse, as "
+                             "attnzoo lm-eval does, so a step's state tensors are not page-faulted in afresh)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.fresh_memory:
+        keep_freed_memory()
     contexts = [int(c) for c in args.contexts.split(",")]
     mechanisms = build()
     rows = []

@@ -302,6 +302,14 @@ def test_a_converted_gguf_model_loads_to_the_same_outputs(tmp_path):
     conversion.student.load_tensors(rebuilt, state["tensors"])
     with torch.no_grad():
         assert torch.equal(model(tokens), rebuilt(tokens))
+    # Merged for decoding: plain projections, the same logits up to float32 rounding.
+    merged, _ = conversion.load_converted(tmp_path / "run", tokenizer=False, merged=True)
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    with torch.no_grad():
+        assert torch.allclose(merged(tokens), model(tokens), atol=1e-4, rtol=1e-5)
+        assert not torch.equal(merged.layers[0].attention.q_proj.weight, teacher.layers[0].attention.q_proj.weight)
+    with pytest.raises(TypeError, match="merged must be True or False"):
+        conversion.load_converted(tmp_path / "run", tokenizer=False, merged="yes")
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other)
     with pytest.raises(ValueError, match="not the file the model was converted from"):

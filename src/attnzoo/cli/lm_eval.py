@@ -65,6 +65,11 @@ def lm_eval_command(args: argparse.Namespace) -> int:
         prepared = prepare(config)
     except (TypeError, ValueError) as error:
         return usage_error("lm-eval", str(error))
+    from .._malloc import keep_freed_memory
+
+    # A decoding step allocates a state's worth of tensors; depending on what ran before, glibc may map them
+    # afresh, and the kernel would page-fault them in at every step: the timings would be the kernel's.
+    keep_freed_memory()
     start, set_total, close = job_progress(args.quiet or args.json, "measurement")
     try:
         data = run_lm_eval(config, output, ["attnzoo", "lm-eval", *args.raw_argv], start, set_total, prepared)

@@ -15,9 +15,10 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .._validation import check_bool
 from ..pretrained import CausalLM, Pretrained
 from .config import ConversionConfig
-from .lora import add_lora, lora_state
+from .lora import add_lora, lora_state, merge_lora
 from .student import load_tensors, mechanism_state
 
 MODEL_JSON = "model.json"
@@ -88,9 +89,11 @@ def check_teacher_file(path: Union[str, "os.PathLike[str]"], description: Mappin
                          f"{digest[:12]}...)")
 
 
-def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, Any]) -> CausalLM:
+def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, Any], merged: bool = False
+                    ) -> CausalLM:
     """The converted model from its teacher's weights (``teacher``, left as it is) and the trained tensors in
-    ``folder`` (as :func:`read_converted` returns it), frozen, in eval mode."""
+    ``folder`` (as :func:`read_converted` returns it), frozen, in eval mode; ``merged``: the adapters folded
+    into their projections (:func:`~attnzoo.conversion.merge_lora`)."""
     from safetensors.torch import load_file
 
     model = CausalLM(teacher.config, layer_mechanisms=converted_layers(description))
@@ -103,22 +106,28 @@ def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, A
         missing, extra = sorted(expected - set(saved)), sorted(set(saved) - expected)
         raise ValueError(f"{folder / WEIGHTS} does not fit {MODEL_JSON}: missing {missing[:3]}, unexpected {extra[:3]}")
     load_tensors(model, saved)
+    if merged:
+        merge_lora(model)
     return model.requires_grad_(False).eval()
 
 
 def load_converted(
     folder: Union[str, "os.PathLike[str]"], *, gguf: Optional[Union[str, "os.PathLike[str]"]] = None,
-    tokenizer: bool = True,
+    tokenizer: bool = True, merged: bool = False,
 ) -> Pretrained:
     """The converted model saved in ``folder`` (a conversion's output folder or its ``model/``), and its
     tokenizer, in eval mode.
 
     ``gguf``: the teacher's file, when it has moved from where the conversion read it (its SHA-256 must match).
+    ``merged``: each low-rank adapter folded into its projection (``W + scale B A``, one product where the
+    adapter takes three: what decoding wants; the logits equal the unmerged model's up to float32 rounding).
+    False (the default) keeps them as :class:`~attnzoo.conversion.LoRALinear`, the model exactly as trained.
     """
     from ..pretrained.loader import gguf_path, load
 
+    check_bool("merged", merged)
     folder, description = read_converted(folder)
     path = gguf_path(gguf if gguf is not None else description["source"]["gguf"])
     check_teacher_file(path, description)
     teacher, loaded_tokenizer = load(path, tokenizer=tokenizer)
-    return Pretrained(build_converted(teacher, folder, description), loaded_tokenizer)
+    return Pretrained(build_converted(teacher, folder, description, merged), loaded_tokenizer)

@@ -66,7 +66,7 @@ def variant_model(prepared: Any, variant: Any, base: CausalLM, seed: int) -> Tup
     if variant.is_baseline:
         return base, 0
     if variant.converted is not None:
-        model = build_converted(base, *prepared.descriptions[variant.converted])
+        model = build_converted(base, *prepared.descriptions[variant.converted], merged=True)  # as deployed
         trained = {**mechanism_state(model), **lora_state(model)}
         return model, sum(t.numel() for t in trained.values())
     return swapped(base, variant.mechanism, dict(variant.options), seed)
