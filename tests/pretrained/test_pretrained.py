@@ -323,6 +323,28 @@ def test_smollm2_runs_with_another_mechanism(smollm2):
     assert attnzoo.greedy_decode(local, tokens[:, :20], 4).shape == (1, 24)
 
 
+def test_smollm2_packed_and_padded_batches_give_each_text_its_own_logits(smollm2):
+    """The real model, its 9 query heads on 3 key/value heads: two texts packed in one row (rotary positions
+    restarting at the second), and the shorter one right-padded in a batch with the longer, whatever the padded
+    positions hold, give the logits each text gets alone; a batch of two decodes each as alone."""
+    model, tokenizer = smollm2
+    first = tokenizer(TEXT, return_tensors="pt").input_ids[:, :24]
+    second = tokenizer("The capital of France is Paris, and", return_tensors="pt").input_ids
+    n, m = first.shape[1], second.shape[1]
+    with torch.no_grad():
+        alone = [model(first), model(second)]
+        packed = model(torch.cat([first, second], dim=1), cu_seqlens=torch.tensor([0, n, n + m]))
+        filler = torch.full((1, n - m), 1234)
+        padded = model(torch.cat([first, torch.cat([second, filler], dim=1)]),
+                       padding_mask=torch.cat([torch.zeros(1, n, dtype=torch.bool),
+                                               torch.arange(n)[None] >= m]))
+    assert torch.allclose(packed[:, :n], alone[0], atol=1e-4) and torch.allclose(packed[:, n:], alone[1], atol=1e-4)
+    assert torch.allclose(padded[:1], alone[0], atol=1e-4) and torch.allclose(padded[1:, :m], alone[1], atol=1e-4)
+    prompts = torch.cat([first[:, :m], second])
+    assert torch.equal(attnzoo.greedy_decode(model, prompts, 3),
+                       torch.cat([attnzoo.greedy_decode(model, p[None], 3) for p in prompts]))
+
+
 @pytest.mark.slow
 def test_smollm2_logits_equal_transformers(smollm2, transformers_smollm2):
     model, tokenizer = smollm2
