@@ -56,9 +56,9 @@ TOKENIZER_FIELD = "tokenizer.ggml.tokens"
 OPTION = {"gguf": "--gguf", "variants": "--variant", "parts": "--parts", "sources": "--sources",
           "lengths": "--lengths", "windows": "--windows", "passkey_lengths": "--passkey-lengths",
           "depths": "--passkey-depths", "trials": "--passkey-trials", "decode_lengths": "--decode-lengths",
-          "decode_tokens": "--decode-tokens", "decode_batch": "--decode-batch", "swap_length": "--swap-length", "swap_windows": "--swap-windows",
-          "swap_mechanisms": "--swap-mechanisms", "seed": "--seed", "threads": "--threads",
-          "converted": "--converted"}
+          "decode_tokens": "--decode-tokens", "decode_batch": "--decode-batch", "swap_length": "--swap-length",
+          "swap_windows": "--swap-windows", "swap_mechanisms": "--swap-mechanisms", "seed": "--seed",
+          "threads": "--threads", "converted": "--converted"}
 
 @dataclass(frozen=True, eq=False)
 class Variant:
@@ -138,7 +138,8 @@ class LmEvalConfig:
         return {"parts": list(self.parts), "sources": list(self.sources), "lengths": list(self.lengths),
                 "windows": self.windows, "passkey_lengths": list(self.passkey_lengths), "depths": list(self.depths),
                 "trials": self.trials, "decode_lengths": list(self.decode_lengths),
-                "decode_tokens": self.decode_tokens, "decode_batch": self.decode_batch, "swap_length": self.swap_length,
+                "decode_tokens": self.decode_tokens, "decode_batch": self.decode_batch,
+                "swap_length": self.swap_length,
                 "swap_windows": self.swap_windows, "swap_mechanisms": self.swap_mechanisms, "seed": self.seed,
                 "threads": self.threads, "split": EVAL_SPLIT, "converted": list(self.converted)}
 
