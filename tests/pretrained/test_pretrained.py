@@ -19,7 +19,7 @@ import torch
 
 import attnzoo
 from attnzoo import pretrained
-from attnzoo.pretrained import CausalLM, GGUFError, MissingExtraError
+from attnzoo.pretrained import CausalLM, GGUFError, GGUFFile, MissingExtraError
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -194,6 +194,40 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     with pytest.raises(GGUFError) as error:
         pretrained.load(path)
     assert "not a GGUF file" in _one_line(error)
+
+
+@pytest.mark.parametrize("first_read", [8 << 20, 100])
+def test_the_header_parser_reads_what_the_gguf_package_reads(tmp_path, monkeypatch, first_read):
+    """attnzoo parses GGUF headers itself (gguf's reader takes seconds over a real vocabulary): the same metadata,
+    array lengths, tensor types, shapes and dequantized values as gguf.GGUFReader, for every tensor type."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    monkeypatch.setattr(pretrained.gguf_file, "_FIRST_READ", first_read)  # 100: read in several goes
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    fields = {key: field for key, field in theirs.fields.items()}
+    arrays = {key for key, field in fields.items() if field.types[0] == gguf.GGUFValueType.ARRAY}
+    assert ours.metadata == {key: field.contents() for key, field in fields.items() if key not in arrays}
+    assert ours.array_lengths == {key: len(fields[key].data) for key in arrays}
+    assert ours.tensor_types == {t.name: t.tensor_type.name for t in theirs.tensors}
+    assert set(ours.tensor_types.values()) >= set(TYPES.values())
+    for tensor in theirs.tensors:
+        expected = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        assert torch.equal(ours.tensor(tensor.name), torch.from_numpy(expected.reshape(ours.shape(tensor.name))))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:200], "is not a readable GGUF file: the header is cut short"),
+    (lambda data: data[:-100], "runs past the end of tiny.gguf: the file is cut short"),
+    (lambda data: data[:4] + (2).to_bytes(4, "big") + data[8:], "a big-endian file"),
+    (lambda data: data[:4] + (1).to_bytes(4, "little") + data[8:], "version 1"),
+])
+def test_a_damaged_gguf_file_is_refused_in_one_line(tmp_path, damage, message):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(GGUFError) as error:
+        pretrained.load(path, tokenizer=False)
+    assert message in _one_line(error)
 
 
 def test_a_directory_without_one_gguf_file_is_refused(tmp_path):
