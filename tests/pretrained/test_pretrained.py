@@ -230,6 +230,25 @@ def test_a_damaged_gguf_file_is_refused_in_one_line(tmp_path, damage, message):
     assert message in _one_line(error)
 
 
+def test_an_array_with_a_damaged_count_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "array.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.numbers", [1, 2, 3])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert GGUFFile(path).array_lengths["test.numbers"] == 3
+    data = path.read_bytes()
+    at = data.index(b"test.numbers") + len(b"test.numbers") + 4  # past the value type: the item type, the count
+    # 2**62 nested arrays: read one by one, they run past the end of the file.
+    path.write_bytes(data[:at] + (9).to_bytes(4, "little") + (2 ** 62).to_bytes(8, "little") + data[at + 12:])
+    with pytest.raises(GGUFError) as error:
+        GGUFFile(path)
+    assert "the header is cut short" in _one_line(error)
+
+
 def test_a_directory_without_one_gguf_file_is_refused(tmp_path):
     with pytest.raises(GGUFError) as error:
         pretrained.load(tmp_path)
