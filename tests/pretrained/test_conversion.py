@@ -247,6 +247,40 @@ def test_stage_2_trains_on_its_own_longer_windows_after_another_conversions_stag
         (tmp_path / "long" / "model" / "weights.safetensors").read_bytes()
 
 
+def test_stage_2_trains_the_converted_layers_mechanisms_only_when_asked(teacher, tmp_path):
+    """finetune_mechanism: stage 2 trains the converted layers' feature maps with the adapters (from another
+    conversion's stage 1, whose maps it leaves as they were); without it they stay stage 1's; killed in stage 2, it
+    resumes to the same bytes."""
+    from safetensors.torch import load_file
+
+    every = _run(teacher, tmp_path / "every", _settings(keep_softmax=0))
+    _run(teacher, tmp_path / "stage-1", _settings(keep_softmax=0, finetune_steps=0), transfer_from=tmp_path / "every")
+    stage_1 = load_file(str(tmp_path / "stage-1" / "model" / "weights.safetensors"))
+    frozen = load_file(str(tmp_path / "every" / "model" / "weights.safetensors"))
+    settings = _settings(keep_softmax=0, finetune_mechanism=True)
+    both = _run(teacher, tmp_path / "both", settings, transfer_from=tmp_path / "every")
+    trained = load_file(str(tmp_path / "both" / "model" / "weights.safetensors"))
+    maps = [name for name in frozen if ".attention.mechanism." in name]
+    assert maps and set(trained) == set(frozen)
+    assert all(not torch.equal(trained[name], frozen[name]) for name in maps)
+    assert [row["loss"] for row in both.history] != [row["loss"] for row in every.history]
+    before = every.history[:6]
+    assert [row["loss"] for row in both.history[:6]] == [row["loss"] for row in before]
+    # Without the setting the maps stay those stage 1 ended with (a stage 2 of no steps saves them).
+    assert all(torch.equal(frozen[name], stage_1[name]) for name in maps)
+
+    def kill(stage, step):
+        if (stage, step) == ("finetune", 3):
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        _run(teacher, tmp_path / "killed", settings, transfer_from=tmp_path / "every", on_step=kill)
+    again = _run(teacher, tmp_path / "killed", settings)
+    assert [row["loss"] for row in again.history] == [row["loss"] for row in both.history]
+    assert (tmp_path / "killed" / "model" / "weights.safetensors").read_bytes() == \
+        (tmp_path / "both" / "model" / "weights.safetensors").read_bytes()
+
+
 def test_the_teacher_fine_tuned_alike_is_a_conversion_to_softmax_without_stage_1(teacher, tmp_path):
     """The fair reference for a conversion's perplexity ratios: the teacher given the same adapters and the same
     stage 2 tokens (``target="softmax"``, no stage 1): nothing to transfer, every layer's error 0, and before

@@ -68,6 +68,10 @@ class ConversionConfig:
         100, check=_non_negative_int, commands=COMMAND,
         help="stage 2 steps: low-rank adapters on the converted layers' q, k, v and output projections")
     finetune_lr: float = setting(1e-3, check=_positive, commands=COMMAND, help="stage 2 AdamW learning rate")
+    finetune_mechanism: bool = setting(
+        False, check=boolean, commands=COMMAND,
+        help="stage 2 also trains the converted layers' own parameters (lolcats' feature maps and window "
+             "factors), at the same rate as the adapters, on the stage 2 loss; LoLCATs keeps them frozen")
     finetune_loss: str = setting(
         "next_token", choices=FINETUNE_LOSSES, commands=COMMAND,
         help="stage 2 loss: next-token cross-entropy, or KL divergence from the teacher's predictions")

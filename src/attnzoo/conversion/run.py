@@ -361,6 +361,7 @@ def _finetune_stage(job: _Job) -> None:
     # The converted layers' tensors: stage 1's (its adapters too, with transfer_lora), or stage 2's on resume.
     load_tensors(student, {name: tensor for name, tensor in state["tensors"].items() if _layer_of(name) in converted})
     job.measure("transferred", student)  # the adapters are zero here unless stage 1 trained them
+    trained = lora_names + (list(mechanism_state(student)) if config.finetune_mechanism else [])
     if config.finetune_steps:
         reference = teacher if config.finetune_loss == "teacher_logits" else None
 
@@ -369,7 +370,7 @@ def _finetune_stage(job: _Job) -> None:
             loss.backward()
             return loss.item()
 
-        job.train(FINETUNE, student, lora_names, config.finetune_steps, config.finetune_lr, step_loss)
+        job.train(FINETUNE, student, trained, config.finetune_steps, config.finetune_lr, step_loss)
     student.requires_grad_(False).eval()
     job.measure("converted", student)
     state.update(stage=DONE, tensors={**mechanism_state(student), **lora_state(student)}, optimizer={})
