@@ -17,8 +17,9 @@ from attnzoo.mechanisms.capabilities import PADDED_RIGHT
 from tensor_records import TensorRecorder
 
 
-def _weights(heads=2, dim=8, features=3, seed=0, requires_grad=False):
-    """Random (non-identity) maps and window factors, so that every parameter matters."""
+def _weights(heads=2, dim=8, features=3, seed=0, requires_grad=False, decay=False):
+    """Random (non-identity) maps and window factors, so that every parameter matters; with ``decay``, decay
+    logits around 1 (lambda about 0.6 to 0.85: a key's weight visibly shrinks over a few positions)."""
     g = torch.Generator().manual_seed(seed)
     made = LolcatsWeights(
         torch.randn(heads, dim, features, generator=g, dtype=torch.float64),
@@ -26,8 +27,14 @@ def _weights(heads=2, dim=8, features=3, seed=0, requires_grad=False):
         torch.randn(heads, dim, features, generator=g, dtype=torch.float64),
         torch.randn(heads, features, generator=g, dtype=torch.float64),
         torch.randn(heads, generator=g, dtype=torch.float64),
+        1.0 + 0.5 * torch.rand(heads, generator=g, dtype=torch.float64) if decay else None,
     )
-    return LolcatsWeights(*(w.requires_grad_(requires_grad) for w in made))
+    return LolcatsWeights(*(None if w is None else w.requires_grad_(requires_grad) for w in made))
+
+
+def _decay(weights, h):
+    """lambda_h, or 1 without a decay."""
+    return 1.0 if weights.decay_logit is None else torch.sigmoid(weights.decay_logit[h])
 
 
 def _inputs(batch=2, heads=2, length=40, dim=8, seed=1, requires_grad=False):
@@ -46,7 +53,8 @@ def _by_recurrence(q, k, v, weights, window, scale, sinks=0):
     """Causal LoLCATs token by token, as a decoder runs it: the last ``window`` keys kept in a list, the keys
     that leave it folded into a linear state ``sum phi_k(k_j) [v_j, 1]^T`` (the first ``sinks`` kept in the
     list instead, for good), and each output the kept keys' ``f exp(s - max s)`` terms plus ``phi_q(q) .
-    state``, divided by their last column."""
+    state``, divided by their last column. With a decay, the state is multiplied by lambda at every position
+    before the leaving key joins it."""
     batch, heads, length, _ = q.shape
     out = torch.zeros_like(v)
     for b in range(batch):
@@ -57,6 +65,7 @@ def _by_recurrence(q, k, v, weights, window, scale, sinks=0):
             for i in range(length):
                 kept.append(i)
                 leaving = i - window  # the key that leaves the window now, unless it is a sink
+                state = _decay(weights, h) * state
                 if leaving >= sinks:
                     j = kept.pop(kept.index(leaving))
                     phi_k = _phi(k[b, h, j], weights.key_weight[h], weights.key_bias[h])
@@ -71,7 +80,8 @@ def _by_recurrence(q, k, v, weights, window, scale, sinks=0):
 
 def _by_query(q, k, v, weights, window, scale, sinks=0):
     """Non-causal LoLCATs query by query from the definition: keys with ``|i - j| < window`` and the first
-    ``sinks`` by softmax terms relative to their largest logit, the others by Hedgehog's kernel."""
+    ``sinks`` by softmax terms relative to their largest logit, the others by Hedgehog's kernel (times
+    ``lambda^(|i - j| - window)`` with a decay)."""
     batch, heads, length, _ = q.shape
     out = torch.zeros_like(v)
     for b in range(batch):
@@ -83,15 +93,18 @@ def _by_query(q, k, v, weights, window, scale, sinks=0):
                 phi_q = _phi(q[b, h, i], weights.query_weight[h], weights.query_bias[h])
                 terms = [f * torch.exp(scale * q[b, h, i] @ k[b, h, j] - top) if j in near
                          else phi_q @ _phi(k[b, h, j], weights.key_weight[h], weights.key_bias[h])
+                         * _decay(weights, h) ** (abs(i - j) - window)
                          for j in range(length)]
                 out[b, h, i] = sum(t * v[b, h, j] for j, t in enumerate(terms)) / sum(terms)
     return out
 
 
-@pytest.mark.parametrize("window, sinks", [(1, 0), (3, 0), (8, 0), (30, 0), (1, 1), (3, 2), (8, 4), (30, 4)])
-def test_reference_and_fast_path_are_the_recurrence(window, sinks):
+@pytest.mark.parametrize("window, sinks, decay", [(1, 0, False), (3, 0, False), (8, 0, False), (30, 0, False),
+                                                 (1, 1, False), (3, 2, False), (8, 4, False), (30, 4, False),
+                                                 (1, 0, True), (3, 2, True), (8, 0, True)])
+def test_reference_and_fast_path_are_the_recurrence(window, sinks, decay):
     q, k, v = _inputs(length=23)
-    weights = _weights()
+    weights = _weights(decay=decay)
     scale = 0.4
     expected = _by_recurrence(q, k, v, weights, window, scale, sinks)
     reference = lolcats_attention_reference(q, k, v, weights, window, True, None, scale, sinks)
@@ -100,10 +113,11 @@ def test_reference_and_fast_path_are_the_recurrence(window, sinks):
     torch.testing.assert_close(fast, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("window, sinks", [(1, 0), (4, 0), (30, 0), (1, 1), (4, 3)])
-def test_non_causal_reference_and_fast_path_follow_the_definition(window, sinks):
+@pytest.mark.parametrize("window, sinks, decay", [(1, 0, False), (4, 0, False), (30, 0, False), (1, 1, False),
+                                                 (4, 3, False), (1, 0, True), (4, 3, True)])
+def test_non_causal_reference_and_fast_path_follow_the_definition(window, sinks, decay):
     q, k, v = _inputs(batch=1, length=17)
-    weights = _weights()
+    weights = _weights(decay=decay)
     expected = _by_query(q, k, v, weights, window, 8 ** -0.5, sinks)
     torch.testing.assert_close(lolcats_attention_reference(q, k, v, weights, window, False, None, None, sinks),
                                expected, rtol=1e-12, atol=1e-12)
@@ -116,13 +130,13 @@ def test_non_causal_reference_and_fast_path_follow_the_definition(window, sinks)
 SHAPES = [(90, 5, 4), (150, 70, 16), (130, 64, 32), (41, 64, 8), (1, 3, 4), (65, 1, 64)]
 
 
-@pytest.mark.parametrize("sinks", [0, 4])
+@pytest.mark.parametrize("sinks, decay", [(0, False), (4, False), (4, True)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("length, window, chunk", SHAPES)
-def test_fast_path_matches_reference(causal, length, window, chunk, sinks):
+def test_fast_path_matches_reference(causal, length, window, chunk, sinks, decay):
     sinks = min(sinks, window)
     q, k, v = _inputs(length=length)
-    weights = _weights()
+    weights = _weights(decay=decay)
     mask = torch.zeros(2, length, dtype=torch.bool)
     mask[1, : length // 4] = True
     mask[1, length - length // 5 :] = True
@@ -132,19 +146,19 @@ def test_fast_path_matches_reference(causal, length, window, chunk, sinks):
         torch.testing.assert_close(actual, expected, rtol=1e-11, atol=1e-11)
 
 
-@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("sinks, decay", [(0, False), (3, False), (3, True)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gradients_of_every_parameter_match_the_reference(causal, sinks):
-    """q, k, v, both maps' weights and biases and the window factor: the hand-written window backward (with
-    the gradient through each row's maximum, and the sinks' gradients summed over the query blocks) and the
-    kernelized core's against autograd on the reference."""
+def test_gradients_of_every_parameter_match_the_reference(causal, sinks, decay):
+    """q, k, v, both maps' weights and biases, the window factor and the decay: the hand-written window
+    backward (with the gradient through each row's maximum, and the sinks' gradients summed over the query
+    blocks) and the kernelized core's against autograd on the reference."""
     q, k, v = _inputs(length=75, requires_grad=True)
-    weights = _weights(requires_grad=True)
+    weights = _weights(requires_grad=True, decay=decay)
     mask = torch.zeros(2, 75, dtype=torch.bool)
     mask[0, 1] = True  # a padded sink
     mask[0, 5:9] = True
     mask[1, 60:] = True
-    leaves = [q, k, v, *weights]
+    leaves = [q, k, v, *(w for w in weights if w is not None)]
     cotangent = torch.randn(2, 2, 75, 8, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     fast = lolcats_attention_unchecked(q, k, v, weights, 20, causal, mask, None, 8, None, sinks)
     reference = lolcats_attention_reference(q, k, v, weights, 20, causal, mask, None, sinks)
@@ -156,11 +170,11 @@ def test_gradients_of_every_parameter_match_the_reference(causal, sinks):
         assert bool(e.abs().max() > 0), name
 
 
-@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("sinks, decay", [(0, False), (2, False), (2, True)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fast_path_gradcheck(causal, sinks):
+def test_fast_path_gradcheck(causal, sinks, decay):
     q, k, v = _inputs(batch=1, length=10, dim=4, requires_grad=True)
-    weights = _weights(dim=4, features=2, requires_grad=True)
+    weights = _weights(dim=4, features=2, requires_grad=True, decay=decay)
     mask = torch.zeros(1, 10, dtype=torch.bool)
     mask[0, 7] = True
 
@@ -168,7 +182,7 @@ def test_fast_path_gradcheck(causal, sinks):
         return lolcats_attention_unchecked(q, k, v, LolcatsWeights(*parameters), 3, causal, mask, None, 2, None,
                                            sinks)
 
-    assert torch.autograd.gradcheck(attend, (q, k, v, *weights))
+    assert torch.autograd.gradcheck(attend, (q, k, v, *(w for w in weights if w is not None)))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -199,6 +213,11 @@ def test_parameters_and_their_start():
     assert narrow.query_map.weight.shape == (3, 8, 5) and not bool(narrow.window_factor.any())
     assert not torch.equal(narrow.query_map.weight, narrow.key_map.weight)  # two draws
     assert narrow.state_layout(torch.float32)["kv"] == ((3, 10, 9), torch.float32)
+    # With a decay: one more parameter, lambda = sigmoid(decay_logit) starting at the option's value.
+    decayed = build_mechanism("lolcats", 3, 8, decay=0.999)
+    assert {name for name, _ in decayed.named_parameters()} - {name for name, _ in mechanism.named_parameters()} \
+        == {"decay_logit"}
+    torch.testing.assert_close(torch.sigmoid(decayed.decay_logit), torch.full((3,), 0.999))
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -233,9 +252,9 @@ def _drawn(**options):
     return mechanism
 
 
-@pytest.mark.parametrize("sinks", [0, 4])
-def test_decoding_past_the_ring_wrap_and_branching(sinks):
-    mechanism = _drawn(window=6, feature_dim=3, sink_tokens=sinks)
+@pytest.mark.parametrize("sinks, decay", [(0, None), (4, None), (4, 0.9)])
+def test_decoding_past_the_ring_wrap_and_branching(sinks, decay):
+    mechanism = _drawn(window=6, feature_dim=3, sink_tokens=sinks, decay=decay)
     q, k, v = _inputs(length=40)
     with torch.no_grad():
         full = mechanism(q, k, v, causal=True)
@@ -256,13 +275,13 @@ def test_decoding_past_the_ring_wrap_and_branching(sinks):
         torch.testing.assert_close(again, full[:, :, 25:26], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("sinks", [0, 3])
-def test_decoding_many_wraps_equals_the_parallel_form(sinks):
+@pytest.mark.parametrize("sinks, decay", [(0, None), (3, None), (0, 0.9)])
+def test_decoding_many_wraps_equals_the_parallel_form(sinks, decay):
     """Steps after a prompt, across several wraps of the ring (batch 2, so the features' batched product over
     rows is taken, not the one-row one), equal the parallel form at 1e-10 in float64: the ring copied with
     its slot written, the sinks read only once behind the window, the leaving key's features from the
     query's product."""
-    mechanism = _drawn(window=5, feature_dim=4, sink_tokens=sinks)
+    mechanism = _drawn(window=5, feature_dim=4, sink_tokens=sinks, decay=decay)
     q, k, v = _inputs(length=37)
     with torch.no_grad():
         full = mechanism(q, k, v, causal=True)
@@ -277,12 +296,13 @@ def test_decoding_many_wraps_equals_the_parallel_form(sinks):
 def test_decoding_follows_parameters_changed_in_place():
     """The step's prepared parameters (the stacked maps, f_h) are kept between steps: a parameter
     changed in place (an optimiser's update) is seen by the next step."""
-    mechanism = _drawn(window=4, feature_dim=3, sink_tokens=2)
+    mechanism = _drawn(window=4, feature_dim=3, sink_tokens=2, decay=0.9)
     q, k, v = _inputs(length=12)
     with torch.no_grad():
         _, state = mechanism.prefill(q[:, :, :11], k[:, :, :11], v[:, :, :11])
         before, _ = mechanism.step(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], state)
-        for parameter in (mechanism.key_map.weight, mechanism.query_map.bias, mechanism.window_factor):
+        for parameter in (mechanism.key_map.weight, mechanism.query_map.bias, mechanism.window_factor,
+                          mechanism.decay_logit):
             parameter.mul_(1.5)  # (a constant added to a map would not change its softmaxes)
             _, state = mechanism.prefill(q[:, :, :11], k[:, :, :11], v[:, :, :11])  # kv holds phi_k
             after, _ = mechanism.step(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], state)
@@ -371,6 +391,10 @@ def test_memory_stays_linear_in_the_length():
         ({"sink_tokens": -1}, "sink_tokens"),
         ({"sink_tokens": 65}, "sink_tokens"),
         ({"sink_tokens": "4"}, "sink_tokens"),
+        ({"decay": 0.0}, "decay"),
+        ({"decay": 1.0}, "decay"),
+        ({"decay": "0.9"}, "decay"),
+        ({"rotate_features": "no"}, "rotate_features"),
     ],
 )
 def test_bad_options_name_the_option(options, match):
@@ -382,3 +406,42 @@ def test_cross_attention_is_refused_naming_it():
     q, k, v = _inputs(length=6)
     with pytest.raises(UnsupportedOptionError, match="cross"):
         build_mechanism("lolcats", 2, 8).double()(q, k, v, cross=True)
+
+
+@pytest.mark.parametrize("sinks, decay", [(0, None), (2, 0.9)])
+def test_in_a_rotary_layer_unrotated_features_leave_only_the_window_rotated(sinks, decay):
+    """``rotate_features=False``: the layer hands the mechanism unrotated queries and keys and its rotary
+    embedding; the window's logits are the rotated ones, the features the projected ones. Forward, decoding
+    (prefill, then steps across the ring's wrap: the leaving key's features come from the unrotated ring) and
+    packed rows agree with the reference given both."""
+    from attnzoo import MultiHeadAttention
+
+    torch.manual_seed(0)
+    options = dict(window=3, feature_dim=4, chunk_size=4, sink_tokens=sinks, decay=decay)
+    layer = MultiHeadAttention(32, 4, "lolcats", kv_heads=4, rotary=True, rotary_pairs="halves",
+                               rotate_features=False, **options).double()
+    with torch.no_grad():
+        for parameter in layer.mechanism.parameters():
+            parameter.normal_()
+    x = torch.randn(2, 13, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    q, k, v = (layer._split_heads(proj(x)) for proj in (layer.q_proj, layer.k_proj, layer.v_proj))
+    rotary, weights = layer.rotary, layer.mechanism.weights()
+    apart = lolcats_attention_reference(q, k, v, weights, 3, True, None, None, sinks, rotary(q), rotary(k))
+    rotated = lolcats_attention_reference(rotary(q), rotary(k), v, weights, 3, True, None, None, sinks)
+    with torch.no_grad():
+        out = layer(x, causal=True)
+        torch.testing.assert_close(out, layer._output(apart, x), rtol=1e-10, atol=1e-12)
+        assert (out - layer._output(rotated, x)).abs().max() > 1e-3  # the difference the test can see
+        assert "feature_k" in layer.mechanism.state_layout(torch.float64)
+        prefix, state = layer.prefill(x[:, :4])
+        steps = [prefix]
+        for t in range(4, 13):
+            out_t, state = layer.step(x[:, t:t + 1], state)
+            steps.append(out_t)
+        torch.testing.assert_close(torch.cat(steps, 1), out, rtol=1e-10, atol=1e-12)
+        packed = layer(x[:1], causal=True, cu_seqlens=torch.tensor([0, 6, 13]))
+        alone = torch.cat([layer(x[:1, :6], causal=True), layer(x[:1, 6:], causal=True)], 1)
+        torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-12)
+    # Where the caller rotates (a Hugging Face model's own attention) the option cannot be honoured.
+    assert build_mechanism("lolcats", 2, 8, rotate_features=False).capabilities.own_rotary
+    assert not build_mechanism("lolcats", 2, 8).capabilities.own_rotary

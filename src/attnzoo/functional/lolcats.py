@@ -25,6 +25,21 @@ Fast path, O(N w d + N m d) time and memory linear in N (m = 2 * feature_dim fea
   ``[v, 1]``, no normalisation). Non-causal: also the keys ``j >= i + w``, the same on the reversed sequence.
 * the two sums are added, the window's weighted by ``f_h``, and divided once.
 
+Decay (optional; ``decay_logit`` in the weights, not in LoLCATs): the linear terms are weighted by
+``lambda_h^(i - w - j)``, ``lambda_h = sigmoid(decay_logit_h)`` a learned decay per head, so a key's linear weight
+is 1 as it leaves the window and shrinks with every position after (non-causal: ``lambda_h^(|i - j| - w)``).
+Without it the linear part's normaliser grows with the number of keys beyond the window while the window's
+stays bounded, so past the lengths a conversion trained on the linear part outweighs the window more and more;
+with it the linear part sums about ``1 / (1 - lambda_h)`` keys at any length. In the fast path it is the
+kernelized core's constant decay over the shifted keys; in decoding ``S <- lambda S + phi_k(k) [v, 1]^T``.
+
+Window inputs apart (optional; ``q_window``, ``k_window``): the window's logits from other queries and keys
+than the features' (the same positions; a rotary layer's rotated ones, the features taking them unrotated, as
+Liger does). Rotated queries and keys make each feature map a function of the absolute position as well, and a
+conversion trained on N positions meets rotation angles past N it never saw; unrotated, the linear part depends
+on positions only through its window shift and decay. Decoding then also keeps the ring's keys as the features
+take them (``feature_k``): the leaving key's features are formed from it.
+
 Attention sinks (``sinks`` > 0; Xiao et al. 2023, StreamingLLM): the first ``sinks`` positions are exact keys
 for every query, scored in the window's softmax terms against the same maximum ``m_i`` (taken over the window
 and the sinks), and left out of the linear part. Pretrained models put much of each row's weight on their
@@ -53,6 +68,7 @@ from ._autocast import outside_autocast, without_autocast
 from .blocksparse import BlockPlan, blocksparse_plan, window_cache_layout, window_cache_prefill, window_pattern
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
 from .features import hedgehog_decoding_weights, hedgehog_features_decoding, hedgehog_features_unchecked
+from .gated import constant_log_decay
 from .linear import kernel_attention_unchecked, normalize_output
 from .linear.inputs import _with_ones
 from .masks import zero_padded
@@ -68,6 +84,7 @@ class LolcatsWeights(NamedTuple):
     key_weight: Tensor
     key_bias: Optional[Tensor]
     window_factor: Tensor
+    decay_logit: Optional[Tensor] = None
 
 
 class LolcatsStepWeights(NamedTuple):
@@ -75,19 +92,23 @@ class LolcatsStepWeights(NamedTuple):
     Hedgehog maps (:func:`~attnzoo.functional.features.hedgehog_decoding_weights`) stacked, the query maps'
     heads first, ``maps`` (2 * heads, head_dim, feature_dim) and ``biases`` (2 * heads, 1, feature_dim), so
     that one product gives the query's features and the leaving key's; and ``f_h = sigmoid(window_factor_h)``
-    shaped (1, heads, 1, 1). Made once per change of the parameters by a caller that keeps them."""
+    shaped (1, heads, 1, 1); with a decay, ``lambda_h`` shaped (1, heads, 1, 1), else None. Made once per change
+    of the parameters by a caller that keeps them."""
 
     maps: Tensor
     biases: Tensor
     window_weight: Tensor
+    decay: Optional[Tensor] = None
 
 
 def lolcats_step_weights(weights: LolcatsWeights, dtype: torch.dtype) -> LolcatsStepWeights:
     """``weights`` as :func:`lolcats_step_unchecked` takes them, in ``dtype`` (the working dtype)."""
     query = hedgehog_decoding_weights(weights.query_weight, weights.query_bias, dtype)
     key = hedgehog_decoding_weights(weights.key_weight, weights.key_bias, dtype)
+    log_decay = _log_decay(weights, dtype)
+    decay = None if log_decay is None else log_decay.exp().view(1, -1, 1, 1)
     return LolcatsStepWeights(torch.cat([query[0], key[0]]), torch.cat([query[1], key[1]]),
-                              _window_weight(weights, dtype))
+                              _window_weight(weights, dtype), decay)
 
 
 def window_plan(window: int, length: int, causal: bool, device: torch.device) -> BlockPlan:
@@ -109,6 +130,11 @@ def _features(q: Tensor, k0: Tensor, weights: LolcatsWeights, key_padding_mask: 
 def _window_weight(weights: LolcatsWeights, dtype: torch.dtype) -> Tensor:
     """f_h = sigmoid(window_factor_h), shaped (1, heads, 1, 1)."""
     return torch.sigmoid(weights.window_factor.to(dtype)).view(1, -1, 1, 1)
+
+
+def _log_decay(weights: LolcatsWeights, dtype: torch.dtype) -> Optional[Tensor]:
+    """log lambda_h = logsigmoid(decay_logit_h), (heads,), or None without a decay."""
+    return None if weights.decay_logit is None else F.logsigmoid(weights.decay_logit.to(dtype))
 
 
 def _sink_allowed(plan: BlockPlan, sinks: int, window: int, causal: bool) -> Tensor:
@@ -239,16 +265,20 @@ def _shifted(x: Tensor, window: int) -> Tensor:
     return F.pad(x[:, :, : x.shape[2] - window], (0, 0, window, 0))
 
 
-def _linear_sums(phi_q: Tensor, phi_k: Tensor, v1: Tensor, window: int, causal: bool, chunk_size: int) -> Tensor:
-    """``sum_{L_i} phi_q(q_i) . phi_k(k_j) [v_j, 1]``, (batch, heads, seq, d_v + 1), on the kernelized core:
-    causal linear attention over the keys shifted ``window`` positions later (and, non-causal, the same on the
-    reversed sequence), unnormalised."""
-    if window >= phi_q.shape[2]:  # every key is in the window
+def _linear_sums(phi_q: Tensor, phi_k: Tensor, v1: Tensor, window: int, causal: bool, chunk_size: int,
+                 log_decay: Optional[Tensor] = None) -> Tensor:
+    """``sum_{L_i} phi_q(q_i) . phi_k(k_j) [v_j, 1]`` (times ``lambda_h^(|i - j| - w)`` with ``log_decay``,
+    (heads,)), (batch, heads, seq, d_v + 1), on the kernelized core: causal linear attention over the keys
+    shifted ``window`` positions later (and, non-causal, the same on the reversed sequence), unnormalised; the
+    decay is the core's constant one, the same both ways."""
+    batch, _, length, _ = phi_q.shape
+    if window >= length:  # every key is in the window
         return phi_q.new_zeros(*v1.shape)
+    decays = None if log_decay is None else constant_log_decay(log_decay, batch, length)
 
     def earlier(queries: Tensor, keys: Tensor, values: Tensor) -> Tensor:
         return kernel_attention_unchecked(queries, _shifted(keys, window), _shifted(values, window), True, None,
-                                          None, "none", chunk_size, 0.0)
+                                          decays, "none", chunk_size, 0.0)
 
     sums = earlier(phi_q, phi_k, v1)
     if not causal:
@@ -269,12 +299,15 @@ def lolcats_attention_unchecked(
     chunk_size: int,
     plan: Optional[BlockPlan] = None,
     sinks: int = 0,
+    q_window: Optional[Tensor] = None,
+    k_window: Optional[Tensor] = None,
 ) -> Tensor:
     """LoLCATs attention on checked self-attention inputs (q, k: (batch, heads, seq, head_dim), v: (batch,
     heads, seq, head_dim_v), as many heads as ``weights`` has; ``key_padding_mask`` (batch, seq), True marks
     padding). ``scale``: the logit scale, ``1/sqrt(head_dim)`` when None. ``plan``: :func:`window_plan` for
     this length and causality, to reuse. ``sinks``: the first ``sinks`` positions are exact keys for every
-    query (see the module doc). Returns (batch, heads, seq, head_dim_v) in v's dtype."""
+    query (see the module doc). ``q_window``, ``k_window``: the window's queries and keys, shaped as q and k
+    (None: q and k; see the module doc). Returns (batch, heads, seq, head_dim_v) in v's dtype."""
     out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     q, k0, v0 = q.to(dtype), zero_padded(k, key_padding_mask).to(dtype), zero_padded(v, key_padding_mask).to(dtype)
     if plan is None:
@@ -283,8 +316,11 @@ def lolcats_attention_unchecked(
     if sinks:  # the sinks are exact keys: not in the linear part
         phi_k = F.pad(phi_k[:, :, sinks:], (0, 0, min(sinks, phi_k.shape[2]), 0))
     v1 = _with_ones(v0)
+    if q_window is not None:
+        q, k0 = q_window.to(dtype), zero_padded(k_window, key_padding_mask).to(dtype)
     sums = _window_sums(q, k0, v1, plan, key_padding_mask, _logit_scale(scale, q.shape[3]), window, causal, sinks)
-    sums = _window_weight(weights, dtype) * sums + _linear_sums(phi_q, phi_k, v1, window, causal, chunk_size)
+    linear = _linear_sums(phi_q, phi_k, v1, window, causal, chunk_size, _log_decay(weights, dtype))
+    sums = _window_weight(weights, dtype) * sums + linear
     return normalize_output(sums, "sum").to(out_dtype)
 
 
@@ -298,10 +334,14 @@ def lolcats_attention_reference(
     key_padding_mask: Optional[Tensor] = None,
     scale: Optional[float] = None,
     sinks: int = 0,
+    q_window: Optional[Tensor] = None,
+    k_window: Optional[Tensor] = None,
 ) -> Tensor:
     """The same in float64 by quadratic maths: the (seq, seq) exact and linear masks, written from the
     definition (the sinks moved from the linear mask to the exact one), and the two weight matrices added and
     normalised. Returns float64."""
+    q_window, k_window = (q, k) if q_window is None else (q_window, k_window)
+    q_window, k_window = q_window.double(), zero_padded(k_window, key_padding_mask).double()
     q, k, v = q.double(), zero_padded(k, key_padding_mask).double(), zero_padded(v, key_padding_mask).double()
     weights = LolcatsWeights(*(None if w is None else w.double() for w in weights))
     length = q.shape[2]
@@ -316,13 +356,16 @@ def lolcats_attention_reference(
     if key_padding_mask is not None:
         keep = ~key_padding_mask[:, None, None, :]
         in_window, linear = in_window & keep, linear & keep
-    logits = (q @ k.transpose(-1, -2)) * _logit_scale(scale, q.shape[3])
+    logits = (q_window @ k_window.transpose(-1, -2)) * _logit_scale(scale, q.shape[3])
     logits = logits.masked_fill(~in_window, -math.inf)
     top = logits.amax(-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     phi_q = hedgehog_features_unchecked(q, weights.query_weight, weights.query_bias)
     phi_k = hedgehog_features_unchecked(k, weights.key_weight, weights.key_bias)
     kernel = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~linear, 0.0)
+    if weights.decay_logit is not None:  # lambda_h^(|i - j| - w) beyond the window
+        beyond = (distance.abs() - window).clamp(min=0).double()
+        kernel = kernel * torch.exp(_log_decay(weights, torch.float64).view(-1, 1, 1) * beyond)
     mixed = _window_weight(weights, torch.float64) * torch.exp(logits - top) + kernel
     total = mixed.sum(-1, keepdim=True)
     return (mixed @ v) / torch.where(total > 0, total, torch.ones_like(total))
@@ -331,40 +374,52 @@ def lolcats_attention_reference(
 # -- decoding ------------------------------------------------------------------------------------------------
 def lolcats_state_layout(
     heads: int, head_dim: int, feature_dim: int, window: int, dtype: torch.dtype, value_width: Optional[int] = None,
-    sinks: int = 0,
+    sinks: int = 0, window_inputs: bool = False,
 ) -> dict:
     """The decoding state's tensors (name -> (shape after the batch dim, dtype)): the linear state ``kv``
     (heads, 2 * feature_dim, value_width + 1) in the working dtype, ``sum phi_k(k_j) [v_j, 1]^T`` over the keys
     that have left the window (sinks aside), and the window's ring ``k`` (heads, window, head_dim), ``v``
     (heads, window, value_width) and ``positions`` (window,), position t in slot ``t % window`` (-1 while
     empty). With sinks, also ``sink_k`` (heads, sinks, head_dim) and ``sink_v`` (heads, sinks, value_width):
-    the first positions, kept for good."""
+    the first positions, kept for good. With ``window_inputs`` (the window's queries and keys given apart), the
+    ring also holds the keys as the features take them, ``feature_k`` (heads, window, head_dim)."""
     value_width = head_dim if value_width is None else value_width
     layout = window_cache_layout(heads, window, sinks, head_dim, dtype, value_width)
     if not sinks:
         del layout["sink_k"], layout["sink_v"]
+    if window_inputs:
+        layout["feature_k"] = layout["k"]
     return {"kv": ((heads, 2 * feature_dim, value_width + 1), working_dtype(dtype)), **layout}
 
 
 @without_autocast
 def lolcats_prefill_unchecked(
     q: Tensor, k: Tensor, v: Tensor, weights: LolcatsWeights, window: int, scale: Optional[float], chunk_size: int,
-    plan: Optional[BlockPlan] = None, sinks: int = 0,
+    plan: Optional[BlockPlan] = None, sinks: int = 0, q_window: Optional[Tensor] = None,
+    k_window: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Causal LoLCATs attention over a checked prompt and the decoding state after it
-    (:func:`lolcats_state_layout`)."""
-    out = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, chunk_size, plan, sinks)
+    (:func:`lolcats_state_layout`, with ``window_inputs`` when ``q_window`` is given)."""
+    out = lolcats_attention_unchecked(q, k, v, weights, window, True, None, scale, chunk_size, plan, sinks,
+                                      q_window, k_window)
     dtype = working_dtype(v.dtype)
     first, gone = min(sinks, k.shape[2]), max(k.shape[2] - window, 0)  # linear: the keys [sinks, gone)
     phi_k = hedgehog_features_unchecked(k[:, :, first:gone].to(dtype), weights.key_weight, weights.key_bias)
+    log_decay = _log_decay(weights, dtype)
+    if log_decay is not None and gone > first:  # key j has decayed gone - 1 - j times
+        age = torch.arange(gone - 1 - first, -1, -1, device=k.device, dtype=dtype)
+        phi_k = phi_k * torch.exp(log_decay.view(-1, 1, 1) * age.view(-1, 1))
     kv = phi_k.transpose(-1, -2) @ _with_ones(v[:, :, first:gone].to(dtype))
-    state = window_cache_prefill(k, v, window, sinks)
+    state = window_cache_prefill(k if k_window is None else k_window, v, window, sinks)
     if not sinks:
         del state["sink_k"], state["sink_v"]
+    if k_window is not None:
+        state["feature_k"] = window_cache_prefill(k, v, window, 0)["k"]
     return out, {"kv": kv, **state}
 
 
-def _empty_state(k_t: Tensor, v_t: Tensor, features: int, window: int, sinks: int) -> Dict[str, Tensor]:
+def _empty_state(k_t: Tensor, v_t: Tensor, features: int, window: int, sinks: int, window_inputs: bool,
+                 ) -> Dict[str, Tensor]:
     """The state before the first position (``features``: the linear state's rows, 2 * feature_dim)."""
     batch, heads, _, head_dim = k_t.shape
     state = {
@@ -376,6 +431,8 @@ def _empty_state(k_t: Tensor, v_t: Tensor, features: int, window: int, sinks: in
     if sinks:
         state["sink_k"], state["sink_v"] = k_t.new_zeros(batch, heads, sinks, head_dim), v_t.new_zeros(
             batch, heads, sinks, v_t.shape[3])
+    if window_inputs:
+        state["feature_k"] = torch.zeros_like(state["k"])
     return state
 
 
@@ -435,13 +492,16 @@ def _bmm(a: Tensor, b: Tensor) -> Tensor:
 @without_autocast
 def lolcats_step_unchecked(
     q_t: Tensor, k_t: Tensor, v_t: Tensor, weights: LolcatsStepWeights, window: int, scale: Optional[float],
-    tensors: Optional[Dict[str, Tensor]], length: int, sinks: int = 0,
+    tensors: Optional[Dict[str, Tensor]], length: int, sinks: int = 0, q_window: Optional[Tensor] = None,
+    k_window: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Dict[str, Tensor]]:
     """One decoding position (q_t, k_t: (batch, heads, 1, head_dim), v_t: (batch, heads, 1, head_dim_v)) after
     ``length`` positions whose state is ``tensors`` (None at the start), with the parameters of
     :func:`lolcats_step_weights`: O((w + sinks) d + m d). The key leaving the window (position ``length -
-    window``) joins the linear state unless it is a sink, the new one takes its slot. The previous state's
-    tensors are never written (a state may be stepped from twice). Returns the output and the new state.
+    window``) joins the linear state unless it is a sink, the new one takes its slot. ``q_window``,
+    ``k_window``: the window's query and key, apart from the features' (the state then has ``feature_k``). The
+    previous state's tensors are never written (a state may be stepped from twice). Returns the output and the
+    new state.
 
     A step's rows are few, so its time is its op count: the leaving key's features are the only key features
     it forms, in the query's product (a ring of every window key's features in the state would be copied
@@ -451,15 +511,27 @@ def lolcats_step_unchecked(
     row costs several times as much at these sizes)."""
     dtype = working_dtype(v_t.dtype)
     if tensors is None:
-        tensors = _empty_state(k_t, v_t, 2 * weights.maps.shape[-1], window, sinks)
+        tensors = _empty_state(k_t, v_t, 2 * weights.maps.shape[-1], window, sinks, q_window is not None)
+    feature_ring = tensors.get("feature_k")  # the ring's keys as the features take them, when not the window's
     slot, leaving = length % window, length - window
-    kv, q_t, old_k = tensors["kv"], q_t.to(dtype), None
+    kv, q_t, old_k, k_features = tensors["kv"], q_t.to(dtype), None, k_t
     if leaving >= sinks:  # the slot holds position length - window, which leaves the window now
-        old_k, old_v = tensors["k"].narrow(2, slot, 1).to(dtype), tensors["v"].narrow(2, slot, 1).to(dtype)
+        old_k = (tensors["k"] if feature_ring is None else feature_ring).narrow(2, slot, 1).to(dtype)
+        old_v = tensors["v"].narrow(2, slot, 1).to(dtype)
     phi_q, phi_old = _step_features(q_t, old_k, weights)
     if phi_old is not None:  # kv + phi_k(k) [v, 1]^T
-        kv = torch.addcmul(kv, phi_old.transpose(-1, -2), F.pad(old_v, (0, 1), value=1.0))
+        if weights.decay is None:
+            kv = torch.addcmul(kv, phi_old.transpose(-1, -2), F.pad(old_v, (0, 1), value=1.0))
+        else:  # lambda kv + ...: the product is a new tensor, so the outer product is added in place
+            kv = (kv * weights.decay).addcmul_(phi_old.transpose(-1, -2), F.pad(old_v, (0, 1), value=1.0))
+    elif weights.decay is not None:  # every step ages the keys beyond the window (zeros before the first)
+        kv = kv * weights.decay
+    if q_window is not None:  # the window's own query and key from here on
+        q_t, k_t = q_window.to(dtype), k_window
     new, keys, values = _next_ring(tensors, k_t, v_t, slot, length, sinks)
+    if feature_ring is not None:
+        new["feature_k"] = feature_ring.clone()
+        new["feature_k"][:, :, slot] = k_features[:, :, 0]
     logits = _bmm(q_t, keys.to(dtype).transpose(-1, -2)).mul_(_logit_scale(scale, k_t.shape[3]))
     if length < window - 1 + sinks:  # an empty slot, or a sink still inside the window
         logits.masked_fill_(_step_unseen(new["positions"], length, window, sinks), -math.inf)

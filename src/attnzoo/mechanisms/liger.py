@@ -5,7 +5,7 @@ models to. The maths is in :mod:`attnzoo.functional.liger`."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -24,12 +24,11 @@ from .base import NATIVE_KV, OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLa
 from .capabilities import PADDED_RIGHT
 from .plan_cache import last_plan
 from .registry import register
-
-Rotation = Callable[..., Tensor]  # a rotary embedding: rotation(x (..., seq, head_dim), start=first position)
+from .window_rotary import RotatedWindow
 
 
 @register
-class LigerAttention(Mechanism):
+class LigerAttention(RotatedWindow, Mechanism):
     """Liger attention (Lan et al. 2025, "Liger: Linearizing Large Language Models to Gated Recurrent
     Structures"): ``y = (window + gated) / 2``, where ``gated`` is gated linear attention on
     ``softmax(q)``, ``softmax(k)`` (over the channels) with the per-channel decay ``logsigmoid(k) /
@@ -87,21 +86,6 @@ class LigerAttention(Mechanism):
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         if self.sink_tokens:  # the sinks are the row's first positions, padding on the left included
             self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
-        self._rotary: Tuple[Optional[Rotation], ...] = (None,)  # in a tuple: not a submodule of ours
-
-    def use_rotary(self, rotary: Optional[Rotation]) -> None:
-        """Rotate the window's queries and keys by ``rotary`` (the layer's :class:`~attnzoo.RotaryEmbedding`,
-        called as ``rotary(x, start=position)``; positions from 0 in each sequence or document, a decoding
-        step's from the positions seen), or not at all (None)."""
-        if rotary is not None and not callable(rotary):
-            raise TypeError(f"rotary must be a rotary embedding (callable) or None, got {type(rotary).__name__}")
-        self._rotary = (rotary,)
-
-    def _window_inputs(self, q: Tensor, k: Tensor, start: int) -> Tuple[Tensor, Tensor]:
-        rotary = self._rotary[0]
-        if rotary is None:
-            return q, k
-        return rotary(q, start=start), rotary(k, start=start)
 
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
         """The window's block plan, the last one kept while the length, causality and device stay."""

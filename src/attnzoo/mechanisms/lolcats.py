@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .._dtypes import working_dtype
-from .._validation import check_number, check_positive_int
+from .._validation import check_bool, check_number, check_positive_int
 from ..feature_maps import HedgehogFeatureMap
 from ..functional.blocksparse import BlockPlan, check_sink_tokens
 from ..functional.linear import DEFAULT_CHUNK_SIZE
@@ -31,10 +31,15 @@ from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
 from .capabilities import PADDED_RIGHT
 from .plan_cache import last_plan
 from .registry import register
+from .window_rotary import RotatedWindow
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
 
 
 @register
-class LolcatsAttention(Mechanism):
+class LolcatsAttention(RotatedWindow, Mechanism):
     """LoLCATs' sliding-window-plus-linear attention (Zhang et al. 2024, "LoLCATs: On Low-Rank Linearizing of
     Large Language Models"): query i takes exact softmax terms ``exp(s_ij - m_i)`` over the ``window`` keys
     ``i - window < j <= i`` (``m_i`` their largest logit) and Hedgehog linear terms ``phi_q(q_i) . phi_k(k_j)``
@@ -45,7 +50,7 @@ class LolcatsAttention(Mechanism):
     Learned parameters, all trained by attention transfer: ``query_map`` and ``key_map``, one
     :class:`~attnzoo.feature_maps.HedgehogFeatureMap` each (``weight`` (heads, head_dim, feature_dim), the
     identity when ``feature_dim == head_dim``, else ``N(0, 1/head_dim)``; ``bias`` (heads, feature_dim), zeros),
-    and ``window_factor`` (heads,).
+    ``window_factor`` (heads,), and with a ``decay``, ``decay_logit`` (heads,).
 
     The window factor is LoLCATs' ``window_factors``: a logit per head whose sigmoid multiplies the softmax
     terms, the linear terms keeping weight 1 (their ``affine_attention_factors=False``). It starts at
@@ -65,6 +70,17 @@ class LolcatsAttention(Mechanism):
             much of each row's weight on its first tokens, which the feature maps approximate badly (see
             docs/conversion.md). The sinks are the row's first positions, padding included: padded on the
             left, a sequence gives other outputs.
+        decay: the initial decay ``lambda_h`` of the linear terms, in (0, 1), learned per head as
+            ``decay_logit`` (heads,), ``lambda_h = sigmoid(decay_logit_h)``: a key's linear weight is
+            multiplied by ``lambda_h`` for every position past the window (not in LoLCATs). None (the default):
+            no decay and no such parameter. Bounds the linear part's sum to about ``1 / (1 - lambda_h)`` keys,
+            so its balance with the window holds past the lengths a conversion trained on.
+        rotate_features: in a layer with a rotary embedding (``MultiHeadAttention(rotary=True)``, as in
+            :class:`~attnzoo.pretrained.CausalLM`), whether the feature maps take the rotated queries and keys
+            (True, the default, as LoLCATs) or the projected ones (False, as Liger's linear part: the mechanism
+            then rotates the window's itself, capability ``own_rotary``, and a feature no longer depends on its
+            absolute position, whose angles past the lengths a conversion trained on it never saw). Alone, or
+            where the caller rotates, it changes nothing (the Hugging Face drop-in refuses False).
 
     Self-attention only (the window pairs positions of one sequence). Grouped keys and values are repeated
     (the maps are per query head, as LoLCATs applies them after repeating). Packed batches: each document
@@ -92,11 +108,13 @@ class LolcatsAttention(Mechanism):
     # Small settings; the suite's lengths (up to 11) cross chunk and window-block boundaries.
     test_options = {"window": 3, "feature_dim": 4, "chunk_size": 4}
     test_variants = ({"window": 1, "chunk_size": 3, "window_weight": 0.6, "scale": 0.5},
-                     {"window": 3, "sink_tokens": 2, "feature_dim": 4, "chunk_size": 4})
+                     {"window": 3, "sink_tokens": 2, "feature_dim": 4, "chunk_size": 4, "decay": 0.8,
+                      "rotate_features": False})
 
     def __init__(self, heads: int, head_dim: int, *, window: int = 64, feature_dim: Optional[int] = None,
                  window_weight: float = 0.1, scale: Optional[float] = None,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, sink_tokens: int = 0) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, sink_tokens: int = 0, decay: Optional[float] = None,
+                 rotate_features: bool = True) -> None:
         super().__init__(heads, head_dim)
         self.window = check_positive_int("window", window)
         feature_dim = check_number("feature_dim", feature_dim, integer=True, minimum=1, optional=True)
@@ -111,12 +129,18 @@ class LolcatsAttention(Mechanism):
             self.capabilities = replace(self.capabilities, padding_invariance=PADDED_RIGHT)
         self.query_map = HedgehogFeatureMap(heads, head_dim, self.feature_dim)
         self.key_map = HedgehogFeatureMap(heads, head_dim, self.feature_dim)
-        self.window_factor = nn.Parameter(torch.full((heads,), math.log(weight / (1.0 - weight))))
+        self.rotate_features = check_bool("rotate_features", rotate_features)
+        if not self.rotate_features:
+            self.capabilities = replace(self.capabilities, own_rotary=True)
+        self.window_factor = nn.Parameter(torch.full((heads,), _logit(weight)))
+        decay = check_number("decay", decay, minimum=0.0, maximum=1.0, exclusive_minimum=True,
+                             exclusive_maximum=True, optional=True)
+        self.decay_logit = None if decay is None else nn.Parameter(torch.full((heads,), _logit(decay)))
 
     def weights(self) -> LolcatsWeights:
         """The learned parameters as the functional core takes them."""
         return LolcatsWeights(self.query_map.weight, self.query_map.bias, self.key_map.weight, self.key_map.bias,
-                              self.window_factor)
+                              self.window_factor, self.decay_logit)
 
     def step_weights(self, dtype: torch.dtype) -> LolcatsStepWeights:
         """The parameters as a decoding step takes them, in the working dtype of ``dtype`` inputs: kept while
@@ -131,6 +155,10 @@ class LolcatsAttention(Mechanism):
         key = (dtype, *((id(w), w.data_ptr(), w._version, w.device) for w in present))
         return last_plan(self, "_step_weights", key, lambda: lolcats_step_weights(weights, dtype))
 
+    def _apart(self, q: Tensor, k: Tensor, start: int) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """The window's queries and keys when they differ from the features' (rotated here), else (None, None)."""
+        return self._window_inputs(q, k, start) if self.rotates_window else (None, None)
+
     def plan(self, length: int, causal: bool, device: torch.device) -> BlockPlan:
         """The window's block plan, the last one kept while the length, causality and device stay."""
         return last_plan(self, "_plan", (length, causal, device),
@@ -141,31 +169,34 @@ class LolcatsAttention(Mechanism):
     ) -> Tensor:
         plan = self.plan(q.shape[2], causal, q.device)
         return lolcats_attention_unchecked(q, k, v, self.weights(), self.window, causal, key_padding_mask,
-                                           self.scale, self.chunk_size, plan, self.sink_tokens)
+                                           self.scale, self.chunk_size, plan, self.sink_tokens,
+                                           *self._apart(q, k, 0))
 
     def attend_reference(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Float64 quadratic maths (:func:`~attnzoo.functional.lolcats.lolcats_attention_reference`)."""
         return lolcats_attention_reference(q, k, v, self.weights(), self.window, causal, key_padding_mask,
-                                           self.scale, self.sink_tokens)
+                                           self.scale, self.sink_tokens, *self._apart(q, k, 0))
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         return lolcats_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype, value_width,
-                                    self.sink_tokens)
+                                    self.sink_tokens, self.rotates_window)
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         plan = self.plan(q.shape[2], True, q.device)
         return lolcats_prefill_unchecked(q, k, v, self.weights(), self.window, self.scale, self.chunk_size, plan,
-                                         self.sink_tokens)
+                                         self.sink_tokens, *self._apart(q, k, 0))
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
         return lolcats_step_unchecked(q_t, k_t, v_t, self.step_weights(v_t.dtype), self.window, self.scale,
-                                      tensors, length, self.sink_tokens)
+                                      tensors, length, self.sink_tokens, *self._apart(q_t, k_t, length))
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window={self.window}, feature_dim={self.feature_dim}, scale={self.scale}, "
-                f"chunk_size={self.chunk_size}" + (f", sink_tokens={self.sink_tokens}" if self.sink_tokens else ""))
+                f"chunk_size={self.chunk_size}" + (f", sink_tokens={self.sink_tokens}" if self.sink_tokens else "")
+                + ("" if self.decay_logit is None else ", decay=learned")
+                + ("" if self.rotate_features else ", rotate_features=False"))
