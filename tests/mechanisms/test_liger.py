@@ -1,6 +1,6 @@
 """Liger attention (functional.liger, mechanism ``liger``) beyond the conformance suite: the gated linear part
 against the per-token recurrence written from the paper, strong decays, the window rotated and the linear part
-not inside a rotary layer (forward, packed rows and decoding), fla's GLA reference, and the refusals."""
+not inside a rotary layer, fla's GLA reference, and the refusals."""
 
 from __future__ import annotations
 
@@ -115,16 +115,7 @@ def test_in_a_rotary_layer_only_the_window_is_rotated(sinks):
     out = layer(x, causal=True)
     torch.testing.assert_close(out, layer._output(as_liger, x), rtol=1e-10, atol=1e-12)
     assert (out - layer._output(both_rotated, x)).abs().max() > 1e-3  # the difference the test can see
-    # Decoding (prefill, then steps from the positions seen) and a packed row give the same rows.
-    prefix, state = layer.prefill(x[:, :4])
-    steps = [prefix]
-    for t in range(4, 11):
-        out_t, state = layer.step(x[:, t:t + 1], state)
-        steps.append(out_t)
-    torch.testing.assert_close(torch.cat(steps, 1), out, rtol=1e-10, atol=1e-12)
-    packed = layer(x[:1], causal=True, cu_seqlens=torch.tensor([0, 5, 11]))
-    alone = torch.cat([layer(x[:1, :5], causal=True), layer(x[:1, 5:], causal=True)], 1)
-    torch.testing.assert_close(packed, alone, rtol=1e-10, atol=1e-12)
+    # Decoding and packed rows in a rotary layer: the conformance suite (tests/conformance/test_own_rotary.py).
 
 
 def test_a_llama_drop_in_is_refused_as_its_keys_arrive_rotated():
