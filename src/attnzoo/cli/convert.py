@@ -117,7 +117,9 @@ def add_convert_command(commands: Any) -> None:
     parser.add_argument("output", metavar="OUTPUT", help="the conversion's folder (resumed when it holds one)")
     parser.add_argument("--gguf", metavar="PATH", help="the teacher's GGUF file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--target-options", type=parse_options, metavar="KEY=VALUE[,...]",
-                        help="the target mechanism's options, e.g. window=64")
+                        help="the target mechanism's options, e.g. window=64; for lolcats, "
+                             "sink_tokens=4,feature_dim=128,decay=0.99,rotate_features=false holds past the "
+                             "training length (docs/conversion.md)")
     add_declared_flags(parser, ConversionConfig, "convert")
     parser.add_argument("--transfer-from", metavar="DIR",
                         help="start from the stage 1 of the conversion in DIR (same teacher and stage 1 settings, "
