@@ -65,7 +65,14 @@ from torch import Tensor
 
 from .._dtypes import working_dtype
 from ._autocast import outside_autocast, without_autocast
-from .blocksparse import BlockPlan, blocksparse_plan, window_cache_layout, window_cache_prefill, window_pattern
+from .blocksparse import (
+    BlockPlan,
+    blocksparse_plan,
+    window_cache_layout,
+    window_cache_prefill,
+    window_pattern,
+    window_ring,
+)
 from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
 from .features import hedgehog_decoding_weights, hedgehog_features_decoding, hedgehog_features_unchecked
 from .gated import constant_log_decay
@@ -414,7 +421,7 @@ def lolcats_prefill_unchecked(
     if not sinks:
         del state["sink_k"], state["sink_v"]
     if k_window is not None:
-        state["feature_k"] = window_cache_prefill(k, v, window, 0)["k"]
+        state["feature_k"] = window_ring(k, window)
     return out, {"kv": kv, **state}
 
 

@@ -59,7 +59,13 @@ from .packed import (
 )
 from .plan import DENSE_SHARE, BlockPlan, blocksparse_plan, blockwise_logits
 from .reference import blocksparse_attention_reference, pattern_dense_mask
-from .window_cache import check_sink_tokens, window_cache_layout, window_cache_prefill, window_cache_step
+from .window_cache import (
+    check_sink_tokens,
+    window_cache_layout,
+    window_cache_prefill,
+    window_cache_step,
+    window_ring,
+)
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -92,4 +98,5 @@ __all__ = [
     "window_cache_prefill",
     "window_cache_step",
     "window_pattern",
+    "window_ring",
 ]

@@ -43,20 +43,29 @@ def window_cache_layout(
     }
 
 
-def _ring(k: Tensor, v: Tensor, length: int, window: int) -> Dict[str, Tensor]:
-    """The ring after positions 0 .. length-1 of k, v (batch, heads, length, dim): slot s holds the latest
-    position p < length with p % window == s, if any (length >= 1)."""
-    batch = k.shape[0]
-    slots = torch.arange(window, device=k.device)
+def _ring_positions(length: int, window: int, device: torch.device) -> Tensor:
+    """The position each slot holds after positions 0 .. length-1, (window,): the latest p < length with
+    p % window == slot, or -1 (length >= 1)."""
+    slots = torch.arange(window, device=device)
     latest = (length - 1) - torch.remainder(length - 1 - slots, window)
-    filled = latest >= 0
-    index = latest.clamp_min(0)
-    keep = filled.view(1, 1, -1, 1)
-    return {
-        "k": torch.where(keep, k.index_select(2, index), torch.zeros_like(k[:, :, :1])),
-        "v": torch.where(keep, v.index_select(2, index), torch.zeros_like(v[:, :, :1])),
-        "positions": torch.where(filled, latest, torch.full_like(latest, -1)).expand(batch, -1).clone(),
-    }
+    return torch.where(latest >= 0, latest, torch.full_like(latest, -1))
+
+
+def window_ring(x: Tensor, window: int) -> Tensor:
+    """One tensor's ring after its positions (x (batch, heads, length, dim)): slot s holds x at the latest
+    position p with p % window == s, zeros where there is none; the ``k`` or ``v`` of
+    :func:`window_cache_prefill`, for a state that keeps another tensor in the same slots."""
+    positions = _ring_positions(x.shape[2], window, x.device)
+    filled = (positions >= 0).view(1, 1, -1, 1)
+    return torch.where(filled, x.index_select(2, positions.clamp_min(0)), torch.zeros_like(x[:, :, :1]))
+
+
+def _ring(k: Tensor, v: Tensor, length: int, window: int) -> Dict[str, Tensor]:
+    """The ring after positions 0 .. length-1 of k, v (batch, heads, length, dim) (:func:`window_ring`), and
+    the positions its slots hold."""
+    positions = _ring_positions(length, window, k.device)
+    return {"k": window_ring(k, window), "v": window_ring(v, window),
+            "positions": positions.expand(k.shape[0], -1).clone()}
 
 
 def _sinks(k: Tensor, v: Tensor, sinks: int) -> Dict[str, Tensor]:
