@@ -51,20 +51,24 @@ def _ring_positions(length: int, window: int, device: torch.device) -> Tensor:
     return torch.where(latest >= 0, latest, torch.full_like(latest, -1))
 
 
+def _in_slots(x: Tensor, positions: Tensor) -> Tensor:
+    """x (batch, heads, length, dim) at the slots' positions (:func:`_ring_positions`), zeros where -1."""
+    filled = (positions >= 0).view(1, 1, -1, 1)
+    return torch.where(filled, x.index_select(2, positions.clamp_min(0)), torch.zeros_like(x[:, :, :1]))
+
+
 def window_ring(x: Tensor, window: int) -> Tensor:
     """One tensor's ring after its positions (x (batch, heads, length, dim)): slot s holds x at the latest
     position p with p % window == s, zeros where there is none; the ``k`` or ``v`` of
     :func:`window_cache_prefill`, for a state that keeps another tensor in the same slots."""
-    positions = _ring_positions(x.shape[2], window, x.device)
-    filled = (positions >= 0).view(1, 1, -1, 1)
-    return torch.where(filled, x.index_select(2, positions.clamp_min(0)), torch.zeros_like(x[:, :, :1]))
+    return _in_slots(x, _ring_positions(x.shape[2], window, x.device))
 
 
 def _ring(k: Tensor, v: Tensor, length: int, window: int) -> Dict[str, Tensor]:
     """The ring after positions 0 .. length-1 of k, v (batch, heads, length, dim) (:func:`window_ring`), and
     the positions its slots hold."""
     positions = _ring_positions(length, window, k.device)
-    return {"k": window_ring(k, window), "v": window_ring(v, window),
+    return {"k": _in_slots(k, positions), "v": _in_slots(v, positions),
             "positions": positions.expand(k.shape[0], -1).clone()}
 
 
