@@ -2,7 +2,8 @@
 side by side after the same long prompts.
 
     PYTHONPATH=src python scripts/bench_pretrained_decode.py [--contexts 1024,8192] [--batches 1,4] \\
-        [--mechanism lolcats --options sink_tokens=4 | --converted runs/lolcats-sinks4] [--steps 8] \\
+        [--mechanism lolcats --options sink_tokens=4 | --converted runs/lolcats-sinks4[:sparse_cache=64]] \\
+        [--steps 8] \\
         [--rounds 5] [--threads 1] [--output result.json]
 
 For each (context, batch): ``batch`` random token sequences of ``context`` tokens are prefilled by both models,
@@ -10,7 +11,8 @@ then each model decodes ``steps`` greedy tokens from its state after the prompt,
 ``rounds`` rounds so that machine noise falls on both; per model the median over rounds of the ms per step.
 tokens/s counts every sequence of the batch. The other model is the raw swap (``--mechanism``, its own
 parameters untrained: a step does the same work as a trained one's) or a converted model (``--converted``,
-written by ``attnzoo convert``). glibc keeps freed memory for reuse (as ``attnzoo lm-eval`` does), so a step's
+written by ``attnzoo convert``; options after a colon are set on its layers at inference, as ``attnzoo lm-eval
+--converted`` takes them). glibc keeps freed memory for reuse (as ``attnzoo lm-eval`` does), so a step's
 state tensors are not page-faulted in afresh. Prints (and with ``--output`` writes) JSON with the command.
 """
 
@@ -28,6 +30,7 @@ import torch
 
 from attnzoo._malloc import keep_freed_memory
 from attnzoo.cli.common import parse_options
+from attnzoo.cli.lm_eval import converted_spec
 from attnzoo.pretrained import smollm2
 from attnzoo.pretrained.evaluation import _layers, state_bytes, swapped
 
@@ -70,7 +73,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1")
     parser.add_argument("--mechanism", default="lolcats")
     parser.add_argument("--options", type=parse_options, default={"sink_tokens": 4})
-    parser.add_argument("--converted", help="a folder written by attnzoo convert (instead of --mechanism)")
+    parser.add_argument("--converted", type=converted_spec,
+                        help="a folder written by attnzoo convert, DIR[:OPTION=VALUE,...] (instead of --mechanism)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
@@ -83,7 +87,9 @@ def main() -> None:
     if args.converted:
         from attnzoo.conversion import load_converted
 
-        other, label = load_converted(args.converted, merged=True)[0].eval(), f"converted {args.converted}"
+        folder, options = (args.converted, {}) if isinstance(args.converted, str) else args.converted
+        other = load_converted(folder, merged=True, options=options)[0].eval()
+        label = f"converted {folder}" + "".join(f" {key}={value}" for key, value in options.items())
     else:
         other, _ = swapped(teacher, args.mechanism, args.options)
         label = f"{args.mechanism} {args.options}"

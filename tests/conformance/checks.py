@@ -238,6 +238,13 @@ def expect_error(
     raise AssertionError(f"{what}: expected {expected} naming /{pattern}/, but nothing was raised")
 
 
+def causal_settings(mechanism: Mechanism) -> List[bool]:
+    """The values of ``causal`` the mechanism declares it runs: False unless it is causal only (capability
+    ``non_causal``), True where it declares ``causal``."""
+    caps = mechanism.capabilities
+    return [causal for causal in (False, True) if (caps.causal if causal else caps.non_causal)]
+
+
 def expect_unsupported(mechanism: Mechanism, option: str) -> None:
     """Using an undeclared capability raises UnsupportedOptionError naming it."""
     n = fit(mechanism, 6)
@@ -245,20 +252,24 @@ def expect_unsupported(mechanism: Mechanism, option: str) -> None:
     q, k, v = qkv
     m = as_dtype(mechanism, torch.float32)
     where = f"{type(mechanism).__name__} (capability {option}=False)"
+    plain = causal_settings(mechanism)[0]  # a causality it runs, to call with
     if option == "causal":
         expect_error(lambda: call(m, qkv, True, None), UnsupportedOptionError, r"causal", f"{where}: causal=True")
+    elif option == "non_causal":
+        expect_error(lambda: call(m, qkv, False, None), UnsupportedOptionError, r"causal=False",
+                     f"{where}: causal=False")
     elif option == "key_padding":
         mask = torch.zeros(2, n, dtype=torch.bool)
         expect_error(
-            lambda: call(m, qkv, False, mask), UnsupportedOptionError, r"key_padding_mask", f"{where}: key_padding_mask"
+            lambda: call(m, qkv, plain, mask), UnsupportedOptionError, r"key_padding_mask", f"{where}: key_padding_mask"
         )
     elif option == "cross":
         longer = random_qkv(mechanism, 2, n, n + 1, torch.float32, seed=8)
         longer = (q, longer[1], longer[2])
-        expect_error(lambda: call(m, longer, False, None), UnsupportedOptionError, r"cross", f"{where}: k_len != q_len")
+        expect_error(lambda: call(m, longer, plain, None), UnsupportedOptionError, r"cross", f"{where}: k_len != q_len")
         for other in (qkv, longer):  # refused when said, whatever the lengths
             expect_error(
-                lambda: call(m, other, False, None, cross=True),
+                lambda: call(m, other, plain, None, cross=True),
                 UnsupportedOptionError,
                 r"cross",
                 f"{where}: cross=True with q_len={n}, k_len={other[1].shape[2]}",
@@ -266,7 +277,7 @@ def expect_unsupported(mechanism: Mechanism, option: str) -> None:
     elif option == "any_value_width":
         for width in sorted({mechanism.head_dim + 3, max(1, mechanism.head_dim - 1)} - {mechanism.head_dim}):
             other = (q, k, widened_values(v, width, seed=9))
-            expect_error(lambda: call(m, other, False, None), UnsupportedOptionError, r"any_value_width",
+            expect_error(lambda: call(m, other, plain, None), UnsupportedOptionError, r"any_value_width",
                          f"{where}: v with {width} channels")
             if mechanism.capabilities.recurrent_step:
                 one = tuple(t[:, :, :1] for t in other)
@@ -525,15 +536,16 @@ def check_unsupported_options(mechanism: Mechanism) -> None:
     ``unsupported_reasons`` agrees with the declaration: a call has a reason against it exactly when it uses
     an undeclared capability, every reason is given at once, and calling raises with all of them."""
     caps = mechanism.capabilities
-    for option in ("causal", "key_padding", "cross", "recurrent_step", "any_value_width"):
+    for option in ("causal", "non_causal", "key_padding", "cross", "recurrent_step", "any_value_width"):
         if not getattr(caps, option):
             expect_unsupported(mechanism, option)
     m = as_dtype(mechanism, torch.float32)
     name = type(mechanism).__name__
     for variant in all_variants(mechanism):
         reasons = unsupported_reasons(mechanism, variant)
-        missing = [option for option, used in (("causal", variant.causal), ("key_padding", variant.padded),
-                                                ("cross", variant.cross)) if used and not getattr(caps, option)]
+        missing = [option for option, used in (("causal", variant.causal), ("non_causal", not variant.causal),
+                                                ("key_padding", variant.padded), ("cross", variant.cross))
+                   if used and not getattr(caps, option)]
         what = f"{name} {variant.describe()}"
         if bool(reasons) != bool(missing) or len(reasons) < len(missing):
             raise AssertionError(
@@ -566,9 +578,10 @@ def check_output_depends_on_values(mechanism: Mechanism) -> None:
     m = as_dtype(mechanism, torch.float64)
     n = fit(mechanism, SEQ)
     q, k, v = random_qkv(mechanism, BATCH, n, n, torch.float64, seed=4)
+    causal = causal_settings(mechanism)[0]
     with torch.no_grad():
-        before = m(q, k, v)
-        after = m(q, k, _perturb(v, (slice(None),), seed=4))
+        before = m(q, k, v, causal=causal)
+        after = m(q, k, _perturb(v, (slice(None),), seed=4), causal=causal)
     if float((before - after).abs().max()) < 1e-3:
         raise AssertionError(f"{type(mechanism).__name__}: replacing every value left the output unchanged")
 
@@ -692,7 +705,7 @@ def check_traced_matches_eager(mechanism: Mechanism) -> None:
     q, k, v = random_qkv(mechanism, BATCH, n, n, torch.float64, seed=23)
     partly = padding_pattern(BATCH, n, fully_padded=False)
     fully = padding_pattern(BATCH, n)
-    for causal in ([False, True] if mechanism.capabilities.causal else [False]):
+    for causal in causal_settings(mechanism):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # tracer warnings about Python values are expected and harmless
             traced = torch.jit.trace(_Traced(m, causal), (q, k, v, partly), check_trace=False)
@@ -706,7 +719,7 @@ def check_batch_independence(mechanism: Mechanism) -> None:
     m = as_dtype(mechanism, torch.float64)
     for variant in variants(mechanism):
         fullest = (mechanism.capabilities.causal, mechanism.capabilities.key_padding)
-        if (variant.causal, variant.padded) not in {(False, False), fullest}:
+        if (variant.causal, variant.padded) not in {(causal_settings(mechanism)[0], False), fullest}:
             continue  # the plain call and the one with everything declared suffice
         qkv, mask = variant_inputs(mechanism, variant, torch.float64, seed=9)
         what = f"{type(mechanism).__name__} {variant.describe()}"
@@ -790,7 +803,7 @@ def check_gradcheck(mechanism: Mechanism) -> None:
     m = as_dtype(mechanism, torch.float64)
     caps = mechanism.capabilities
     n = fit(mechanism, 5)
-    cases = [Variant(n, n, False, False)]
+    cases = [Variant(n, n, causal_settings(mechanism)[0], False)]
     if caps.causal or caps.key_padding:
         cases.append(Variant(n, n, caps.causal, caps.key_padding))
     if caps.cross and n > 1:
@@ -1127,7 +1140,7 @@ def check_max_length(mechanism: Mechanism) -> None:
     name = type(mechanism).__name__
     if limit is None or limit > _LARGEST_CHECKED_LIMIT:
         n = 257
-        out = m(*random_qkv(mechanism, 1, n, n, torch.float32, seed=19))
+        out = m(*random_qkv(mechanism, 1, n, n, torch.float32, seed=19), causal=causal_settings(mechanism)[0])
         assert_finite(out, f"{name} (no max_length) at length {n}")
         return
     over = random_qkv(mechanism, 1, limit + 1, limit + 1, torch.float32, seed=19)
@@ -1328,7 +1341,7 @@ def check_padded_like_alone(mechanism: Mechanism) -> None:
         zeros.append(torch.cat([padded, y]))
     garbage = [_garbage(x, mask, seed=40 + i) for i, x in enumerate(zeros)]
     promised = PADDED_SIDES[caps.padding_invariance]
-    for causal, (label, run) in itertools.product([False, True] if caps.causal else [False],
+    for causal, (label, run) in itertools.product(causal_settings(mechanism),
                                                   [("forward", m), ("reference()", m.reference)]):
         with torch.no_grad():
             expected, expected_other = run(*alone, causal=causal), run(*other, causal=causal)

@@ -69,7 +69,7 @@ def check_packing(mechanism: Mechanism, lengths: Tuple[int, ...] = DOCUMENT_LENG
     qkv = checks.random_qkv(mechanism, 1, n, n, torch.float64, seed=3)
     weights = torch.randn(1, mechanism.heads, n, mechanism.head_dim, generator=torch.Generator().manual_seed(4),
                           dtype=torch.float64)
-    for causal in (False, True) if caps.causal else (False,):
+    for causal in checks.causal_settings(mechanism):
         packed = _forward_and_grads(mechanism, qkv, causal, weights, cu_seqlens=offsets(lengths))
         for start, end in spans(lengths):
             piece = [x[:, :, start:end] for x in qkv]
@@ -111,8 +111,9 @@ def test_documents_of_equal_length_stay_apart(name, options):
 
 def refused_short_lengths(mechanism: Mechanism, longest: int = 8) -> List[int]:
     """The lengths up to ``longest`` this instance refuses alone (a rule a short document breaks)."""
+    causal = checks.causal_settings(mechanism)[0]
     return [length for length in range(1, longest + 1) if mechanism.unsupported_reasons(
-        *shapes_only(1, mechanism.heads, length, length, mechanism.head_dim))]
+        *shapes_only(1, mechanism.heads, length, length, mechanism.head_dim), causal)]
 
 
 def check_short_document_refused_as_alone(mechanism: Mechanism) -> None:
@@ -122,10 +123,11 @@ def check_short_document_refused_as_alone(mechanism: Mechanism) -> None:
     accepted = max(length for length in range(1, 9) if length not in refused)
     for short in refused:
         qkv = checks.random_qkv(mechanism, 1, accepted + short, accepted + short, torch.float64, seed=3)
+        causal = checks.causal_settings(mechanism)[0]
         with pytest.raises(ValueError) as alone:
-            mechanism(*(x[:, :, accepted:] for x in qkv))
+            mechanism(*(x[:, :, accepted:] for x in qkv), causal=causal)
         with pytest.raises(ValueError) as packed:
-            mechanism(*qkv, cu_seqlens=offsets((accepted, short)))
+            mechanism(*qkv, causal=causal, cu_seqlens=offsets((accepted, short)))
         where = f"{type(mechanism).__name__}: documents ({accepted}, {short}) packed"
         assert type(packed.value) is type(alone.value), f"{where}: {type(packed.value)} vs {type(alone.value)} alone"
         assert str(alone.value) in str(packed.value), f"{where}: {packed.value!r} lacks what alone says, {alone.value!r}"

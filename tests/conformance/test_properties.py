@@ -57,7 +57,7 @@ def cases(
     cross = draw(st.booleans(), label="cross") if caps.cross else False
     k_len = draw(st.integers(1, longest), label="k_len") if cross else q_len
     if causal is None:
-        causal = draw(st.booleans(), label="causal") if caps.causal else False
+        causal = draw(st.booleans(), label="causal") if caps.causal and caps.non_causal else caps.causal
     if padded is None:
         padded = draw(st.booleans(), label="padded") if caps.key_padding else False
     padding = None

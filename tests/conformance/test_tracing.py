@@ -44,7 +44,7 @@ class _Call(torch.nn.Module):
 
 
 def _modes(mechanism: Mechanism) -> List[bool]:
-    return [False, True] if mechanism.capabilities.causal else [False]
+    return checks.causal_settings(mechanism)
 
 
 def _inputs(mechanism: Mechanism):

@@ -314,6 +314,37 @@ def test_a_converted_model_is_measured_like_a_variant(tiny, tmp_path):
     assert [r["status"] for r in decode] == ["ok", "ok"] and decode[0]["state_bytes"] == decode[1]["state_bytes"]
 
 
+def test_a_converted_model_with_options_set_at_inference(tiny, tmp_path):
+    """--converted DIR:sparse_cache=4: the same trained tensors with LoLA's cache on every converted layer,
+    measured beside the model as saved; its perplexity is the model load_converted(options=...) gives, and an
+    option the saved tensors do not fit (or an unknown one) is refused before any measurement, naming it."""
+    from attnzoo import conversion
+
+    path, _ = tiny
+    _converted(path, tmp_path / "run", {"window": 4, "feature_dim": 4, "chunk_size": 4, "sink_tokens": 2})
+    run = str(tmp_path / "run")
+    config = LmEvalConfig(gguf=str(path), converted=[run, (run, {"sparse_cache": 4})], parts=["perplexity"],
+                          sources=["code"], lengths=[64])
+    data = run_lm_eval(config, tmp_path / "out", ["test"], prepared=prepare(config, needs_tokenizer=False),
+                       tokenizer=WordTokenizer())
+    labels = [v["label"] for v in data["variants"]]
+    assert labels == ["softmax", f"converted {run}", f"converted {run}:sparse_cache=4"]
+    assert data["variants"][2]["options"]["sparse_cache"] == 4
+    assert data["variants"][2]["converted"]["options"] == {"sparse_cache": 4}
+    scores = {r["variant"]: r["perplexity"] for r in data["perplexity"]}
+    text = plan_text(config, WordTokenizer())[("code", 64)]
+    cached = conversion.load_converted(run, tokenizer=False, merged=True, options={"sparse_cache": 4}).model
+    assert cached.layers[0].attention.mechanism.sparse_cache == 4
+    assert scores[labels[2]] == pytest.approx(evaluation.perplexity(cached, text.tokens).perplexity, rel=1e-6)
+    assert scores[labels[2]] != pytest.approx(scores[labels[1]], rel=1e-6)  # the cache changes what it reads
+    for given, named in (({"decay": 0.9}, "do not fit"), ({"sparse_cach": 4}, "sparse_cach")):
+        bad = LmEvalConfig(gguf=str(path), converted=[(run, given)], parts=["perplexity"], lengths=[32])
+        with pytest.raises(ValueError, match=f"--converted {run}: .*{named}"):
+            prepare(bad, needs_tokenizer=False)
+        with pytest.raises((TypeError, ValueError), match=named):
+            conversion.load_converted(run, tokenizer=False, options=given)
+
+
 def test_a_converted_model_of_another_file_or_none_is_refused(tiny, tmp_path, capsys):
     path, _ = tiny
     other = tmp_path / "other.gguf"
@@ -347,3 +378,14 @@ def test_the_command_on_smollm2(tmp_path, capsys):
     assert data["passkey"][0]["status"] == "ok" and len(data["passkey"][0]["key"]) == 5
     print(f"\nSmolLM2, 128 tokens: perplexity {softmax}; passkey at 400 tokens: "
           f"{[(r['variant'], r['answer'], r['key']) for r in data['passkey']]}")
+
+
+def test_converted_folders_take_options_after_their_last_colon():
+    from attnzoo.cli.lm_eval import converted_spec
+
+    assert converted_spec("runs/lolcats") == "runs/lolcats"
+    assert converted_spec("runs/a:b") == "runs/a:b"  # a colon in the path, no options after it
+    assert converted_spec("runs/lolcats:sparse_cache=64,sink_tokens=8") == (
+        "runs/lolcats", {"sparse_cache": 64, "sink_tokens": 8})
+    with pytest.raises(Exception, match="DIR"):
+        converted_spec(":sparse_cache=64")

@@ -42,6 +42,17 @@ def variant_spec(text: str) -> Any:
     return Variant(name.strip(), parse_options(options) if options.strip() else {})
 
 
+def converted_spec(text: str) -> Any:
+    """``DIR`` or ``DIR:OPTION=VALUE[,OPTION=VALUE...]`` (options set on the converted layers at inference) ->
+    the folder, or (folder, options). The options follow the last colon when it is followed by ``=`` pairs."""
+    folder, colon, options = text.rpartition(":")
+    if not colon or "=" not in options:
+        return text
+    if not folder.strip():
+        raise argparse.ArgumentTypeError(f"expected DIR[:OPTION=VALUE,...], got {text!r}")
+    return folder, parse_options(options)
+
+
 def float_list(text: str) -> List[float]:
     try:
         return [float(item) for item in text.replace(" ", "").split(",") if item]
@@ -109,9 +120,10 @@ def add_lm_eval_command(commands: Any) -> None:
                         metavar="MECHANISM[:OPTION=VALUE,...]",
                         help="a mechanism and its options in every attention slot, e.g. local:window=256,"
                              "sink_tokens=4 (repeatable; softmax, the trained attention, is always measured)")
-    parser.add_argument("--converted", action="append", metavar="DIR",
+    parser.add_argument("--converted", action="append", type=converted_spec, metavar="DIR[:OPTION=VALUE,...]",
                         help="a model made by attnzoo convert from this model file (its output folder), measured "
-                             "like a variant (repeatable)")
+                             "like a variant (repeatable); options after the colon are set on its converted "
+                             "layers at inference, e.g. runs/lolcats:sparse_cache=64")
     parser.add_argument("--parts", type=name_list, metavar="A,B", help=f"what to measure (default {join(PARTS)})")
     parser.add_argument("--sources", type=name_list, metavar="A,B", help=f"texts (default {join(default.sources)})")
     parser.add_argument("--lengths", type=int_list, metavar="N,N", help=f"perplexity context lengths (default "

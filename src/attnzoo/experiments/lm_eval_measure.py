@@ -66,7 +66,8 @@ def variant_model(prepared: Any, variant: Any, base: CausalLM, seed: int) -> Tup
     if variant.is_baseline:
         return base, 0
     if variant.converted is not None:
-        model = build_converted(base, *prepared.descriptions[variant.converted], merged=True)  # as deployed
+        model = build_converted(base, *prepared.descriptions[variant.converted], merged=True,  # as deployed
+                                options=variant.converted_options)
         trained = {**mechanism_state(model), **lora_state(model)}
         return model, sum(t.numel() for t in trained.values())
     return swapped(base, variant.mechanism, dict(variant.options), seed)

@@ -379,6 +379,8 @@ class Mechanism(nn.Module):
         reasons = []
         if causal and not caps.causal:
             reasons.append(f"{self.refused_by('causal')} does not support causal=True (non-causal only)")
+        if not causal and not caps.non_causal:
+            reasons.append(f"{self.refused_by('non_causal')} does not support causal=False (causal only)")
         if key_padding_mask is not None and not caps.key_padding:
             reasons.append(f"{self.refused_by('key_padding')} does not support key_padding_mask")
         grouping = self.grouping_reason(k.shape[1])

@@ -16,7 +16,8 @@ class UnsupportedOptionError(ValueError):
     """A mechanism was asked for something its capabilities do not include (the message names the option)."""
 
 
-NARROWABLE = ("causal", "cross", "key_padding", "recurrent_step", "any_value_width", "attention_weights", "causal_rows")
+NARROWABLE = ("causal", "non_causal", "cross", "key_padding", "recurrent_step", "any_value_width", "attention_weights",
+              "causal_rows")
 """The capabilities an instance's options may switch off (:meth:`Capabilities.narrowed`)."""
 
 EXACT = "exact"
@@ -102,6 +103,8 @@ class Capabilities:
 
     Attributes:
         causal: supports ``causal=True`` (autoregressive masking).
+        non_causal: supports ``causal=False`` (every key seen by every query); False only for an instance whose
+            option exists in reading order alone (a memory filled as a stream), which names it.
         cross: supports cross-attention (``cross=True``): keys and values from another sequence, of any length.
         key_padding: supports ``key_padding_mask``.
         recurrent_step: offers :meth:`Mechanism.step` for incremental decoding.
@@ -176,6 +179,7 @@ class Capabilities:
     linear_recurrence: bool = False
     padding_invariance: str = PADDED_EITHER_SIDE
     own_rotary: bool = False
+    non_causal: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -16,16 +16,13 @@ from .._validation import check_bool, check_number, check_positive_int
 from ..feature_maps import HedgehogFeatureMap
 from ..functional.blocksparse import BlockPlan, check_sink_tokens
 from ..functional.linear import DEFAULT_CHUNK_SIZE
-from ..functional.lolcats import (
+from ..functional.lolcats import LolcatsWeights, lolcats_attention_reference, lolcats_attention_unchecked, window_plan
+from ..functional.lolcats_decoding import (
     LolcatsStepWeights,
-    LolcatsWeights,
-    lolcats_attention_reference,
-    lolcats_attention_unchecked,
     lolcats_prefill_unchecked,
     lolcats_state_layout,
     lolcats_step_unchecked,
     lolcats_step_weights,
-    window_plan,
 )
 from .base import OWN, PACKED_SPLIT, Capabilities, Mechanism, StateLayout
 from .capabilities import PADDED_RIGHT
@@ -81,6 +78,14 @@ class LolcatsAttention(RotatedWindow, Mechanism):
             then rotates the window's itself, capability ``own_rotary``, and a feature no longer depends on its
             absolute position, whose angles past the lengths a conversion trained on it never saw). Alone, or
             where the caller rotates, it changes nothing (the Hugging Face drop-in refuses False).
+        sparse_cache: LoLA's sparse cache (McDermott et al. 2025): per head, up to ``sparse_cache`` keys that
+            have left the window stay exact keys, those the linear state recalls worst (the self-recall error
+            ``||v - phi_k(k)^T H / phi_k(k)^T s||``), decided position by position as they leave; the others
+            join the linear part (:mod:`attnzoo.functional.sparse_cache`). No parameters: a converted model
+            takes it at inference (LoLA's use), its decoding state staying constant in size. 0 (the default):
+            none. Causal only (the cache is filled in reading order; ``causal=False`` is refused, naming it). The
+            parallel form decides position by position in a loop, so it costs about a decoding step's cache work
+            per position.
 
     Self-attention only (the window pairs positions of one sequence). Grouped keys and values are repeated
     (the maps are per query head, as LoLCATs applies them after repeating). Packed batches: each document
@@ -109,12 +114,13 @@ class LolcatsAttention(RotatedWindow, Mechanism):
     test_options = {"window": 3, "feature_dim": 4, "chunk_size": 4}
     test_variants = ({"window": 1, "chunk_size": 3, "window_weight": 0.6, "scale": 0.5},
                      {"window": 3, "sink_tokens": 2, "feature_dim": 4, "chunk_size": 4, "decay": 0.8,
-                      "rotate_features": False})
+                      "rotate_features": False},
+                     {"window": 2, "sink_tokens": 1, "feature_dim": 4, "sparse_cache": 2, "decay": 0.9})
 
     def __init__(self, heads: int, head_dim: int, *, window: int = 64, feature_dim: Optional[int] = None,
                  window_weight: float = 0.1, scale: Optional[float] = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, sink_tokens: int = 0, decay: Optional[float] = None,
-                 rotate_features: bool = True) -> None:
+                 rotate_features: bool = True, sparse_cache: int = 0) -> None:
         super().__init__(heads, head_dim)
         self.window = check_positive_int("window", window)
         feature_dim = check_number("feature_dim", feature_dim, integer=True, minimum=1, optional=True)
@@ -136,6 +142,9 @@ class LolcatsAttention(RotatedWindow, Mechanism):
         decay = check_number("decay", decay, minimum=0.0, maximum=1.0, exclusive_minimum=True,
                              exclusive_maximum=True, optional=True)
         self.decay_logit = None if decay is None else nn.Parameter(torch.full((heads,), _logit(decay)))
+        self.sparse_cache = check_number("sparse_cache", sparse_cache, integer=True, minimum=0)
+        if self.sparse_cache:
+            self.capabilities = self.capabilities.narrowed("sparse_cache", non_causal=False)
 
     def weights(self) -> LolcatsWeights:
         """The learned parameters as the functional core takes them."""
@@ -170,33 +179,35 @@ class LolcatsAttention(RotatedWindow, Mechanism):
         plan = self.plan(q.shape[2], causal, q.device)
         return lolcats_attention_unchecked(q, k, v, self.weights(), self.window, causal, key_padding_mask,
                                            self.scale, self.chunk_size, plan, self.sink_tokens,
-                                           *self._apart(q, k, 0))
+                                           *self._apart(q, k, 0), self.sparse_cache)
 
     def attend_reference(
         self, q: Tensor, k: Tensor, v: Tensor, causal: bool, key_padding_mask: Optional[Tensor], cross: bool
     ) -> Tensor:
         """Float64 quadratic maths (:func:`~attnzoo.functional.lolcats.lolcats_attention_reference`)."""
         return lolcats_attention_reference(q, k, v, self.weights(), self.window, causal, key_padding_mask,
-                                           self.scale, self.sink_tokens, *self._apart(q, k, 0))
+                                           self.scale, self.sink_tokens, *self._apart(q, k, 0), self.sparse_cache)
 
     # -- decoding ------------------------------------------------------------------------------------------
     def state_layout(self, dtype: torch.dtype, value_width: Optional[int] = None) -> StateLayout:
         return lolcats_state_layout(self.heads, self.head_dim, self.feature_dim, self.window, dtype, value_width,
-                                    self.sink_tokens, self.rotates_window)
+                                    self.sink_tokens, self.rotates_window, self.sparse_cache)
 
     def attend_prefill(self, q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         plan = self.plan(q.shape[2], True, q.device)
         return lolcats_prefill_unchecked(q, k, v, self.weights(), self.window, self.scale, self.chunk_size, plan,
-                                         self.sink_tokens, *self._apart(q, k, 0))
+                                         self.sink_tokens, *self._apart(q, k, 0), self.sparse_cache)
 
     def attend_step(
         self, q_t: Tensor, k_t: Tensor, v_t: Tensor, tensors: Optional[Dict[str, Tensor]], length: int
     ) -> Tuple[Tensor, Dict[str, Tensor]]:
         return lolcats_step_unchecked(q_t, k_t, v_t, self.step_weights(v_t.dtype), self.window, self.scale,
-                                      tensors, length, self.sink_tokens, *self._apart(q_t, k_t, length))
+                                      tensors, length, self.sink_tokens, *self._apart(q_t, k_t, length),
+                                      self.sparse_cache)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window={self.window}, feature_dim={self.feature_dim}, scale={self.scale}, "
                 f"chunk_size={self.chunk_size}" + (f", sink_tokens={self.sink_tokens}" if self.sink_tokens else "")
                 + ("" if self.decay_logit is None else ", decay=learned")
-                + ("" if self.rotate_features else ", rotate_features=False"))
+                + ("" if self.rotate_features else ", rotate_features=False")
+                + (f", sparse_cache={self.sparse_cache}" if self.sparse_cache else ""))
