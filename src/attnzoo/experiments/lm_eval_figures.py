@@ -90,7 +90,8 @@ def plot_passkey(data: Dict[str, Any], path: Path) -> None:
     ax.set_ylim(-5, 105)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("passkeys retrieved (%)")
-    ax.legend(fontsize=8)
+    # Below the axes: the points sit anywhere from 0 to 100%, where a legend inside would hide one.
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     depths = ", ".join(f"{d:g}" for d in data["settings"]["depths"])
     _save(fig, path, f"passkey retrieval, depths {depths}, {data['settings']['trials']} trial(s) each")
 
