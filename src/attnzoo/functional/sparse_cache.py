@@ -94,7 +94,6 @@ def admit_leaving_(kv: Tensor, cache: Dict[str, Tensor], k: Tensor, v: Tensor, p
     recall = cache["cache_recall"]
     if decay is not None:
         recall.mul_(decay)
-    v1 = F.pad(v.to(dtype), (0, 1), value=1.0)
     new_recall = phi @ kv  # (batch, heads, 1, d_v + 1)
     errors = torch.cat([recall_errors(cache["cache_v"].to(dtype), recall).masked_fill(cache["cache_positions"] < 0,
                                                                                       -1.0),  # empty slots first

@@ -92,7 +92,8 @@ class LolcatsAttention(RotatedWindow, Mechanism):
     alone. Decoding state (constant size): the linear state ``kv`` (heads, 2 * feature_dim, head_dim_v + 1) of
     the keys that have left the window, and the window's ring ``k`` (heads, window, head_dim), ``v`` (heads,
     window, head_dim_v) with ``positions`` (window,); with sinks, ``sink_k`` (heads, sink_tokens, head_dim) and
-    ``sink_v`` (heads, sink_tokens, head_dim_v).
+    ``sink_v`` (heads, sink_tokens, head_dim_v); with a sparse cache, its keys, values, features and recalls
+    (:func:`~attnzoo.functional.sparse_cache.sparse_cache_layout`), ``kv`` then summing the keys moved out of it.
     """
 
     name = "lolcats"
