@@ -69,10 +69,10 @@ def empty_sparse_cache(batch: int, heads: int, size: int, k: Tensor, v: Tensor, 
 
 def recall_errors(values: Tensor, recall: Tensor) -> Tensor:
     """``||v - recall[:d] / recall[d]||`` per row (values (..., n, d), recall (..., n, d + 1)); the recalled
-    value is zero where ``recall[d] <= 0`` (the state has no weight on the key)."""
-    weight = recall[..., -1:]
-    recalled = torch.where(weight > 0, recall[..., :-1] / torch.where(weight > 0, weight, 1.0), 0.0)
-    return torch.linalg.vector_norm(values - recalled, dim=-1)
+    value is zero where ``recall[d]`` is: a state with no weight on a key (every feature product zero, features
+    being positive) has a zero numerator too, so the weight is only kept off zero."""
+    weight = recall[..., -1:].clamp_min(torch.finfo(recall.dtype).tiny)
+    return torch.linalg.vector_norm(values - recall[..., :-1] / weight, dim=-1)
 
 
 def admit_leaving_(kv: Tensor, cache: Dict[str, Tensor], k: Tensor, v: Tensor, phi: Tensor, position: int,
