@@ -84,7 +84,8 @@ def test_decoders_on_softmax_match_and_generate_alike(build):
 
 @pytest.mark.parametrize("build", [gpt2, llama], ids=["gpt2", "llama-gqa"])
 @pytest.mark.parametrize("mechanism,options", [("linear", {}), ("performer", {"nb_features": 16, "seed": 0}),
-                                               ("gla", {}), ("retention", {}), ("lolcats", {"window": 3})])
+                                               ("gla", {}), ("retention", {}), ("lolcats", {"window": 3}),
+                                               ("lolcats", {"window": 2, "sparse_cache": 2})])
 def test_other_mechanisms_generate_from_the_cache_as_without_it(build, mechanism, options):
     theirs = randomize(build())
     model = copy.deepcopy(theirs)
