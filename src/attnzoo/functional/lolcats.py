@@ -223,15 +223,22 @@ class _WindowSums(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, grad_sink_k, grad_sink_v
 
 
+def _window_keys(k0: Tensor, v1: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor], window: int,
+                 causal: bool, sinks: int) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The window's element mask with the sinks' columns (:func:`_window_allowed`), and the sinks' keys and
+    values (None without sinks)."""
+    sinks = min(sinks, k0.shape[2])
+    sink_allowed = _sink_allowed(plan, sinks, window, causal) if sinks else None
+    sink_k, sink_v = (k0[:, :, :sinks], v1[:, :, :sinks]) if sinks else (None, None)
+    return _window_allowed(plan, k0.shape[0], key_padding_mask, sink_allowed), sink_k, sink_v
+
+
 def _window_sums(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, key_padding_mask: Optional[Tensor],
                  scale: float, window: int, causal: bool, sinks: int) -> Tensor:
     """``sum_{E_i} exp(s_ij - m_i) [v_j, 1]`` by position, (batch, heads, seq, d_v + 1), ``E_i`` the window's
     keys (the blocks of ``plan``) and the first ``sinks`` positions beyond it, ``m_i`` their largest logit
     (keys and values zero-padded; v1 with its ones column)."""
-    sinks = min(sinks, q.shape[2])
-    sink_allowed = _sink_allowed(plan, sinks, window, causal) if sinks else None
-    sink_k, sink_v = (k0[:, :, :sinks], v1[:, :, :sinks]) if sinks else (None, None)
-    allowed = _window_allowed(plan, q.shape[0], key_padding_mask, sink_allowed)
+    allowed, sink_k, sink_v = _window_keys(k0, v1, plan, key_padding_mask, window, causal, sinks)
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the plan is not a traceable argument
         return _window_sums_traceable(q * scale, k0, v1, plan, allowed, sink_k, sink_v)
     return _WindowSums.apply(q * scale, k0, v1, plan, allowed, sink_k, sink_v)
@@ -314,12 +321,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, weights: LolcatsWeights, window:
         decay = None if log_decay is None else log_decay.exp().view(1, -1, 1, 1)
         schedule = sparse_cache_schedule(k0.detach(), v0.detach(), phi_k.detach(), window, sinks, cache_size, decay,
                                          key_padding_mask)
-        sinks = min(sinks, q.shape[2])
-        allowed = _window_allowed(plan, q.shape[0], key_padding_mask,
-                                  _sink_allowed(plan, sinks, window, True) if sinks else None)
-        sums, cached = sparse_cache_sums(q * logit_scale, k0, v1, phi_q, phi_k, schedule[0], plan, allowed,
-                                         k0[:, :, :sinks] if sinks else None, v1[:, :, :sinks] if sinks else None,
-                                         window, sinks, cache_size, log_decay, key_padding_mask)
+        allowed, sink_k, sink_v = _window_keys(k0, v1, plan, key_padding_mask, window, True, sinks)
+        sums, cached = sparse_cache_sums(q * logit_scale, k0, v1, phi_q, phi_k, schedule[0], plan, allowed, sink_k,
+                                         sink_v, window, sinks, cache_size, log_decay, key_padding_mask)
         linear = linear - cached
     else:
         sums = _window_sums(q, k0, v1, plan, key_padding_mask, logit_scale, window, causal, sinks)
