@@ -79,15 +79,22 @@ def read_converted(folder: Union[str, "os.PathLike[str]"]) -> Tuple[Path, Dict[s
 
 def check_inference_options(description: Mapping[str, Any], options: Optional[Mapping[str, Any]]) -> None:
     """Refuse ``options`` for the converted layers of ``description`` that the mechanism does not take or that
-    change its parameters (the saved tensors would not fit): ValueError naming them. Built on small heads, so
-    nothing of the model is read."""
+    change its parameters (the saved tensors would not fit): an error naming them. Built on two heads of 64, so
+    nothing of the model is read; where the saved options themselves need other sizes, the model's own build
+    checks them instead."""
     if not options:
         return
     target = description["conversion"]["target"]
     saved = dict(description["conversion"]["target_options"])
-    shapes = [{name: tuple(t.shape) for name, t in build_mechanism(target, 2, 8, **layer).state_dict().items()}
-              for layer in (saved, {**saved, **options})]
-    if shapes[0] != shapes[1]:
+
+    def shapes(layer: Mapping[str, Any]) -> Dict[str, Tuple[int, ...]]:
+        return {name: tuple(t.shape) for name, t in build_mechanism(target, 2, 64, **layer).state_dict().items()}
+
+    try:
+        before = shapes(saved)
+    except (TypeError, ValueError):
+        return
+    if before != shapes({**saved, **options}):
         raise ValueError(f"options {dict(options)} change the parameters of the converted {target} layers, so the "
                          f"saved tensors do not fit them; set at inference only options that add no parameter")
 
