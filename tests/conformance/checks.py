@@ -1476,9 +1476,11 @@ def check_logit_scale(mechanism: Mechanism) -> None:
         return
     plain = built(None)
     q, k, v = random_qkv(plain, BATCH, SEQ, SEQ, torch.float64, seed=41)
+    causal = causal_settings(plain)[0]
     with torch.no_grad():
-        expected = plain(q * 0.7 * math.sqrt(q.shape[-1]), k, v)
-        assert_close(scaled(q, k, v), expected, f"{mechanism.name} with {option}=0.7: not the scaled logits", **TIGHT)
+        expected = plain(q * 0.7 * math.sqrt(q.shape[-1]), k, v, causal=causal)
+        assert_close(scaled(q, k, v, causal=causal), expected, f"{mechanism.name} with {option}=0.7: not the scaled "
+                     f"logits", **TIGHT)
 
 
 def check_attention_weights(mechanism: Mechanism) -> None:

@@ -85,6 +85,20 @@ class LiesAboutCausal(GoodToy):
         super().check_inputs(q, k, v, False, key_padding_mask, cross)
 
 
+class CausalOnlyToy(GoodToy):
+    """Causal self-attention only (capability non_causal=False): every check calls it causally."""
+
+    name = "causal-only-toy"
+    capabilities = replace(CAPS, non_causal=False)
+
+
+class LiesAboutNonCausal(CausalOnlyToy):
+    """Declares no non-causal form but silently runs causal=False (as causal)."""
+
+    def check_inputs(self, q, k, v, causal, key_padding_mask, cross=False):
+        super().check_inputs(q, k, v, True, key_padding_mask, cross)
+
+
 class Nondeterministic(GoodToy):
     def attend(self, q, k, v, causal, key_padding_mask, cross):
         out = super().attend(q, k, v, causal, key_padding_mask, cross)
@@ -464,7 +478,8 @@ def toy(cls, heads: int = checks.HEADS, **options) -> Mechanism:
 
 
 # -- the checks pass on correct toys -------------------------------------------------------------------------
-@pytest.mark.parametrize("cls", [GoodToy, MinimalToy, BoundedToy, HookedToy], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [GoodToy, MinimalToy, BoundedToy, HookedToy, CausalOnlyToy],
+                         ids=lambda c: c.__name__)
 @pytest.mark.parametrize("check", checks.INSTANCE_CHECKS, ids=lambda c: c.__name__[len("check_"):])
 def test_correct_toys_pass(cls, check):
     check(toy(cls))
@@ -481,6 +496,7 @@ BROKEN = [
     (checks.check_output_shape_and_dtype, OneRowPerKey, {}, r"cross-attention .* output shape"),
     (checks.check_low_precision, UpcastsHalf, {}, r"float16 .* output dtype torch.float32"),
     (checks.check_unsupported_options, LiesAboutCausal, {}, r"causal=True: expected UnsupportedOptionError"),
+    (checks.check_unsupported_options, LiesAboutNonCausal, {}, r"causal=False: expected UnsupportedOptionError"),
     (checks.check_deterministic, Nondeterministic, {}, r"two eval-mode calls"),
     (checks.check_output_depends_on_values, IgnoresValues, {}, r"replacing every value"),
     (checks.check_key_padding, IgnoresPadding, {}, r"padded keys/values holding other values changed the output"),
