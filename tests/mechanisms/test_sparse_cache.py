@@ -22,11 +22,12 @@ def test_the_pair_the_state_recalls_best_moves_into_it():
     phi = torch.stack([one_hot[s][0] for s in sequence]).view(1, 1, 5, 2).double()
     v = torch.stack([one_hot[s][1] for s in sequence]).view(1, 1, 5, 2).double()
     k = torch.randn(1, 1, 5, 4, dtype=torch.float64)
-    moved, kv, cache = sparse_cache_schedule(k, v, phi, window=1, sinks=0, size=1, decay=None,
-                                             key_padding_mask=None)
+    moved, kv, cache, snapshots = sparse_cache_schedule(k, v, phi, window=1, sinks=0, size=1, decay=None,
+                                                        key_padding_mask=None, snapshot_at=[0, 1, 3])
     # Position 3 leaves at 4: the state recalls it exactly too. Position 4 never leaves the window.
     assert moved.view(-1).tolist() == [2, 5, 3, 4, 5]
     assert cache["cache_positions"].view(-1).tolist() == [1]
+    assert snapshots.view(-1).tolist() == [-1, 0, 1]  # the cache queries 0, 1 and 3 read
     torch.testing.assert_close(kv[0, 0], torch.tensor([[3.0, 0.0, 3.0], [0.0, 0.0, 0.0]], dtype=torch.float64))
     members = sparse_cache_members_reference(k, v, phi, 1, 0, 1, None, None)[0, 0]
     cached_at = {i: members[i].nonzero().view(-1).tolist() for i in range(5)}
@@ -104,3 +105,17 @@ def test_non_causal_calls_are_refused_naming_the_option():
 def test_bad_sizes_name_the_option(value):
     with pytest.raises((TypeError, ValueError), match="sparse_cache"):
         build_mechanism("lolcats", 2, 8, sparse_cache=value)
+
+
+def test_blocks_of_many_queries_read_the_cache_their_first_query_reads_and_what_enters():
+    """Window 16 (query blocks of 16): each block reads the cache at its first query and the keys leaving the
+    window during the block, where a block spans several decisions; equal to the reference, padding included."""
+    mechanism = _drawn(window=16, feature_dim=3, sink_tokens=2, decay=0.9, sparse_cache=3)
+    q, k, v = _inputs(length=100)
+    mask = torch.zeros(2, 100, dtype=torch.bool)
+    mask[1, 89:] = True
+    with torch.no_grad():
+        out = mechanism(q, k, v, causal=True, key_padding_mask=mask)
+        expected = mechanism.reference(q, k, v, True, mask)
+    torch.testing.assert_close(out[0], expected[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out[1, :, :89], expected[1, :, :89], rtol=1e-10, atol=1e-10)

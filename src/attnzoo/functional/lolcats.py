@@ -72,7 +72,7 @@ from .gated import constant_log_decay
 from .linear import kernel_attention_unchecked, normalize_output
 from .linear.inputs import _with_ones
 from .masks import zero_padded
-from .sparse_cache import sparse_cache_members_reference, sparse_cache_schedule, sparse_cache_sums
+from .sparse_cache import block_starts, sparse_cache_members_reference, sparse_cache_schedule, sparse_cache_sums
 
 
 class LolcatsWeights(NamedTuple):
@@ -302,7 +302,7 @@ def lolcats_attention_unchecked(
 def _attention(q: Tensor, k: Tensor, v: Tensor, weights: LolcatsWeights, window: int, causal: bool,
                key_padding_mask: Optional[Tensor], scale: Optional[float], chunk_size: int, plan: Optional[BlockPlan],
                sinks: int, q_window: Optional[Tensor], k_window: Optional[Tensor], cache_size: int,
-               ) -> Tuple[Tensor, Optional[Tuple[Tensor, Tensor, Dict[str, Tensor]]]]:
+               ) -> Tuple[Tensor, Optional[Tuple[Tensor, Tensor, Dict[str, Tensor], Tensor]]]:
     """:func:`lolcats_attention_unchecked`, and with a cache, what :func:`sparse_cache_schedule` decided."""
     out_dtype, dtype = v.dtype, working_dtype(v.dtype)
     q, k0, v0 = q.to(dtype), zero_padded(k, key_padding_mask).to(dtype), zero_padded(v, key_padding_mask).to(dtype)
@@ -320,10 +320,10 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, weights: LolcatsWeights, window:
     if cache_size:
         decay = None if log_decay is None else log_decay.exp().view(1, -1, 1, 1)
         schedule = sparse_cache_schedule(k0.detach(), v0.detach(), phi_k.detach(), window, sinks, cache_size, decay,
-                                         key_padding_mask)
+                                         key_padding_mask, block_starts(plan))
         allowed, sink_k, sink_v = _window_keys(k0, v1, plan, key_padding_mask, window, True, sinks)
-        sums, cached = sparse_cache_sums(q * logit_scale, k0, v1, phi_q, phi_k, schedule[0], plan, allowed, sink_k,
-                                         sink_v, window, sinks, cache_size, log_decay, key_padding_mask)
+        sums, cached = sparse_cache_sums(q * logit_scale, k0, v1, phi_q, phi_k, schedule[0], schedule[3], plan,
+                                         allowed, sink_k, sink_v, window, sinks, log_decay, key_padding_mask)
         linear = linear - cached
     else:
         sums = _window_sums(q, k0, v1, plan, key_padding_mask, logit_scale, window, causal, sinks)

@@ -87,7 +87,7 @@ def lolcats_prefill_unchecked(
     if k_window is not None:
         state["feature_k"] = window_ring(k, window)
     if schedule is not None:  # the linear state of the keys moved out of the cache, and the cache
-        _, kv, cache = schedule
+        _, kv, cache, _ = schedule
         cache["cache_k"], cache["cache_v"] = cache["cache_k"].to(k.dtype), cache["cache_v"].to(v.dtype)
         return out, {"kv": kv, **state, **cache}
     return out, {"kv": _linear_state(k, v, weights, window, sinks), **state}

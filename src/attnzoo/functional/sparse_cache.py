@@ -31,7 +31,7 @@ head_dim_v + 1) their ``phi^T H``, ``cache_positions`` (size,) long, -1 for an e
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -130,18 +130,22 @@ def admit_leaving_(kv: Tensor, cache: Dict[str, Tensor], k: Tensor, v: Tensor, p
 @torch.no_grad()
 def sparse_cache_schedule(k: Tensor, v: Tensor, phi_k: Tensor, window: int, sinks: int, size: int,
                           decay: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                          ) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+                          snapshot_at: Sequence[int] = (),
+                          ) -> Tuple[Tensor, Tensor, Dict[str, Tensor], Tensor]:
     """The cache's decisions over a whole sequence: k (batch, heads, seq, head_dim) as the logits take them, v
     (batch, heads, seq, d_v), phi_k (batch, heads, seq, 2 m) the keys' features (zero where padded), all
     zero-padded; ``decay`` (1, heads, 1, 1) or None. Returns ``moved`` (batch, heads, seq) long: the position
     at which each key moved into the linear state (``seq`` for a key still cached at the end, or never
     beyond the window; a key in ``j + window <= i < moved_j`` is cached for query i), the linear state after the
-    sequence (batch, heads, 2 m, d_v + 1) and the cache after it."""
+    sequence (batch, heads, 2 m, d_v + 1), the cache after it, and the cache's positions as query ``t`` reads
+    them for each ``t`` of ``snapshot_at`` (batch, heads, len(snapshot_at), size), -1 in empty slots."""
     batch, heads, length, _ = k.shape
     dtype = phi_k.dtype
     kv = phi_k.new_zeros(batch, heads, phi_k.shape[-1], v.shape[-1] + 1)
     cache = empty_sparse_cache(batch, heads, size, k, v, phi_k.shape[-1], dtype)
     moved = torch.full((batch, heads, length), length, dtype=torch.long, device=k.device)
+    snapshots = cache["cache_positions"].unsqueeze(2).repeat(1, 1, len(snapshot_at), 1)  # empty until taken
+    taken_at = {t: n for n, t in enumerate(snapshot_at) if t >= window + sinks}
     for time in range(window + sinks, length):
         position = time - window
         if decay is not None:
@@ -151,26 +155,35 @@ def sparse_cache_schedule(k: Tensor, v: Tensor, phi_k: Tensor, window: int, sink
                               phi_k[:, :, position:position + 1], position, time, window, decay, padded)
         at = gone.clamp_min(0).unsqueeze(-1)  # an empty slot (-1) writes position 0's entry back unchanged
         moved.scatter_(2, at, torch.where(gone.unsqueeze(-1) >= 0, time, moved.gather(2, at)))
-    return moved, kv, cache
+        if time in taken_at:
+            snapshots[:, :, taken_at[time]] = cache["cache_positions"]
+    return moved, kv, cache, snapshots
 
 
-def _cached_index(moved: Tensor, plan: BlockPlan, window: int, sinks: int, size: int,
+def block_starts(plan: BlockPlan) -> List[int]:
+    """The first query position of each query block of ``plan``: where :func:`sparse_cache_schedule` takes the
+    snapshots :func:`sparse_cache_sums` reads."""
+    queries = plan.query_positions
+    return torch.where(queries >= 0, queries, plan.length).amin(-1).tolist()
+
+
+def _cached_index(moved: Tensor, snapshots: Tensor, plan: BlockPlan, window: int, sinks: int,
                   key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """Per query block, the keys cached for any of its queries: ``index`` (batch, heads, n_query_blocks, E)
-    into the sequence and whether each entry is one (same shape), E = min(size + block_size, seq) (the cache
-    of the block's first query and the keys entering it during the block): a shape fixed by the sizes."""
+    into the sequence and whether each entry is one (same shape), E = size + block_size - 1: the cache its first
+    query reads (the snapshot) and the keys leaving the window during the block. Linear in the length: no
+    block looks at the whole sequence."""
     batch, heads, length = moved.shape
     queries = plan.query_positions  # (nqb, bs), -1 padding slots
-    first = torch.where(queries >= 0, queries, length).amin(-1)  # (nqb,)
+    first = torch.tensor(block_starts(plan), device=moved.device)
     last = queries.amax(-1)
-    keys = torch.arange(length, device=moved.device)
-    member = (keys >= sinks) & (keys.view(1, -1) + window <= last.view(-1, 1))  # (nqb, seq)
-    member = member & (moved.unsqueeze(2) > first.view(1, 1, -1, 1))  # (batch, heads, nqb, seq)
+    entering = first.view(-1, 1) + 1 - window + torch.arange(queries.shape[1] - 1, device=moved.device)
+    entering = torch.where(entering + window <= last.view(-1, 1), entering, -1)  # (nqb, bs - 1)
+    index = torch.cat([snapshots, entering.expand(batch, heads, -1, -1)], -1)
+    valid = index >= sinks
     if key_padding_mask is not None:
-        member = member & ~key_padding_mask[:, None, None, :]
-    width = min(size + queries.shape[1], length)
-    ranked = torch.sort(member.to(torch.int8), dim=-1, descending=True, stable=True)
-    return ranked.indices[..., :width], ranked.values[..., :width] > 0
+        valid = valid & ~key_padding_mask.gather(1, index.clamp_min(0).flatten(1)).view_as(index)
+    return index.clamp_min(0), valid
 
 
 def _blocks_of(x: Tensor, index: Tensor) -> Tensor:
@@ -181,18 +194,19 @@ def _blocks_of(x: Tensor, index: Tensor) -> Tensor:
 
 
 def sparse_cache_sums(q: Tensor, k0: Tensor, v1: Tensor, phi_q: Tensor, phi_k: Tensor, moved: Tensor,
-                      plan: BlockPlan, allowed: Tensor, sink_k: Optional[Tensor], sink_v: Optional[Tensor],
-                      window: int, sinks: int, size: int, log_decay: Optional[Tensor],
+                      snapshots: Tensor, plan: BlockPlan, allowed: Tensor, sink_k: Optional[Tensor],
+                      sink_v: Optional[Tensor], window: int, sinks: int, log_decay: Optional[Tensor],
                       key_padding_mask: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """The window's and the cache's exact sums and the cached keys' linear terms, by position: ``(sum over
     the window, sinks and C_i of exp(s_ij - m_i) [v_j, 1], sum over C_i of w_ij phi_q(q_i) . phi_k(k_j) [v_j,
     1])`` (batch, heads, seq, d_v + 1) each, ``m_i`` the largest logit of the window and sinks, ``w_ij`` the
     decay's ``lambda_h^(i - w - j)`` (1 without). q (already scaled), k0, v1 (with its ones column) as the
-    window takes them; ``allowed`` the window's element mask (with the sinks' columns). In plain
+    window takes them; ``moved`` and ``snapshots`` (taken at :func:`block_starts`) from
+    :func:`sparse_cache_schedule`; ``allowed`` the window's element mask (with the sinks' columns). In plain
     differentiable operations: the blockwise window of the mechanism without a cache, plus E cache columns per
     query block (:func:`_cached_index`)."""
     batch, heads, length, _ = q.shape
-    index, valid = _cached_index(moved, plan, window, sinks, size, key_padding_mask)
+    index, valid = _cached_index(moved, snapshots, plan, window, sinks, key_padding_mask)
     q_blocks = _gather_queries(q, plan)  # (batch * nqb, heads, bs, d)
     k_blocks = _gather_keys(k0, plan.layout, plan.index, sink_k)
     v_blocks = _gather_keys(v1, plan.layout, plan.index, sink_v)
