@@ -160,11 +160,16 @@ def sparse_cache_schedule(k: Tensor, v: Tensor, phi_k: Tensor, window: int, sink
     return moved, kv, cache, snapshots
 
 
+def _first_queries(plan: BlockPlan) -> Tensor:
+    """The first query position of each query block of ``plan``, (n_query_blocks,)."""
+    queries = plan.query_positions  # -1 marks a padding slot
+    return torch.where(queries >= 0, queries, plan.length).amin(-1)
+
+
 def block_starts(plan: BlockPlan) -> List[int]:
     """The first query position of each query block of ``plan``: where :func:`sparse_cache_schedule` takes the
     snapshots :func:`sparse_cache_sums` reads."""
-    queries = plan.query_positions
-    return torch.where(queries >= 0, queries, plan.length).amin(-1).tolist()
+    return _first_queries(plan).tolist()
 
 
 def _cached_index(moved: Tensor, snapshots: Tensor, plan: BlockPlan, window: int, sinks: int,
@@ -173,10 +178,9 @@ def _cached_index(moved: Tensor, snapshots: Tensor, plan: BlockPlan, window: int
     into the sequence and whether each entry is one (same shape), E = size + block_size - 1: the cache its first
     query reads (the snapshot) and the keys leaving the window during the block. Linear in the length: no
     block looks at the whole sequence."""
-    batch, heads, length = moved.shape
+    batch, heads, _ = moved.shape
     queries = plan.query_positions  # (nqb, bs), -1 padding slots
-    first = torch.tensor(block_starts(plan), device=moved.device)
-    last = queries.amax(-1)
+    first, last = _first_queries(plan), queries.amax(-1)
     entering = first.view(-1, 1) + 1 - window + torch.arange(queries.shape[1] - 1, device=moved.device)
     entering = torch.where(entering + window <= last.view(-1, 1), entering, -1)  # (nqb, bs - 1)
     index = torch.cat([snapshots, entering.expand(batch, heads, -1, -1)], -1)
