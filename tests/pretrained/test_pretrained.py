@@ -8,6 +8,7 @@ transformers' own model loaded from the same file (the tests marked slow: transf
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from pathlib import Path
@@ -413,8 +414,33 @@ def test_smollm2_logits_equal_transformers(smollm2, transformers_smollm2):
 @pytest.mark.slow
 def test_smollm2_greedy_generation_equals_transformers(smollm2, transformers_smollm2):
     model, tokenizer = smollm2
-    prompt = tokenizer("Attention is all you need because", return_tensors="pt").input_ids
-    ours = attnzoo.greedy_decode(model, prompt, 16)
-    theirs = transformers_smollm2.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
-                                           min_new_tokens=16, do_sample=False)
-    assert torch.equal(ours, theirs)
+    prompt = tokenizer(GREEDY_PROMPT, return_tensors="pt").input_ids
+    ours = attnzoo.greedy_decode(model, prompt, 64)
+    assert torch.equal(ours, _transformers_greedy(transformers_smollm2, prompt, 64))
+
+
+# A prompt whose 64 greedy tokens hold no end-of-text token: generate(min_new_tokens=64) forbids that token, and
+# attnzoo's greedy_decode does not, so after one the two would differ by definition.
+GREEDY_PROMPT = "The history of the printing press begins"
+
+
+def _transformers_greedy(model, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                          min_new_tokens=tokens, do_sample=False)
+
+
+@pytest.mark.slow
+def test_smollm2_in_transformers_keeps_its_logits_and_tokens_with_attnzoo_softmax(smollm2, transformers_smollm2):
+    """The drop-in on the real model: transformers' own SmolLM2 with every layer's attention run by attnzoo's
+    softmax gives the logits of its SDPA attention (float32, 1e-5) and the same 64 greedy tokens."""
+    from attnzoo.dropin.hf import use_attnzoo
+
+    tokenizer = smollm2[1]
+    tokens = tokenizer(TEXT, return_tensors="pt").input_ids
+    prompt = tokenizer(GREEDY_PROMPT, return_tensors="pt").input_ids
+    swapped = copy.deepcopy(transformers_smollm2)  # the fixture's model is shared with the other tests
+    use_attnzoo(swapped, "softmax")
+    with torch.no_grad():
+        difference = (swapped(tokens).logits - transformers_smollm2(tokens).logits).abs().max().item()
+    assert difference <= 1e-5
+    assert torch.equal(_transformers_greedy(swapped, prompt, 64), _transformers_greedy(transformers_smollm2, prompt, 64))
