@@ -9,7 +9,7 @@ product of an 84 MB tensor: 80 ms into a new tensor, 10 ms into a reused one).
 - :func:`keep_freed_memory`, for training and timing: every block comes from the heap and freed memory stays
   there for the next step, so nothing is faulted in twice.
 - :func:`fix_malloc_threshold`, for memory measurements: every block of a few pages gets its own mapping, so
-  the resident size follows live tensors to the page.
+  the resident size follows live tensors to the page; :func:`release_free_memory` before each measurement.
 
 Both are process-wide and change what follows, so only commands call them (``attnzoo train`` the first, the
 memory benchmarks the second); importing attnzoo changes nothing. Elsewhere than glibc they do nothing and
@@ -26,12 +26,19 @@ _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 _INT_MAX = 2**31 - 1  # mallopt takes a C int
 _DEFAULT_MMAP_MAX = 65536  # glibc's default: mmap allowed again after keep_freed_memory switched it off
+_DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's default: free memory at the heap's top given back again
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def _mallopt(*settings: tuple) -> bool:
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     return all([bool(mallopt(parameter, value)) for parameter, value in settings])
 
@@ -51,7 +58,24 @@ def fix_malloc_threshold(threshold: int = 4096) -> bool:
     By default glibc raises its mmap threshold after large frees and then keeps freed tensors in the heap,
     so the resident size stops following live memory and peaks depend on what ran before. A fixed small
     threshold (which also switches the adjustment off) makes resident size track live tensors to the
-    page. It slows allocation down, so only memory measurements use it, never timings. It undoes
-    :func:`keep_freed_memory`'s switching off of mmap. Returns False where glibc's ``mallopt`` is unavailable.
+    page. It slows allocation down, so only memory measurements use it, never timings.
+
+    It undoes :func:`keep_freed_memory`: mmap and trimming are switched on again, and the free memory it kept in
+    the heap is given back to the system (:func:`release_free_memory`). Returns False where glibc's ``mallopt``
+    is unavailable.
     """
-    return _mallopt((_M_MMAP_MAX, _DEFAULT_MMAP_MAX), (_M_MMAP_THRESHOLD, threshold))
+    done = _mallopt((_M_MMAP_MAX, _DEFAULT_MMAP_MAX), (_M_MMAP_THRESHOLD, threshold),
+                    (_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD))
+    return release_free_memory() and done
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim(0)``), so that a block glibc then
+    serves from a free chunk is faulted in, and counted in the resident size, as a fresh mapping is. A memory
+    measurement calls it first: glibc serves a new block from a free chunk before it considers mapping one,
+    and a chunk freed earlier in the process may still be resident. False where it is unavailable."""
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._malloc import fix_malloc_threshold  # noqa: F401  (re-exported: the memory benchmarks call it)
+from .._malloc import release_free_memory
 from ..functional.softmax import softmax_attention
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, bool], Tensor]
@@ -255,6 +256,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
             self._base = torch.cuda.memory_allocated(device)
         else:
+            release_free_memory()  # a block served from a resident free chunk would not show in the mark
             if not _reset_peak_rss():
                 raise RuntimeError("cannot reset the resident high-water mark (/proc/self/clear_refs)")
             self._base = 1024 * (_status_kib("VmRSS") or 0)
