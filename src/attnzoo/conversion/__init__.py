@@ -18,7 +18,7 @@ from .config import FINETUNE_LOSSES, ConversionConfig
 from .finetune import finetune_loss, mean_token_nll, perplexity
 from .lora import LoRALinear, add_lora, merge_lora
 from .run import ConversionResult, convert
-from .saved import gguf_source, load_converted, save_converted
+from .saved import gguf_source, load_converted, save_converted, teacher_source
 from .student import build_student, layer_plan
 from .transfer import held_out_errors, layers_to_keep, relative_error, transfer_losses
 
@@ -41,5 +41,6 @@ __all__ = [
     "perplexity",
     "relative_error",
     "save_converted",
+    "teacher_source",
     "transfer_losses",
 ]

@@ -1,9 +1,9 @@
 """A converted model on disk, and back: :func:`save_converted` and :func:`load_converted`.
 
 The folder holds ``model.json`` (the layers' mechanisms and options, the adapters' rank and scale and which
-projections carry them, the teacher's GGUF file with its size and SHA-256) and ``weights.safetensors`` (only
+projections carry them, the teacher's GGUF file or Hugging Face directory with its size and SHA-256) and ``weights.safetensors`` (only
 what the conversion trained: the mechanisms' parameters and the adapters). Loading reads the teacher's weights
-from its GGUF file again, refusing a file whose digest differs, and adds the trained tensors: the loaded model
+from its GGUF file or directory again, refusing one whose digest differs, and adds the trained tensors: the loaded model
 computes exactly what the converted one did.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .._validation import check_bool
 from ..mechanisms import build_mechanism
-from ..pretrained import CausalLM, Pretrained
+from ..pretrained import CausalLM, ModelSource, Pretrained
 from .config import ConversionConfig
 from .lora import add_lora, lora_state, merge_lora
 from .student import load_tensors, mechanism_state
@@ -27,19 +27,35 @@ WEIGHTS = "weights.safetensors"
 FORMAT = 1
 
 
-def file_digest(path: Union[str, "os.PathLike[str]"]) -> str:
-    """SHA-256 of a file, hex."""
+def files_digest(paths: Sequence[Union[str, "os.PathLike[str]"]]) -> str:
+    """SHA-256 of the files' contents one after another, hex (for one file, the file's own SHA-256)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
+
+
+def teacher_source(source: ModelSource) -> Dict[str, Any]:
+    """What names a teacher: its absolute path (under ``gguf`` for a GGUF file, ``directory`` for a Hugging Face
+    model directory), and the size and SHA-256 of the files it is read from (:meth:`ModelSource.files`)."""
+    files = source.files()
+    key = "gguf" if source.gguf is not None else "directory"
+    return {key: str(source.path.resolve()), "bytes": sum(Path(f).stat().st_size for f in files),
+            "sha256": files_digest(files)}
 
 
 def gguf_source(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     """What names a teacher read from a GGUF file: its absolute path, size and SHA-256."""
     path = Path(path).resolve()
-    return {"gguf": str(path), "bytes": path.stat().st_size, "sha256": file_digest(path)}
+    return {"gguf": str(path), "bytes": path.stat().st_size, "sha256": files_digest([path])}
+
+
+def teacher_path(description: Mapping[str, Any]) -> str:
+    """Where a converted model's teacher was read from (a GGUF file or a Hugging Face directory)."""
+    source = description["source"]
+    return source["gguf"] if "gguf" in source else source["directory"]
 
 
 def save_converted(
@@ -108,11 +124,11 @@ def converted_layers(description: Mapping[str, Any], options: Optional[Mapping[s
             for name, layer in description["layer_mechanisms"]]
 
 
-def check_teacher_file(path: Union[str, "os.PathLike[str]"], description: Mapping[str, Any]) -> None:
-    """Refuse a GGUF file that is not the one the model was converted from (by SHA-256)."""
+def check_teacher(source: ModelSource, description: Mapping[str, Any]) -> None:
+    """Refuse a teacher that is not the one the model was converted from (by the SHA-256 of its files)."""
     digest = description["source"]["sha256"]
-    if file_digest(path) != digest:
-        raise ValueError(f"{path} is not the file the model was converted from (its SHA-256 differs from "
+    if files_digest(source.files()) != digest:
+        raise ValueError(f"{source.path} is not the model the conversion read (its SHA-256 differs from "
                          f"{digest[:12]}...)")
 
 
@@ -146,7 +162,8 @@ def load_converted(
     """The converted model saved in ``folder`` (a conversion's output folder or its ``model/``), and its
     tokenizer, in eval mode.
 
-    ``gguf``: the teacher's file, when it has moved from where the conversion read it (its SHA-256 must match).
+    ``gguf``: the teacher's GGUF file or Hugging Face directory, when it has moved from where the conversion read
+    it (the SHA-256 of its files must match).
     ``merged``: each low-rank adapter folded into its projection (``W + scale B A``, one product where the
     adapter takes three: what decoding wants; the logits equal the unmerged model's up to float32 rounding).
     False (the default) keeps them as :class:`~attnzoo.conversion.LoRALinear`, the model exactly as trained.
@@ -154,12 +171,12 @@ def load_converted(
     other parameters, e.g. ``{"sparse_cache": 64}`` (``lolcats``: LoLA's sparse cache, which needs no
     training); an option that changes the layers' parameters is refused (the saved tensors no longer fit).
     """
-    from ..pretrained.loader import gguf_path, load
+    from ..pretrained.loader import load, open_model
 
     check_bool("merged", merged)
     folder, description = read_converted(folder)
     check_inference_options(description, options)
-    path = gguf_path(gguf if gguf is not None else description["source"]["gguf"])
-    check_teacher_file(path, description)
-    teacher, loaded_tokenizer = load(path, tokenizer=tokenizer)
+    source = open_model(gguf if gguf is not None else teacher_path(description))
+    check_teacher(source, description)
+    teacher, loaded_tokenizer = load(source.path, tokenizer=tokenizer)
     return Pretrained(build_converted(teacher, folder, description, merged, options), loaded_tokenizer)

@@ -1,5 +1,5 @@
-"""``attnzoo lm-eval``: a pretrained language model (SmolLM2-135M-Instruct by default, or any GGUF file attnzoo
-loads) evaluated on real text and long contexts, with its own attention or another mechanism in its place.
+"""``attnzoo lm-eval``: a pretrained language model (SmolLM2-135M-Instruct by default, or any GGUF file or Hugging
+Face model directory attnzoo loads) evaluated on real text and long contexts, with its own attention or another mechanism in its place.
 
 Four parts, each optional (:data:`PARTS`):
 
@@ -33,27 +33,22 @@ import torch
 
 from ..bench.compare import machine_description
 from ..bench.results import BASELINE
-from ..conversion.saved import check_inference_options, check_teacher_file, converted_layers, read_converted
+from ..conversion.saved import check_inference_options, check_teacher, converted_layers, read_converted
 from ..mechanisms import available
-from ..pretrained.architectures import config_from_gguf
 from ..pretrained.causal_lm import CausalLM, CausalLMLayer
 from ..pretrained.config import CausalLMConfig
 from ..pretrained.corpus import SPLITS, TEXT_SOURCES, TokenWindows, plan_windows
 from ..pretrained.evaluation import capability_refusal
-from ..pretrained.gguf_file import GGUFFile
-from ..pretrained.loader import gguf_path, smollm2_path
+from ..pretrained.loader import ModelSource, open_model, smollm2_path
 from ..pretrained.passkey import passkey_prompt
-from ..pretrained.tokenizer import gguf_tokenizer
-from ..pretrained.weights import load_gguf_weights
 from .lm_eval_measure import Progress, measure_swaps, measure_variant, passkey_cells
 from .lm_eval_report import write_outputs
 
 SCHEMA = "attnzoo.lm-eval/1"
 PARTS = ("perplexity", "passkey", "decode", "swap")
 EVAL_SPLIT = SPLITS[2]  # "test": held-out documents
-TOKENIZER_FIELD = "tokenizer.ggml.tokens"
 # The command-line spelling of each setting, for error messages.
-OPTION = {"gguf": "--gguf", "variants": "--variant", "parts": "--parts", "sources": "--sources",
+OPTION = {"gguf": "--model", "variants": "--variant", "parts": "--parts", "sources": "--sources",
           "lengths": "--lengths", "windows": "--windows", "passkey_lengths": "--passkey-lengths",
           "depths": "--passkey-depths", "trials": "--passkey-trials", "decode_lengths": "--decode-lengths",
           "decode_tokens": "--decode-tokens", "decode_batch": "--decode-batch", "swap_length": "--swap-length",
@@ -171,8 +166,7 @@ def _lengths(name: str, values: Sequence[int]) -> None:
 class Prepared:
     """The checked run: the model file, its network's config and the variants' models' refusals by part."""
 
-    path: Path
-    file: GGUFFile
+    source: ModelSource
     model_config: CausalLMConfig
     variants: List[Variant]
     cannot_decode: Dict[str, str]  # variant label -> why it has no incremental decoding
@@ -185,9 +179,8 @@ def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
     False); ValueError naming the option. No weight is read."""
     config.validate()
     try:
-        path = smollm2_path() if config.gguf is None else gguf_path(config.gguf)
-        file = GGUFFile(path)
-        model_config = config_from_gguf(file)
+        source = open_model(smollm2_path() if config.gguf is None else config.gguf)
+        model_config = source.config
     except (OSError, ValueError, ImportError) as error:  # GGUFError: a ValueError; a missing extra: ImportError
         raise ValueError(f"{OPTION['gguf']}: {error}") from None
     context = model_config.context_length
@@ -200,7 +193,7 @@ def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
         raise ValueError(f"{OPTION['swap_length']}: {config.swap_length} tokens is past the model's context of "
                          f"{context} tokens")
     entries = [(item, {}) if isinstance(item, str) else (item[0], dict(item[1])) for item in config.converted]
-    descriptions = {folder: _converted_description(folder, path) for folder in dict.fromkeys(f for f, _ in entries)}
+    descriptions = {folder: _converted_description(folder, source) for folder in dict.fromkeys(f for f, _ in entries)}
     for folder, options in entries:
         try:
             check_inference_options(descriptions[folder][1], options)
@@ -221,16 +214,16 @@ def prepare(config: LmEvalConfig, needs_tokenizer: bool = True) -> Prepared:
                                    variant.label)
             if reason is not None:
                 cannot_decode[variant.label] = reason
-    if needs_tokenizer and TOKENIZER_FIELD not in file.array_lengths:
-        raise ValueError(f"{OPTION['gguf']}: {path.name} holds no tokenizer ({TOKENIZER_FIELD}), which lm-eval needs")
-    return Prepared(path, file, model_config, variants, cannot_decode, descriptions)
+    if needs_tokenizer and not source.has_tokenizer():
+        raise ValueError(f"{OPTION['gguf']}: {source.path.name} holds no tokenizer, which lm-eval needs")
+    return Prepared(source, model_config, variants, cannot_decode, descriptions)
 
 
-def _converted_description(folder: str, path: Path) -> Tuple[Path, Dict[str, Any]]:
+def _converted_description(folder: str, source: ModelSource) -> Tuple[Path, Dict[str, Any]]:
     """A converted model's folder and model.json, the model converted from the file evaluated here."""
     try:
         found, description = read_converted(folder)
-        check_teacher_file(path, description)
+        check_teacher(source, description)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(f"{OPTION['converted']} {folder}: {error}") from None
     return found, description
@@ -321,10 +314,10 @@ def run_lm_eval(config: LmEvalConfig, output: Path, argv: Sequence[str], progres
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     started = time.perf_counter()
-    tokenizer = gguf_tokenizer(prepared.path) if tokenizer is None else tokenizer
+    tokenizer = prepared.source.tokenizer() if tokenizer is None else tokenizer
     text = plan_text(config, tokenizer)
     base = CausalLM(prepared.model_config)
-    load_gguf_weights(base, prepared.file)
+    prepared.source.load_weights(base)
     base.eval()
     if set_total is not None:
         set_total(job_count(config, prepared))
@@ -366,6 +359,6 @@ def _converted_record(prepared: Prepared, variant: Variant) -> Dict[str, Any]:
 
 def _model_record(prepared: Prepared) -> Dict[str, Any]:
     c = prepared.model_config
-    return {"file": prepared.path.name, "architecture": prepared.file.architecture, "layers": c.depth,
+    return {"file": prepared.source.path.name, "architecture": prepared.source.architecture, "layers": c.depth,
             "dim": c.dim, "heads": c.heads, "kv_heads": c.kv_heads, "head_dim": c.head_dim,
             "vocab_size": c.vocab_size, "context_length": c.context_length}

@@ -1,4 +1,4 @@
-"""The tokenizer stored in a GGUF file, through transformers.
+"""The tokenizer stored in a GGUF file or a Hugging Face model directory, through transformers.
 
 transformers rebuilds a fast tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata (vocabulary, merges,
 special tokens, chat template) with ``PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)``: the
@@ -19,3 +19,10 @@ def gguf_tokenizer(path: Path) -> Any:
     """The tokenizer of the GGUF file at ``path`` (a transformers ``PreTrainedTokenizerFast``)."""
     transformers = require("transformers")
     return transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def hf_tokenizer(directory: Path) -> Any:
+    """The tokenizer saved in the Hugging Face model directory ``directory`` (``AutoTokenizer``, local files
+    only)."""
+    transformers = require("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)

@@ -15,7 +15,7 @@ halves (llama.cpp turns them "neox" style) and is used as stored.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -61,45 +61,57 @@ def _layer_names(model: CausalLM, index: int, architecture: str) -> Dict[str, Tu
     return names
 
 
-def _copy(file: GGUFFile, parameter: Tensor, name: str, value: Tensor) -> None:
-    if value.shape != parameter.shape:
-        raise GGUFError(f"tensor {name!r} of {file.path.name} has shape {tuple(value.shape)}, the model expects "
+def fill_parameters(model: CausalLM, names: Dict[str, Tuple[str, Transform]], fused: Dict[str, Tuple[str, str]],
+                    stored: Sequence[str], read: Callable[[str], Tensor], label: str, error: Type[Exception]) -> None:
+    """Copy stored tensors into ``model``'s parameters: ``names`` maps a stored name to (the parameter's name, the
+    transform from the stored tensor), ``fused`` a parameter to the two stored tensors stacked into it (the
+    feed-forward network's gate and up projections). ``stored``: every tensor name of the source, ``read``
+    reads one (as float32 or any dtype ``copy_`` takes), ``label`` names the source in errors.
+
+    Every parameter must be filled and every stored tensor used, with the model's shapes; anything else is a
+    one-line ``error`` naming the tensors, so that a variant of the architecture is refused rather than run
+    half-loaded."""
+    parameters = dict(model.named_parameters())
+    wanted = set(names) | {name for pair in fused.values() for name in pair}
+    present = set(stored)
+    unused = [name for name in stored if name not in wanted]
+    missing = sorted(name for name in wanted if name not in present)
+    if unused or missing:
+        problems = ([f"unexpected tensors {', '.join(unused[:4])}"] if unused else []) + \
+            ([f"missing tensors {', '.join(missing[:4])}"] if missing else [])
+        raise error(f"{label} is not a model attnzoo can load: {'; '.join(problems)}")
+
+    def copy(parameter: Tensor, name: str, value: Tensor) -> None:
+        if value.shape != parameter.shape:
+            raise error(f"tensor {name!r} of {label} has shape {tuple(value.shape)}, the model expects "
                         f"{tuple(parameter.shape)}")
-    parameter.copy_(value)
+        parameter.copy_(value)
+
+    filled = set()
+    for stored_name, (ours, transform) in names.items():
+        copy(parameters[ours], stored_name, transform(read(stored_name)))
+        filled.add(ours)
+    for ours, (gate, up) in fused.items():
+        copy(parameters[ours], f"{gate} + {up}", torch.cat([read(gate), read(up)]))
+        filled.add(ours)
+    left = sorted(name for name, parameter in parameters.items() if name not in filled and parameter.requires_grad)
+    if left:
+        raise error(f"{label} leaves parameters {', '.join(left[:4])} of the model unfilled")
 
 
 @torch.no_grad()
 def load_gguf_weights(model: CausalLM, file: GGUFFile) -> None:
-    """Copy every weight of ``file`` into ``model`` (built from the file's config), dequantized to float32.
-
-    Every parameter must be filled and every tensor of the file used; either failing is a one-line error
-    naming the tensors, so that a variant of the architecture is refused rather than run half-loaded."""
-    parameters = dict(model.named_parameters())
-    names: Dict[str, Tuple[str, Transform]] = {
-        "token_embd.weight": ("embedding.weight", lambda tensor: tensor),
-        "output_norm.weight": ("norm.weight", lambda tensor: tensor),
-    }
+    """Copy every weight of ``file`` into ``model`` (built from the file's config), dequantized to float32
+    (:func:`fill_parameters` checks that each tensor and each parameter is used once)."""
+    same: Transform = lambda tensor: tensor  # noqa: E731
+    names: Dict[str, Tuple[str, Transform]] = {"token_embd.weight": ("embedding.weight", same),
+                                               "output_norm.weight": ("norm.weight", same)}
     if not model.config.tied_embeddings:
-        names["output.weight"] = ("head.weight", lambda tensor: tensor)
+        names["output.weight"] = ("head.weight", same)
     for index in range(model.config.depth):
         names.update(_layer_names(model, index, file.architecture))
     fused = {f"layers.{index}.feed_forward.in_proj.weight": (f"blk.{index}.ffn_gate.weight",
                                                               f"blk.{index}.ffn_up.weight")
              for index in range(model.config.depth)}
-    wanted = set(names) | {name for pair in fused.values() for name in pair}
-    unused = [name for name in file.tensor_names() if name not in wanted]
-    missing = sorted(name for name in wanted if not file.has_tensor(name))
-    if unused or missing:
-        problems = ([f"unexpected tensors {', '.join(unused[:4])}"] if unused else []) + \
-            ([f"missing tensors {', '.join(missing[:4])}"] if missing else [])
-        raise GGUFError(f"{file.path.name} is not a {file.architecture} model attnzoo can load: {'; '.join(problems)}")
-    filled = set()
-    for gguf_name, (ours, transform) in names.items():
-        _copy(file, parameters[ours], gguf_name, transform(file.tensor(gguf_name)))
-        filled.add(ours)
-    for ours, (gate, up) in fused.items():
-        _copy(file, parameters[ours], f"{gate} + {up}", torch.cat([file.tensor(gate), file.tensor(up)]))
-        filled.add(ours)
-    left = sorted(name for name, parameter in parameters.items() if name not in filled and parameter.requires_grad)
-    if left:
-        raise GGUFError(f"{file.path.name} leaves parameters {', '.join(left[:4])} of the model unfilled")
+    fill_parameters(model, names, fused, file.tensor_names(), file.tensor, f"{file.path.name} ({file.architecture})",
+                    GGUFError)
