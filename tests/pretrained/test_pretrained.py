@@ -444,3 +444,21 @@ def test_smollm2_in_transformers_keeps_its_logits_and_tokens_with_attnzoo_softma
         difference = (swapped(tokens).logits - transformers_smollm2(tokens).logits).abs().max().item()
     assert difference <= 1e-5
     assert torch.equal(_transformers_greedy(swapped, prompt, 64), _transformers_greedy(transformers_smollm2, prompt, 64))
+
+
+@pytest.mark.slow
+def test_smollm2_saved_as_a_hugging_face_directory_loads_to_the_same_logits(smollm2, transformers_smollm2, tmp_path):
+    """The real model through the other route: transformers' SmolLM2 (dequantized from the same file) saved with
+    save_pretrained, read back by pretrained.load(directory): the GGUF route's logits to the bit, its tokens."""
+    model, tokenizer = smollm2
+    plain = transformers.LlamaForCausalLM(transformers_smollm2.config)  # a GGUF-loaded model refuses to save
+    plain.load_state_dict(transformers_smollm2.state_dict())
+    plain.config.quantization_config = None
+    plain.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, loaded_tokenizer = pretrained.load(tmp_path)
+    assert loaded.config == model.config
+    tokens = tokenizer(TEXT, return_tensors="pt").input_ids
+    assert torch.equal(loaded_tokenizer(TEXT, return_tensors="pt").input_ids, tokens)
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), model(tokens))
