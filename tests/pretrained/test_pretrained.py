@@ -462,3 +462,20 @@ def test_smollm2_saved_as_a_hugging_face_directory_loads_to_the_same_logits(smol
     assert torch.equal(loaded_tokenizer(TEXT, return_tensors="pt").input_ids, tokens)
     with torch.no_grad():
         assert torch.equal(loaded(tokens), model(tokens))
+
+
+@pytest.mark.slow
+def test_the_swap_example_asks_in_the_chat_template_and_measures_each_attention(smollm2, capsys):
+    """examples/pretrained_swap.py as a user runs it (shorter): SmolLM2 answers through its chat template, and
+    the same weights with a window and sinks are measured beside it on held-out text."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "pretrained_swap.py"
+    spec = importlib.util.spec_from_file_location("pretrained_swap_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    rows = example.main(["--tokens", "12", "--length", "64", "--variant", "local:window=16,sink_tokens=4"])
+    assert [label for label, *_ in rows] == ["softmax (the model's own)", "local window=16 sink_tokens=4"]
+    assert rows[0][1] == "The capital of France is Paris."  # stopped at the chat's end-of-turn token
+    assert all(1.0 < prose < 1000.0 and 1.0 < code < 1000.0 for _, _, prose, code in rows)
+    assert "perplexity on 64 held-out tokens" in capsys.readouterr().out
