@@ -66,7 +66,7 @@ from torch import Tensor
 from .._dtypes import working_dtype
 from ._autocast import outside_autocast, without_autocast
 from .blocksparse import BlockPlan, blocksparse_plan, window_pattern
-from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
+from .blocksparse.core import _gather_keys, _gather_queries, _to_positions, masked_block_logits
 from .features import hedgehog_features_unchecked
 from .gated import constant_log_decay
 from .linear import kernel_attention_unchecked, normalize_output
@@ -146,12 +146,7 @@ def _window_sums_traceable(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, a
     """:class:`_WindowSums` in plain differentiable operations, for ``torch.compile`` and ``torch.jit.trace``
     (which take no block plan as an argument of a hand-written Function)."""
     batch, heads, length, _ = q.shape
-    q_blocks = _gather_queries(q, plan)
-    k_blocks = _gather_keys(k0, plan.layout, plan.index, sink_k)
-    v_blocks = _gather_keys(v1, plan.layout, plan.index, sink_v)
-    logits = (q_blocks @ k_blocks.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    _, logits, top, v_blocks = masked_block_logits(q, k0, v1, plan, allowed, sink_k, sink_v)
     return _to_positions(torch.exp(logits - top) @ v_blocks, plan, batch, heads, length)
 
 

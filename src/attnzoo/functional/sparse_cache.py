@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .blocksparse import BlockPlan
-from .blocksparse.core import _gather_keys, _gather_queries, _to_positions
+from .blocksparse.core import _gather_queries, _to_positions, masked_block_logits
 
 CACHE_TENSORS = ("cache_k", "cache_v", "cache_phi", "cache_recall", "cache_positions")
 
@@ -211,13 +211,8 @@ def sparse_cache_sums(q: Tensor, k0: Tensor, v1: Tensor, phi_q: Tensor, phi_k: T
     query block (:func:`_cached_index`)."""
     batch, heads, length, _ = q.shape
     index, valid = _cached_index(moved, snapshots, plan, window, sinks, key_padding_mask)
-    q_blocks = _gather_queries(q, plan)  # (batch * nqb, heads, bs, d)
-    k_blocks = _gather_keys(k0, plan.layout, plan.index, sink_k)
-    v_blocks = _gather_keys(v1, plan.layout, plan.index, sink_v)
-    logits = (q_blocks @ k_blocks.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
-    top = logits.amax(-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    exact = torch.exp(logits - top) @ v_blocks
+    q_blocks, logits, top, v_blocks = masked_block_logits(q, k0, v1, plan, allowed, sink_k, sink_v)
+    exact = torch.exp(logits - top) @ v_blocks  # the window's and sinks' terms; q_blocks (batch * nqb, heads, bs, d)
     query_pos = plan.query_positions  # (nqb, bs)
     key_pos = index.unsqueeze(-2)  # (batch, heads, nqb, 1, E)
     cached = valid.unsqueeze(-2) & (key_pos + window <= query_pos.view(1, 1, *query_pos.shape, 1)) & (

@@ -148,6 +148,21 @@ def _to_positions(x: Tensor, plan: BlockPlan, batch: int, heads: int, length: in
     return x[:, :, :length] if plan.order is None else x.index_select(2, plan.order)
 
 
+def masked_block_logits(q: Tensor, k0: Tensor, v1: Tensor, plan: BlockPlan, allowed: Tensor,
+                        sink_k: Optional[Tensor] = None, sink_v: Optional[Tensor] = None
+                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query block of ``plan``, in plain differentiable operations: (the queries (B * nqb, H, bs, d), their
+    logits against the block's keys and the ``sink_k`` appended to every block, -inf where ``allowed`` is False,
+    each row's largest logit (0 for a row that sees no key, whose weights ``exp(logits - top)`` are then 0), the
+    values (with ``sink_v``) in the keys' order). q already scaled."""
+    q_blocks = _gather_queries(q, plan)
+    k_blocks = _gather_keys(k0, plan.layout, plan.index, sink_k)
+    v_blocks = _gather_keys(v1, plan.layout, plan.index, sink_v)
+    logits = (q_blocks @ k_blocks.transpose(-1, -2)).masked_fill(~allowed, -math.inf)
+    top = logits.amax(-1, keepdim=True)
+    return q_blocks, logits, torch.where(torch.isfinite(top), top, torch.zeros_like(top)), v_blocks
+
+
 def _merged_parts(q: Tensor, k0: Tensor, v0: Tensor, parts: Tuple[BlockPlan, ...],
                   key_padding_mask: Optional[Tensor], scale: Optional[float]) -> Tensor:
     """One softmax over the union of disjoint parts: each part's unnormalised sums (exp(logit - its row
