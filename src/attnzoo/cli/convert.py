@@ -43,8 +43,8 @@ def convert_command(args: argparse.Namespace) -> int:
     from ..conversion.data import evaluation_windows, mixed_windows
     from .._malloc import keep_freed_memory
     from ..conversion.run import check_output, transfer_start
-    from ..pretrained import load, open_model
-    from ..pretrained.loader import smollm2_path
+    from ..pretrained import open_model
+    from ..pretrained.loader import load_source, smollm2_path
 
     given: Dict[str, Any] = {name: value for name, value in vars(args).items()
                              if name in ConversionConfig.__dataclass_fields__ and value is not None}
@@ -73,7 +73,7 @@ def convert_command(args: argparse.Namespace) -> int:
         if not model_source.has_tokenizer():
             raise ValueError(f"--model: {model_source.path.name} holds no tokenizer, which the text needs")
         print(f"attnzoo convert: reading {model_source.path.name} ...", file=sys.stderr, flush=True)
-        teacher, tokenizer = load(model_source.path)
+        teacher, tokenizer = load_source(model_source)
         own_stage_2 = config.stage_2_seq_len != config.seq_len
         count = max(config.transfer_steps, 0 if own_stage_2 else config.finetune_steps, 1) * config.batch_size
         train = mixed_windows(tokenizer, "train", config.seq_len, count)

@@ -1,10 +1,10 @@
 """A converted model on disk, and back: :func:`save_converted` and :func:`load_converted`.
 
 The folder holds ``model.json`` (the layers' mechanisms and options, the adapters' rank and scale and which
-projections carry them, the teacher's GGUF file or Hugging Face directory with its size and SHA-256) and ``weights.safetensors`` (only
-what the conversion trained: the mechanisms' parameters and the adapters). Loading reads the teacher's weights
-from its GGUF file or directory again, refusing one whose digest differs, and adds the trained tensors: the loaded model
-computes exactly what the converted one did.
+projections carry them, the teacher's GGUF file or Hugging Face directory with its size and SHA-256) and
+``weights.safetensors`` (only what the conversion trained: the mechanisms' parameters and the adapters). Loading
+reads the teacher's weights from its file or directory again, refusing one whose digest differs, and adds the
+trained tensors: the loaded model computes exactly what the converted one did.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def teacher_source(source: ModelSource) -> Dict[str, Any]:
 
 
 def gguf_source(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
-    """What names a teacher read from a GGUF file: its absolute path, size and SHA-256."""
-    path = Path(path).resolve()
-    return {"gguf": str(path), "bytes": path.stat().st_size, "sha256": files_digest([path])}
+    """:func:`teacher_source` of the checkpoint at ``path`` (a GGUF file: its absolute path, size and SHA-256)."""
+    from ..pretrained.loader import open_model
+
+    return teacher_source(open_model(path))
 
 
 def teacher_path(description: Mapping[str, Any]) -> str:
@@ -171,12 +172,12 @@ def load_converted(
     other parameters, e.g. ``{"sparse_cache": 64}`` (``lolcats``: LoLA's sparse cache, which needs no
     training); an option that changes the layers' parameters is refused (the saved tensors no longer fit).
     """
-    from ..pretrained.loader import load, open_model
+    from ..pretrained.loader import load_source, open_model
 
     check_bool("merged", merged)
     folder, description = read_converted(folder)
     check_inference_options(description, options)
     source = open_model(gguf if gguf is not None else teacher_path(description))
     check_teacher(source, description)
-    teacher, loaded_tokenizer = load(source.path, tokenizer=tokenizer)
+    teacher, loaded_tokenizer = load_source(source, tokenizer=tokenizer)
     return Pretrained(build_converted(teacher, folder, description, merged, options), loaded_tokenizer)

