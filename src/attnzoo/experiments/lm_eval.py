@@ -1,5 +1,6 @@
 """``attnzoo lm-eval``: a pretrained language model (SmolLM2-135M-Instruct by default, or any GGUF file or Hugging
-Face model directory attnzoo loads) evaluated on real text and long contexts, with its own attention or another mechanism in its place.
+Face model directory attnzoo loads) evaluated on real text and long contexts, with its own attention or another
+mechanism in its place.
 
 Four parts, each optional (:data:`PARTS`):
 
