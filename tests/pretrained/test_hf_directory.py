@@ -104,6 +104,11 @@ def _rewrite(directory: Path, **changes) -> None:
     ({"mlp_bias": True}, "mlp_bias=true"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"hidden_size": None}, "lacks 'hidden_size'"),
+    ({"hidden_size": "64"}, "hidden_size must be a JSON int, got '64'"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a JSON int, got True"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be a JSON bool, got 'false'"),
+    ({"rms_norm_eps": [1e-5]}, r"rms_norm_eps must be a JSON float, got \[1e-05\]"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be >= 1"),
 ])
 def test_a_model_it_would_run_wrongly_is_refused_naming_why(tmp_path, changes, message):
     save_tiny(tmp_path)

@@ -63,10 +63,21 @@ def hf_architecture(config: Dict[str, Any], directory: Path) -> str:
     return HF_ARCHITECTURES[name]
 
 
-def _required(config: Dict[str, Any], key: str, directory: Path) -> Any:
-    if config.get(key) is None:
-        raise HFDirectoryError(f"{directory / CONFIG_FILE} lacks {key!r}")
-    return config[key]
+_ABSENT = object()
+
+
+def _value(config: Dict[str, Any], key: str, directory: Path, kind: type, default: Any = _ABSENT) -> Any:
+    """``config[key]`` as ``kind`` (int, float or bool; JSON's true is not an int, and "false" is not a bool),
+    ``default`` where it is absent or null; a one-line error naming the key otherwise."""
+    value = config.get(key)
+    if value is None:
+        if default is _ABSENT:
+            raise HFDirectoryError(f"{directory / CONFIG_FILE} lacks {key!r}")
+        return default
+    numeric = (int, float) if kind is float else int
+    if isinstance(value, bool) != (kind is bool) or (kind is not bool and not isinstance(value, numeric)):
+        raise HFDirectoryError(f"{directory / CONFIG_FILE}: {key} must be a JSON {kind.__name__}, got {value!r}")
+    return kind(value)
 
 
 def _rope_theta(config: Dict[str, Any], directory: Path) -> float:
@@ -107,21 +118,23 @@ def config_from_hf(config: Dict[str, Any], directory: Path) -> CausalLMConfig:
     """The :class:`CausalLMConfig` of a Hugging Face config.json (its dict), after the checks above."""
     architecture = hf_architecture(config, directory)
     _refuse_unsupported(config, architecture, directory)
-    dim = int(_required(config, "hidden_size", directory))
-    heads = int(_required(config, "num_attention_heads", directory))
+    dim = _value(config, "hidden_size", directory, int)
+    heads = _value(config, "num_attention_heads", directory, int)
+    if heads < 1:
+        raise HFDirectoryError(f"{directory / CONFIG_FILE}: num_attention_heads must be >= 1, got {heads}")
     return CausalLMConfig(
-        vocab_size=int(_required(config, "vocab_size", directory)),
+        vocab_size=_value(config, "vocab_size", directory, int),
         dim=dim,
-        depth=int(_required(config, "num_hidden_layers", directory)),
+        depth=_value(config, "num_hidden_layers", directory, int),
         heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or dim // heads),
-        ff_dim=int(_required(config, "intermediate_size", directory)),
+        kv_heads=_value(config, "num_key_value_heads", directory, int, heads),
+        head_dim=_value(config, "head_dim", directory, int, dim // heads),
+        ff_dim=_value(config, "intermediate_size", directory, int),
         rope_base=_rope_theta(config, directory),
-        norm_eps=float(_required(config, "rms_norm_eps", directory)),
-        context_length=int(_required(config, "max_position_embeddings", directory)),
+        norm_eps=_value(config, "rms_norm_eps", directory, float),
+        context_length=_value(config, "max_position_embeddings", directory, int),
         attention_bias=architecture == "qwen2",
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tied_embeddings=_value(config, "tie_word_embeddings", directory, bool, False),
     )
 
 
