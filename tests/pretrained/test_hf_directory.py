@@ -118,11 +118,39 @@ def test_a_model_it_would_run_wrongly_is_refused_naming_why(tmp_path, changes, m
     assert "\n" not in str(error.value)
 
 
-def test_a_sliding_window_is_refused(tmp_path):
-    save_tiny(tmp_path, "mistral")
-    _rewrite(tmp_path, sliding_window=16)
-    with pytest.raises(HFDirectoryError, match="sliding window of 16 keys"):
-        pretrained.load(tmp_path, tokenizer=False)
+def test_mistrals_sliding_window_is_the_models_own(tmp_path):
+    """Mistral's sliding window (5 keys here, on 24 tokens) runs as the model's: transformers' logits and
+    greedy tokens, decoding past the window; a mechanism that cannot attend within a window is refused naming
+    it; Qwen2's window on some layers only is refused."""
+    reference = save_tiny(tmp_path / "mistral", "mistral", sliding_window=5)
+    model, _ = pretrained.load(tmp_path / "mistral", tokenizer=False)
+    assert model.config.sliding_window == 5
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-5
+    decoded = attnzoo.greedy_decode(model, tokens[:, :3], 12)
+    theirs = reference.generate(tokens[:, :3], attention_mask=torch.ones_like(tokens[:, :3]), max_new_tokens=12,
+                                min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(decoded, theirs)
+    windowed, _ = pretrained.load(tmp_path / "mistral", mechanism="local", tokenizer=False)
+    with torch.no_grad():  # local's own window defaults to the model's
+        assert (windowed(tokens) - reference(tokens).logits).abs().max().item() <= 1e-5
+    with pytest.raises(attnzoo.UnsupportedOptionError, match="sliding window of 5 keys .*linear cannot"):
+        pretrained.load(tmp_path / "mistral", mechanism="linear", tokenizer=False)
+    from attnzoo.conversion import ConversionConfig
+    from attnzoo.pretrained.evaluation import swap_candidates
+
+    candidates = swap_candidates(model.config, 24)
+    assert candidates["softmax"] is None and candidates["local"] is None
+    assert "sliding window of 5" in candidates["linear"]
+
+    with pytest.raises(ValueError, match="target 'lolcats' cannot replace .* sliding window of 5 keys"):
+        ConversionConfig(target="lolcats", seq_len=16).check_fits(model.config)
+    ConversionConfig(target="local", target_options={"window": 4}, seq_len=16).check_fits(model.config)
+    save_tiny(tmp_path / "qwen2", "qwen2")
+    _rewrite(tmp_path / "qwen2", use_sliding_window=True, sliding_window=16)
+    with pytest.raises(HFDirectoryError, match="use_sliding_window"):
+        pretrained.load(tmp_path / "qwen2", tokenizer=False)
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping
 
 from .._validation import check_choice
-from ..mechanisms import LolcatsAttention, available, build_mechanism
+from ..mechanisms import LolcatsAttention, UnsupportedOptionError, available, build_mechanism
 from ..mechanisms.made_inputs import shapes_only
 from ..pretrained import CausalLMConfig
+from ..pretrained.causal_lm import windowed_options
 from ..training.settings import boolean, check_declared, number, option_dict, positive_int, setting
 
 FINETUNE_LOSSES = ("next_token", "teacher_logits")
@@ -113,8 +114,12 @@ class ConversionConfig:
             raise ValueError(f"keep_softmax={self.keep_softmax} keeps every one of the model's {model_config.depth} "
                              f"layers: nothing would be converted")
         try:
-            mechanism = build_mechanism(self.target, model_config.heads, model_config.head_dim,
-                                        **self.target_options)
+            options = windowed_options(model_config, self.target, self.target_options)
+        except UnsupportedOptionError as error:
+            raise ValueError(f"target {self.target!r} cannot replace this model's causal self-attention: "
+                             f"{error}") from None
+        try:
+            mechanism = build_mechanism(self.target, model_config.heads, model_config.head_dim, **options)
         except (TypeError, ValueError) as error:
             raise type(error)(f"target_options: {error}") from None
         longest = max(self.seq_len, self.stage_2_seq_len)

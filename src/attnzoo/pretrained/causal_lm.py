@@ -10,12 +10,13 @@ then the up rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from ..attention import AttentionState, MultiHeadAttention
+from ..mechanisms import UnsupportedOptionError, available, capabilities
 from ..functional.norms import rms_norm
 from ..models import FeedForward
 from ..models.inputs import check_padding_mask, check_tokens, packed_spans
@@ -47,6 +48,20 @@ class CausalLMState:
     position: int
 
 
+def windowed_options(config: CausalLMConfig, mechanism: str, options: Mapping[str, Any]) -> Dict[str, Any]:
+    """``options`` with the model's sliding window (``config.sliding_window``) as the mechanism's
+    ``window_option`` unless they set it; an :class:`~attnzoo.UnsupportedOptionError` naming the window for a
+    mechanism that cannot attend within one (it would see what the model's own attention never did)."""
+    if config.sliding_window is None:
+        return dict(options)
+    option = capabilities(mechanism).window_option
+    if option is None:
+        can = ", ".join(name for name in available() if capabilities(name).window_option is not None)
+        raise UnsupportedOptionError(f"the model attends within a sliding window of {config.sliding_window} keys "
+                                     f"(sliding_window) and {mechanism} cannot honour one; mechanisms that can: {can}")
+    return {option: config.sliding_window, **options}
+
+
 class CausalLMLayer(nn.Module):
     """One pre-norm layer: ``x + attention(norm(x))``, then ``x + swiglu(norm(x))``; (batch, seq, dim)."""
 
@@ -56,7 +71,7 @@ class CausalLMLayer(nn.Module):
         self.attention = MultiHeadAttention(
             config.dim, config.heads, mechanism, head_dim=config.head_dim, kv_heads=config.kv_heads,
             bias=config.attention_bias, rotary=True, rotary_base=config.rope_base, rotary_pairs="halves",
-            **mechanism_options,
+            **windowed_options(config, mechanism, mechanism_options),
         )
         if config.attention_bias:
             # Qwen2 biases the query, key and value projections only; MultiHeadAttention's bias covers all four,

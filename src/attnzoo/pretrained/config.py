@@ -8,6 +8,7 @@ checkpoint can be run with any mechanism.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .._validation import check_bool, check_number, check_positive_int
 
@@ -30,6 +31,9 @@ class CausalLMConfig:
         context_length: the longest sequence the model was trained on (kept for reference; not enforced).
         attention_bias: biases on the query, key and value projections (Qwen2); the output projection has none.
         tied_embeddings: the LM head reuses the token embedding's matrix (no separate output weights).
+        sliding_window: each query attends to the last ``sliding_window`` positions only, itself included
+            (Mistral 7B v0.1's 4,096); None: to every earlier one. The layers' mechanism must honour it: one
+            declaring a ``window_option`` (softmax, local) gets it as that option unless its options set one.
     """
 
     vocab_size: int
@@ -44,6 +48,7 @@ class CausalLMConfig:
     context_length: int = 2048
     attention_bias: bool = False
     tied_embeddings: bool = False
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "depth", "heads", "kv_heads", "head_dim", "ff_dim", "context_length"):
@@ -56,3 +61,5 @@ class CausalLMConfig:
         check_number("norm_eps", self.norm_eps, minimum=0.0, exclusive_minimum=True)
         check_bool("attention_bias", self.attention_bias)
         check_bool("tied_embeddings", self.tied_embeddings)
+        if self.sliding_window is not None:
+            check_positive_int("sliding_window", self.sliding_window)

@@ -192,6 +192,8 @@ def capability_refusal(caps: Capabilities, config: CausalLMConfig, length: int) 
         return "no causal masking (capability causal)"
     if config.kv_heads != config.heads and caps.grouped_kv == NO_GROUPED_KV:
         return f"refuses grouped key/value heads ({config.heads} query heads share {config.kv_heads}; grouped_kv none)"
+    if config.sliding_window is not None and caps.window_option is None:
+        return f"cannot attend within the model's sliding window of {config.sliding_window} (window_option none)"
     if caps.max_length is not None and length > caps.max_length:
         return f"at most {caps.max_length} tokens (max_length)"
     if caps.length_multiple is not None and length % caps.length_multiple:

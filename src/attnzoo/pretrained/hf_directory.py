@@ -4,8 +4,9 @@ attnzoo's :class:`~attnzoo.pretrained.causal_lm.CausalLM`.
 The architectures are those of the GGUF route: Llama (SmolLM and Mistral-style models under it), Mistral and
 Qwen2. transformers keeps the query and key rows in the rotary halves layout attnzoo's model turns, so the
 tensors are copied as stored (only the feed-forward network's gate and up projections are stacked into one).
-What the model would run wrongly is refused by name: rotary scaling, partial rotary dimensions, a sliding
-window, biases beyond Qwen2's, another activation. Weights are read with ``safetensors`` (a core dependency),
+Mistral's sliding window becomes the model's (:class:`~attnzoo.pretrained.config.CausalLMConfig`). What the
+model would run wrongly is refused by name: rotary scaling, partial rotary dimensions, Qwen2's sliding layers,
+biases beyond Qwen2's, another activation. Weights are read with ``safetensors`` (a core dependency),
 in float32 whatever their stored dtype; the tokenizer, when asked for, through transformers from the same
 directory.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
@@ -99,10 +100,9 @@ def _rope_theta(config: Dict[str, Any], directory: Path) -> float:
 
 def _refuse_unsupported(config: Dict[str, Any], architecture: str, directory: Path) -> None:
     """Refuse, naming the setting, what attnzoo's model would run differently from the checkpoint's."""
-    window = config.get("sliding_window")
-    if window is not None and (config.get("model_type") == "mistral" or config.get("use_sliding_window")):
-        raise HFDirectoryError(f"{directory.name} attends within a sliding window of {window} keys (config.json: "
-                               f"sliding_window), which attnzoo's model does not do yet")
+    if config.get("use_sliding_window"):  # Qwen2: a window on some layers only (max_window_layers)
+        raise HFDirectoryError(f"{directory.name} attends within a sliding window on some of its layers "
+                               f"(use_sliding_window), which attnzoo's model does not do yet")
     if config.get("partial_rotary_factor", 1.0) != 1.0:
         raise HFDirectoryError(f"{directory.name} rotates part of each head (partial_rotary_factor="
                                f"{config['partial_rotary_factor']}); attnzoo rotates it all")
@@ -135,7 +135,18 @@ def config_from_hf(config: Dict[str, Any], directory: Path) -> CausalLMConfig:
         context_length=_value(config, "max_position_embeddings", directory, int),
         attention_bias=architecture == "qwen2",
         tied_embeddings=_value(config, "tie_word_embeddings", directory, bool, False),
+        sliding_window=_sliding_window(config, directory),
     )
+
+
+def _sliding_window(config: Dict[str, Any], directory: Path) -> Optional[int]:
+    """Mistral's window (every layer attends to its last ``sliding_window`` positions), or None: none, or one
+    no shorter than the context, which changes nothing (Qwen2's ``sliding_window`` is used only with
+    ``use_sliding_window``, refused above)."""
+    if config.get("model_type") != "mistral":
+        return None
+    window = _value(config, "sliding_window", directory, int, None)
+    return None if window is None or window >= _value(config, "max_position_embeddings", directory, int) else window
 
 
 def weight_files(directory: Path) -> List[Path]:
