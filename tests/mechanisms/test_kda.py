@@ -188,10 +188,10 @@ def test_decayed_products_of_many_columns_equal_one_at_a_time():
     per_step = torch.tensor([0.1, 300.0, 1.0, 30.0]).view(4, 1, 1)
     cumulative = (-per_step * torch.rand(4, 8, 5, generator=g)).cumsum(-2)
     grads = [torch.randn(4, 2, 8, 8, generator=g).tril() for _ in range(2)]
-    for together, alone in zip(channels.decayed_products_many(x, ys, cumulative),
+    for together, alone in zip(channels.decayed_products_many(x.unbind(1), ys, cumulative),
                                [channels.decayed_products_unchecked(x, y, cumulative) for y in ys]):
         torch.testing.assert_close(together, alone, rtol=0, atol=1e-6)
-    grad_x, grad_ys = channels.decayed_products_backward_many(grads, x, ys, cumulative)
+    grad_x, grad_ys = channels.decayed_products_backward_many(grads, x.unbind(1), ys, cumulative)
     singles = [channels.decayed_products_backward(grad, x, y, cumulative) for grad, y in zip(grads, ys)]
     torch.testing.assert_close(grad_x, singles[0][0] + singles[1][0], rtol=0, atol=1e-5)
     for got, single in zip(grad_ys, singles):

@@ -167,7 +167,8 @@ def _single_reference_factors(g: Tensor, clamp: bool) -> Tuple[Tensor, Tensor]:
     if clamp:
         bound = _log_max(g.dtype) / 4
         difference.clamp_(-bound, bound)
-    return difference.exp(), difference.neg_().exp_()
+    rows = difference.exp_()
+    return rows, rows.reciprocal()
 
 
 def _log_max(dtype: torch.dtype) -> float:
@@ -187,29 +188,48 @@ def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
     """x (..., S, C, d) (S stacked row operands, e.g. queries and keys), y (..., C, d), g (..., C, d) the
     cumulative log decay within the chunk (non-increasing along C). Returns M (..., S, C, C):
     ``M_tj = sum_c x_tc y_jc exp(g_tc - g_jc)`` for j <= t, 0 above the diagonal (module docstring)."""
-    return decayed_products_many(x, (y,), g)[0]
+    return decayed_products_many(x.unbind(-3), (y,), g)[0]
 
 
-def decayed_products_many(x: Tensor, ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
-    """:func:`decayed_products_unchecked` of the same rows x against each column operand of ``ys`` (each
-    (..., C, d)), the factors and the scaled rows computed once."""
-    safe = _single_reference_chunks(g.reshape(-1, *g.shape[-2:]))
+def _scaled_rows(xs: Sequence[Tensor], rows: Tensor) -> Tensor:
+    """Each row operand of ``xs`` (each (..., C, d)) times the factors ``rows`` (L, C, d), written side by side
+    into one (L, S * C, d) tensor: the rows of every operand meet the columns in one matmul, and no stacked copy
+    of the operands is made first."""
+    length, chunk, width = rows.shape
+    scaled = rows.new_empty(length, len(xs), chunk, width)
+    for index, x in enumerate(xs):
+        torch.mul(x.reshape(length, chunk, width), rows, out=scaled[:, index])
+    return scaled.view(length, len(xs) * chunk, width)
+
+
+def _stacked_chunks(xs: Sequence[Tensor], chunks: Tensor, chunk: int, width: int) -> Tensor:
+    """The chunks ``chunks`` (indices into the flattened leading dimensions) of each operand, stacked:
+    (len(chunks), S, C, d)."""
+    return torch.stack([x.reshape(-1, chunk, width).index_select(0, chunks) for x in xs], dim=1)
+
+
+def decayed_products_many(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
+    """:func:`decayed_products_unchecked` of the row operands ``xs`` (S of them, each (..., C, d)) against each
+    column operand of ``ys`` (each (..., C, d)): for each y, M (..., S, C, C), the factors and the scaled rows
+    computed once."""
+    chunk, width = int(g.shape[-2]), g.shape[-1]
+    gf = g.reshape(-1, chunk, width)
+    safe = _single_reference_chunks(gf)
     if safe is None:
+        x = torch.stack(list(xs), dim=-3)
         return [_recursive_products(x, y, g) for y in ys]
-    xf, gf = x.reshape(-1, *x.shape[-3:]), g.reshape(-1, *g.shape[-2:])
     unsafe = (~safe).nonzero().squeeze(1)
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
-    stacked, chunk = xf.shape[1], xf.shape[2]
-    x_scaled = (xf * rows.unsqueeze(1)).view(xf.shape[0], stacked * chunk, xf.shape[-1])
+    x_scaled = _scaled_rows(xs, rows)
     if unsafe.numel():  # gathered once for every column operand
-        x_unsafe, g_unsafe = xf.index_select(0, unsafe), gf.index_select(0, unsafe)
+        x_unsafe, g_unsafe = _stacked_chunks(xs, unsafe, chunk, width), gf.index_select(0, unsafe)
     outs = []
     for y in ys:
-        yf = y.reshape(-1, *y.shape[-2:])
-        out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(*xf.shape[:-1], chunk).tril_()
+        yf = y.reshape(-1, chunk, width)
+        out = (x_scaled @ (yf * columns).transpose(-1, -2)).view(-1, len(xs), chunk, chunk).tril_()
         if unsafe.numel():
             out.index_copy_(0, unsafe, _recursive_products(x_unsafe, yf.index_select(0, unsafe), g_unsafe))
-        outs.append(out.view(*x.shape[:-1], chunk))
+        outs.append(out.view(*g.shape[:-2], len(xs), chunk, chunk))
     return outs
 
 
@@ -217,42 +237,47 @@ def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> 
     """Gradients (of x (..., S, C, d), of y (..., C, d)) from that of M (..., S, C, C), whose entries above the
     diagonal must be zero. That of g is ``(x * grad_x).sum(S) - y * grad_y``: M depends on g only through
     ``exp(g_t - g_j)``, which multiplies x_t and y_j."""
-    grad_x, (grad_y,) = decayed_products_backward_many((grad,), x, (y,), g)
+    grad_x, (grad_y,) = decayed_products_backward_many((grad,), x.unbind(-3), (y,), g)
     return grad_x, grad_y
 
 
-def decayed_products_backward_many(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g: Tensor
+def decayed_products_backward_many(grads: Sequence[Tensor], xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor
                                    ) -> Tuple[Tensor, List[Tensor]]:
     """The backward of :func:`decayed_products_many`: from the gradient of each product (as
-    :func:`decayed_products_backward` takes it), (the gradient of x, summed over the products, [the gradient of
-    each y])."""
-    safe = _single_reference_chunks(g.reshape(-1, *g.shape[-2:]))
+    :func:`decayed_products_backward` takes it), (the gradient of the row operands, stacked (..., S, C, d) and
+    summed over the products, [the gradient of each y])."""
+    chunk, width = int(g.shape[-2]), g.shape[-1]
+    gf = g.reshape(-1, chunk, width)
+    safe = _single_reference_chunks(gf)
     if safe is None:
+        x = torch.stack(list(xs), dim=-3)
         pairs = [_recursive_backward(grad, x, y, g) for grad, y in zip(grads, ys)]
         return torch.stack([pair[0] for pair in pairs]).sum(0), [pair[1] for pair in pairs]
-    xf, gf = x.reshape(-1, *x.shape[-3:]), g.reshape(-1, *g.shape[-2:])
     unsafe = (~safe).nonzero().squeeze(1)
     rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
-    length, stacked, chunk, width = xf.shape
-    x_scaled = (xf * rows.unsqueeze(1)).view(length, stacked * chunk, width)
-    grad_x_scaled = x_scaled.new_zeros(x_scaled.shape)
+    length, stacked = gf.shape[0], len(xs)
+    x_scaled = _scaled_rows(xs, rows)
+    grad_x_scaled: Optional[Tensor] = None
     grad_ys = []
     for grad, y in zip(grads, ys):
-        yf, grad_flat = y.reshape(-1, *y.shape[-2:]), grad.reshape(length, stacked * chunk, chunk)
-        grad_x_scaled.baddbmm_(grad_flat, yf * columns)
+        yf, grad_flat = y.reshape(-1, chunk, width), grad.reshape(length, stacked * chunk, chunk)
+        y_scaled = yf * columns
+        # The first product is written, the others added to it: no zero-filled tensor to start from.
+        grad_x_scaled = grad_flat @ y_scaled if grad_x_scaled is None else grad_x_scaled.baddbmm_(grad_flat, y_scaled)
         grad_ys.append((grad_flat.transpose(-1, -2) @ x_scaled).mul_(columns))
-    grad_x = grad_x_scaled.view_as(xf).mul_(rows.unsqueeze(1))
+    assert grad_x_scaled is not None
+    grad_x = grad_x_scaled.view(length, stacked, chunk, width).mul_(rows.unsqueeze(1))
     if unsafe.numel():
-        x_unsafe, g_unsafe = xf.index_select(0, unsafe), gf.index_select(0, unsafe)
+        x_unsafe, g_unsafe = _stacked_chunks(xs, unsafe, chunk, width), gf.index_select(0, unsafe)
         grad_x_unsafe = None
         for grad, y, grad_y in zip(grads, ys, grad_ys):
             grad_unsafe = grad.reshape(length, stacked, chunk, chunk).index_select(0, unsafe)
-            y_unsafe = y.reshape(-1, *y.shape[-2:]).index_select(0, unsafe)
-            part_x, part_y = _recursive_backward(grad_unsafe, x_unsafe, y_unsafe, g_unsafe)
+            part_x, part_y = _recursive_backward(grad_unsafe, x_unsafe, y.reshape(-1, chunk, width).index_select(
+                0, unsafe), g_unsafe)
             grad_x_unsafe = part_x if grad_x_unsafe is None else grad_x_unsafe.add_(part_x)
             grad_y.index_copy_(0, unsafe, part_y)
         grad_x.index_copy_(0, unsafe, grad_x_unsafe)
-    return grad_x.view_as(x), [grad_y.view_as(y) for grad_y, y in zip(grad_ys, ys)]
+    return grad_x.view(*g.shape[:-2], stacked, chunk, width), [grad_y.view_as(y) for grad_y, y in zip(grad_ys, ys)]
 
 
 class DecayedProducts(torch.autograd.Function):

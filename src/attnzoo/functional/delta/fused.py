@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
-from .channels import decayed_products_backward, decayed_products_unchecked
+from .channels import decayed_products_backward_many, decayed_products_many
 
 Saved = Tuple[Tensor, ...]
 
@@ -94,7 +94,7 @@ def _pair_terms(q: Tensor, k: Tensor, g: Optional[Tensor], stride: int) -> Tuple
     part is read)."""
     reads = read_positions(stride)
     if g is not None and g.dim() == k.dim():
-        qk, kk = decayed_products_unchecked(torch.stack([spread_reads(q, stride), k], dim=-3), k, g).unbind(-3)
+        qk, kk = decayed_products_many((spread_reads(q, stride), k), (k,), g)[0].unbind(-3)
         return kk, qk[..., reads, :], None
     kk = k @ k.transpose(-1, -2)
     qk = q @ k.transpose(-1, -2)
@@ -169,7 +169,7 @@ def _pair_backward(saved: Saved, stride: int, grad_p: Tensor, grad_kk: Tensor
     if g is not None and g.dim() == k.dim():
         q_spread = spread_reads(q, stride)
         grad_rows = torch.stack([spread_reads(grad_p, stride).tril_(), grad_kk], dim=-3)
-        grad_x, grad_k = decayed_products_backward(grad_rows, torch.stack([q_spread, k], dim=-3), k, g)
+        grad_x, (grad_k,) = decayed_products_backward_many((grad_rows,), (q_spread, k), (k,), g)
         grad_q, grad_k_rows = grad_x.unbind(-3)
         # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column (q's zero rows
         # between the read positions add nothing).

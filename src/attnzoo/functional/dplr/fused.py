@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
@@ -32,13 +31,20 @@ Saved = Tuple[Tensor, ...]
 
 
 def _down(x: Tensor) -> Tensor:
-    """Rows moved down one position along C (the first row zero): row t takes row t - 1."""
-    return F.pad(x[..., :-1, :], (0, 0, 1, 0))
+    """Rows moved down one position along C (the first row zero): row t takes row t - 1. (Written into an
+    empty tensor, not padded: a pad fills the whole output with zeros first.)"""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out[..., 1:, :] = x[..., :-1, :]
+    out[..., 0, :] = 0.0
+    return out
 
 
 def _up(x: Tensor) -> Tensor:
     """Rows moved up one position along C (the last row zero): row s takes row s + 1."""
-    return F.pad(x[..., 1:, :], (0, 0, 0, 1))
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out[..., :-1, :] = x[..., 1:, :]
+    out[..., -1, :] = 0.0
+    return out
 
 
 def _decays(g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -49,12 +55,11 @@ def _decays(g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         (g[..., -1:, :] - g).exp(), gamma[..., -1, :].unsqueeze(-1)
 
 
-def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """(rows [q, a moved up] (Z, n, 2, C, d_k), products against k, against b, each (Z, n, 2, C, C)): [A_qk,
-    A_ak moved up] and [A_qb, A_ab moved up], lower triangular with the diagonal."""
-    rows = torch.stack([q, _up(a)], dim=-3)
-    with_k, with_b = decayed_products_many(rows, (k, b), g)  # the factors and scaled rows shared
-    return rows, with_k, with_b
+def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+    """(products of the rows [q, a moved up] against k, against b, each (Z, n, 2, C, C)): [A_qk, A_ak moved up]
+    and [A_qb, A_ab moved up], lower triangular with the diagonal."""
+    with_k, with_b = decayed_products_many((q, _up(a)), (k, b), g)  # the factors and scaled rows shared
+    return with_k, with_b
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Tensor, state: Tensor
@@ -63,7 +68,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Tensor, s
     (Z, n, C, d_v), final state, what the backward needs)."""
     chunk = k.shape[-2]
     gamma, gamma_prev, to_end, gamma_end = _decays(g)
-    _, with_k, with_b = _products(q, k, a, b, g)
+    with_k, with_b = _products(q, k, a, b, g)
     a_qk, a_qb, a_ak, a_ab = with_k[..., 0, :, :], with_b[..., 0, :, :], _down(with_k[..., 1, :, :]), \
         _down(with_b[..., 1, :, :])
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
@@ -121,11 +126,12 @@ def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor
     gradients of (q, k, a, b, g)."""
     q, k, a, b, g = saved[0], saved[1], saved[3], saved[4], saved[5]
     grad_qk, grad_qb, grad_ak, grad_ab = grads
-    rows = torch.stack([q, _up(a)], dim=-3)
+    a_up = _up(a)
     grad_rows, (grad_k, grad_b) = decayed_products_backward_many(
-        (torch.stack([grad_qk, _up(grad_ak)], dim=-3), torch.stack([grad_qb, _up(grad_ab)], dim=-3)), rows, (k, b), g)
+        (torch.stack([grad_qk, _up(grad_ak)], dim=-3), torch.stack([grad_qb, _up(grad_ab)], dim=-3)), (q, a_up),
+        (k, b), g)
     # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
-    grad_g = (rows * grad_rows).sum(-3).sub_(k * grad_k).sub_(b * grad_b)
+    grad_g = (q * grad_rows[..., 0, :, :]).addcmul_(a_up, grad_rows[..., 1, :, :]).sub_(k * grad_k).sub_(b * grad_b)
     return grad_rows[..., 0, :, :], grad_k, _down(grad_rows[..., 1, :, :]), grad_b, grad_g
 
 
