@@ -179,6 +179,26 @@ def test_decayed_products_mix_both_forms_by_chunk(dtype):
         torch.testing.assert_close(leaf.grad.double(), want, rtol=0, atol=10 * tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decay_factors_from_the_single_reference_equal_the_exponentials(dtype):
+    """exp(g) and exp(g_C - g) taken from the single-reference factors (gentle chunks) and by exp itself (strong
+    chunks, and every chunk of a traced graph) equal the exponentials, relative to each value."""
+    g = torch.Generator().manual_seed(6)
+    per_step = torch.tensor([0.1, 2.0, 200.0, 0.5, 60.0, 3.0], dtype=torch.float64).view(6, 1, 1)
+    cumulative = (-per_step * torch.rand(6, 16, 5, generator=g, dtype=torch.float64)).cumsum(-2)
+    cumulative = cumulative.to(dtype).double()  # the exponentials of the very values the factors see
+    factors = channels.chunk_factors(cumulative.to(dtype))
+    assert factors.unsafe is not None and 0 < factors.unsafe.numel() < 6
+    # g - r is rounded where exp(g) is not: a relative error up to |g| times the dtype's epsilon (|g| < 60 here).
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-13
+    smallest = torch.finfo(dtype).tiny / tolerance  # below it a float32 product may flush toward zero
+    for got, want in zip(channels.decay_factors(factors),
+                         (cumulative.exp(), (cumulative[..., -1:, :] - cumulative).exp())):
+        seen = want > smallest
+        torch.testing.assert_close(got.double()[seen], want[seen], rtol=tolerance, atol=0)
+        assert bool((got.double()[~seen] <= smallest).all())
+
+
 def test_decayed_products_of_many_columns_equal_one_at_a_time():
     """The shared-factor form (rwkv7 takes its rows against k and b at once) equals the single products, forward
     and backward, with gentle and strong chunks mixed."""

@@ -32,7 +32,7 @@ choice reads the data, and a graph must hold one path that is right for any inpu
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +184,50 @@ def _single_reference_chunks(g: Tensor) -> Optional[Tensor]:
     return safe if bool(safe.any()) else None
 
 
+class ChunkFactors(NamedTuple):
+    """What one g (..., C, d) gives every product and decay factor of a chunked rule, computed once.
+
+    ``rows`` = exp(g - r) and ``columns`` = exp(r - g), flattened to (L, C, d), r the middle of each chunk's
+    range per channel, or both None where every chunk takes the recursion (:func:`_single_reference_chunks`);
+    ``unsafe``: the indices of the chunks that take it (possibly empty)."""
+
+    g: Tensor
+    rows: Optional[Tensor]
+    columns: Optional[Tensor]
+    unsafe: Optional[Tensor]
+
+
+def chunk_factors(g: Tensor) -> ChunkFactors:
+    """The :class:`ChunkFactors` of g (..., C, d), the cumulative log decay within each chunk."""
+    gf = g.reshape(-1, int(g.shape[-2]), g.shape[-1])
+    safe = _single_reference_chunks(gf)
+    if safe is None:
+        return ChunkFactors(g, None, None, None)
+    unsafe = (~safe).nonzero().squeeze(1)
+    rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
+    return ChunkFactors(g, rows, columns, unsafe)
+
+
+def decay_factors(factors: ChunkFactors) -> Tuple[Tensor, Tensor]:
+    """``exp(g)`` and ``exp(g_C - g)`` (..., C, d), the decays from each chunk's start and to its end, which the
+    chunked rules scale their rows by. In a chunk that has single-reference factors they are those times a
+    vector per chunk (``exp(r)``, ``exp(g_C - r)``), one product each instead of an ``exp``; the other chunks take
+    the ``exp`` itself. Every exponent is <= 0 either way; where ``exp(r)`` underflows the true value is below
+    ``exp(r + log(max) / 4)``, far under the dtype's resolution of the sums it enters."""
+    g = factors.g
+    if factors.rows is None or factors.columns is None or factors.unsafe is None:
+        return g.exp(), (g[..., -1:, :] - g).exp()
+    gf = g.reshape(factors.rows.shape)
+    middle = 0.5 * (gf[..., :1, :] + gf[..., -1:, :])
+    from_start = factors.rows * middle.exp()
+    to_end = factors.columns * (gf[..., -1:, :] - middle).exp()
+    if factors.unsafe.numel():
+        strong = gf.index_select(0, factors.unsafe)
+        from_start.index_copy_(0, factors.unsafe, strong.exp())
+        to_end.index_copy_(0, factors.unsafe, (strong[..., -1:, :] - strong).exp())
+    return from_start.view_as(g), to_end.view_as(g)
+
+
 def decayed_products_unchecked(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
     """x (..., S, C, d) (S stacked row operands, e.g. queries and keys), y (..., C, d), g (..., C, d) the
     cumulative log decay within the chunk (non-increasing along C). Returns M (..., S, C, C):
@@ -208,20 +252,19 @@ def _stacked_chunks(xs: Sequence[Tensor], chunks: Tensor, chunk: int, width: int
     return torch.stack([x.reshape(-1, chunk, width).index_select(0, chunks) for x in xs], dim=1)
 
 
-def decayed_products_many(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
+def decayed_products_many(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor,
+                          factors: Optional[ChunkFactors] = None) -> List[Tensor]:
     """:func:`decayed_products_unchecked` of the row operands ``xs`` (S of them, each (..., C, d)) against each
     column operand of ``ys`` (each (..., C, d)): for each y, M (..., S, C, C), the factors and the scaled rows
-    computed once."""
+    computed once (``factors``: g's :func:`chunk_factors`, where the caller has them)."""
     chunk, width = int(g.shape[-2]), g.shape[-1]
-    gf = g.reshape(-1, chunk, width)
-    safe = _single_reference_chunks(gf)
-    if safe is None:
+    rows, columns, unsafe = (factors or chunk_factors(g))[1:]
+    if rows is None or columns is None or unsafe is None:
         x = torch.stack(list(xs), dim=-3)
         return [_recursive_products(x, y, g) for y in ys]
-    unsafe = (~safe).nonzero().squeeze(1)
-    rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
     x_scaled = _scaled_rows(xs, rows)
     if unsafe.numel():  # gathered once for every column operand
+        gf = g.reshape(-1, chunk, width)
         x_unsafe, g_unsafe = _stacked_chunks(xs, unsafe, chunk, width), gf.index_select(0, unsafe)
     outs = []
     for y in ys:
@@ -241,21 +284,18 @@ def decayed_products_backward(grad: Tensor, x: Tensor, y: Tensor, g: Tensor) -> 
     return grad_x, grad_y
 
 
-def decayed_products_backward_many(grads: Sequence[Tensor], xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor
-                                   ) -> Tuple[Tensor, List[Tensor]]:
+def decayed_products_backward_many(grads: Sequence[Tensor], xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor,
+                                   factors: Optional[ChunkFactors] = None) -> Tuple[Tensor, List[Tensor]]:
     """The backward of :func:`decayed_products_many`: from the gradient of each product (as
     :func:`decayed_products_backward` takes it), (the gradient of the row operands, stacked (..., S, C, d) and
     summed over the products, [the gradient of each y])."""
     chunk, width = int(g.shape[-2]), g.shape[-1]
-    gf = g.reshape(-1, chunk, width)
-    safe = _single_reference_chunks(gf)
-    if safe is None:
+    rows, columns, unsafe = (factors or chunk_factors(g))[1:]
+    if rows is None or columns is None or unsafe is None:
         x = torch.stack(list(xs), dim=-3)
         pairs = [_recursive_backward(grad, x, y, g) for grad, y in zip(grads, ys)]
         return torch.stack([pair[0] for pair in pairs]).sum(0), [pair[1] for pair in pairs]
-    unsafe = (~safe).nonzero().squeeze(1)
-    rows, columns = _single_reference_factors(gf, clamp=bool(unsafe.numel()))
-    length, stacked = gf.shape[0], len(xs)
+    length, stacked = rows.shape[0], len(xs)
     x_scaled = _scaled_rows(xs, rows)
     grad_x_scaled: Optional[Tensor] = None
     grad_ys = []
@@ -268,6 +308,7 @@ def decayed_products_backward_many(grads: Sequence[Tensor], xs: Sequence[Tensor]
     assert grad_x_scaled is not None
     grad_x = grad_x_scaled.view(length, stacked, chunk, width).mul_(rows.unsqueeze(1))
     if unsafe.numel():
+        gf = g.reshape(-1, chunk, width)
         x_unsafe, g_unsafe = _stacked_chunks(xs, unsafe, chunk, width), gf.index_select(0, unsafe)
         grad_x_unsafe = None
         for grad, y, grad_y in zip(grads, ys, grad_ys):
@@ -301,5 +342,5 @@ class DecayedProducts(torch.autograd.Function):
         return grad_x, grad_y, grad_g
 
 
-__all__ = ["DecayedProducts", "decayed_products_backward", "decayed_products_backward_many", "decayed_products_many",
-           "decayed_products_unchecked"]
+__all__ = ["ChunkFactors", "DecayedProducts", "chunk_factors", "decay_factors", "decayed_products_backward",
+           "decayed_products_backward_many", "decayed_products_many", "decayed_products_unchecked"]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
-from .channels import decayed_products_backward_many, decayed_products_many
+from .channels import ChunkFactors, chunk_factors, decay_factors, decayed_products_backward_many, decayed_products_many
 
 Saved = Tuple[Tensor, ...]
 
@@ -46,13 +46,20 @@ def _flat(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _gate_terms(g: Tensor, per_channel: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """From the within-chunk cumulative log decay g, (Z, n, C) or per channel (Z, n, C, d_k): gamma = exp(g) and
-    to_end = exp(g_C - g), each (Z, n, C, 1) or (Z, n, C, d_k) to scale q and k rows, and gamma_C, (Z, n, 1, 1)
-    or (Z, n, d_k, 1) to scale a chunk's (d_k, d_v) state."""
-    if not per_channel:
+def _gate_terms(g: Tensor, factors: Optional[ChunkFactors]) -> Tuple[Tensor, Tensor, Tensor]:
+    """From the within-chunk cumulative log decay g, (Z, n, C) or per channel (Z, n, C, d_k) with its
+    ``factors`` (:func:`.channels.chunk_factors`; None for a scalar decay): gamma = exp(g) and to_end =
+    exp(g_C - g), each (Z, n, C, 1) or (Z, n, C, d_k) to scale q and k rows, and gamma_C, (Z, n, 1, 1) or
+    (Z, n, d_k, 1) to scale a chunk's (d_k, d_v) state."""
+    if factors is None:
         g = g.unsqueeze(-1)
-    return g.exp(), (g[..., -1:, :] - g).exp(), g[..., -1, :].exp().unsqueeze(-1)
+        return g.exp(), (g[..., -1:, :] - g).exp(), g[..., -1, :].exp().unsqueeze(-1)
+    return (*decay_factors(factors), g[..., -1, :].exp().unsqueeze(-1))
+
+
+def _factors(g: Optional[Tensor], k: Tensor) -> Optional[ChunkFactors]:
+    """g's :class:`.channels.ChunkFactors` where the decay is per channel, else None."""
+    return chunk_factors(g) if g is not None and g.dim() == k.dim() else None
 
 
 def _within(g: Tensor) -> Tensor:
@@ -87,14 +94,15 @@ def _causal_rows(scores: Tensor, stride: int) -> Tensor:
     return scores.masked_fill_(~seen, 0.0)
 
 
-def _pair_terms(q: Tensor, k: Tensor, g: Optional[Tensor], stride: int) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+def _pair_terms(q: Tensor, k: Tensor, g: Optional[Tensor], stride: int, factors: Optional[ChunkFactors]
+                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """(K K^T, the causal Q K^T with q's C / stride rows, Gamma or None), the decay between positions inside
     both products where gated: a scalar decay multiplies them by Gamma (its read rows for Q K^T); a per-channel
     one sits inside the sums (:mod:`.channels`), and K K^T is then 0 above the diagonal (only its strictly lower
     part is read)."""
     reads = read_positions(stride)
-    if g is not None and g.dim() == k.dim():
-        qk, kk = decayed_products_many((spread_reads(q, stride), k), (k,), g)[0].unbind(-3)
+    if factors is not None:
+        qk, kk = decayed_products_many((spread_reads(q, stride), k), (k,), g, factors)[0].unbind(-3)
         return kk, qk[..., reads, :], None
     kk = k @ k.transpose(-1, -2)
     qk = q @ k.transpose(-1, -2)
@@ -110,11 +118,12 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Optional[Tensor],
     channel), state (Z, d_k, d_v). Returns (out (Z, n, C / stride, d_v), final state, what the backward
     needs)."""
     chunk = k.shape[-2]
-    kk, p, within = _pair_terms(q, k, g, stride)
+    factors = _factors(g, k)
+    kk, p, within = _pair_terms(q, k, g, stride, factors)
     if g is None:
         gamma_q, gamma_k, k_to_end, gamma_end = q, k, k, None
     else:
-        gamma, to_end, gamma_end = _gate_terms(g, g.dim() == k.dim())
+        gamma, to_end, gamma_end = _gate_terms(g, factors)
         gamma_q, gamma_k, k_to_end = q * gamma[..., read_positions(stride), :], k * gamma, k * to_end
     a = (kk * beta.unsqueeze(-1)).tril_(-1)
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
@@ -159,17 +168,17 @@ def _scan_backward(grad_out: Tensor, grad_final: Tensor, p: Tensor, gamma_q: Ten
     return grad_u, grad_next, grad_state
 
 
-def _pair_backward(saved: Saved, stride: int, grad_p: Tensor, grad_kk: Tensor
+def _pair_backward(saved: Saved, stride: int, grad_p: Tensor, grad_kk: Tensor, factors: Optional[ChunkFactors]
                    ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """Gradients of (q, k, g) through K K^T and Q K^T with their decays (:func:`_pair_terms`), from those of
     the two products (grad_kk strictly lower, grad_p (C / stride rows) unmasked); g's is None when not gated."""
     q, k, kk, p = saved[0], saved[1], saved[4], saved[5]
     g = saved[11] if len(saved) > 11 else None
     reads = read_positions(stride)
-    if g is not None and g.dim() == k.dim():
+    if g is not None and factors is not None:
         q_spread = spread_reads(q, stride)
         grad_rows = torch.stack([spread_reads(grad_p, stride).tril_(), grad_kk], dim=-3)
-        grad_x, (grad_k,) = decayed_products_backward_many((grad_rows,), (q_spread, k), (k,), g)
+        grad_x, (grad_k,) = decayed_products_backward_many((grad_rows,), (q_spread, k), (k,), g, factors)
         grad_q, grad_k_rows = grad_x.unbind(-3)
         # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column (q's zero rows
         # between the read positions add nothing).
@@ -205,10 +214,11 @@ def _backward(saved: Saved, stride: int, grad_out: Tensor, grad_final: Tensor
     """Gradients of (q, k, v, beta, g, initial state) from those of the outputs and the final state."""
     q, k, v, beta, kk, p, t, u_free, w, u, states = saved[:11]
     g = saved[11] if len(saved) > 11 else None
-    per_channel = g is not None and g.dim() == k.dim()
+    factors = _factors(g, k)
+    per_channel = factors is not None
     reads = read_positions(stride)
     if g is not None:
-        gamma, to_end, gamma_end = _gate_terms(g, per_channel)
+        gamma, to_end, gamma_end = _gate_terms(g, factors)
         gamma_read = gamma[..., reads, :]
         gamma_q, gamma_k, k_to_end = q * gamma_read, k * gamma, k * to_end
     else:
@@ -226,7 +236,7 @@ def _backward(saved: Saved, stride: int, grad_out: Tensor, grad_final: Tensor
     grad_a = torch.baddbmm(grad_a, _flat(grad_r_k), _flat(w).transpose(-1, -2)).view_as(t).tril_(-1).neg_()
     grad_beta = _row_dot(grad_r_v, v).add_(_row_dot(grad_r_k, gamma_k)).add_(_row_dot(grad_a, kk))
     grad_v, grad_gamma_k = grad_r_v.mul_(beta.unsqueeze(-1)), grad_r_k.mul_(beta.unsqueeze(-1))
-    grad_q, grad_k, grad_g = _pair_backward(saved, stride, grad_p, grad_a.mul_(beta.unsqueeze(-1)))
+    grad_q, grad_k, grad_g = _pair_backward(saved, stride, grad_p, grad_a.mul_(beta.unsqueeze(-1)), factors)
     if g is None:
         return grad_q.add_(grad_gamma_q), grad_k.add_(grad_gamma_k).add_(grad_k_to_end), grad_v, grad_beta, None, \
             grad_initial

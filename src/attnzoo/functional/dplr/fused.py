@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from .._autocast import outside_autocast
-from ..delta.channels import decayed_products_backward_many, decayed_products_many
+from ..delta.channels import ChunkFactors, chunk_factors, decay_factors, decayed_products_backward_many, \
+    decayed_products_many
 
 Saved = Tuple[Tensor, ...]
 
@@ -47,18 +48,21 @@ def _up(x: Tensor) -> Tensor:
     return out
 
 
-def _decays(g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """From g (Z, n, C, d_k), the inclusive cumulative log decay: exp(g), exp(g_{t-1}), exp(g_C - g) (each
-    (Z, n, C, d_k)) and exp(g_C) as a column (Z, n, d_k, 1) to scale a chunk's state. Every exponent <= 0."""
-    gamma = g.exp()
-    return gamma, _down(gamma).index_fill_(-2, g.new_zeros(1, dtype=torch.long), 1.0), \
-        (g[..., -1:, :] - g).exp(), gamma[..., -1, :].unsqueeze(-1)
+def _decays(factors: ChunkFactors) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """From the factors of g (Z, n, C, d_k), the inclusive cumulative log decay: exp(g), exp(g_{t-1}),
+    exp(g_C - g) (each (Z, n, C, d_k)) and exp(g_C) as a column (Z, n, d_k, 1) to scale a chunk's state. Every
+    exponent <= 0."""
+    g = factors.g
+    gamma, to_end = decay_factors(factors)
+    return gamma, _down(gamma).index_fill_(-2, g.new_zeros(1, dtype=torch.long), 1.0), to_end, \
+        g[..., -1, :].exp().unsqueeze(-1)
 
 
-def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
+def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, factors: ChunkFactors) -> Tuple[Tensor, Tensor]:
     """(products of the rows [q, a moved up] against k, against b, each (Z, n, 2, C, C)): [A_qk, A_ak moved up]
     and [A_qb, A_ab moved up], lower triangular with the diagonal."""
-    with_k, with_b = decayed_products_many((q, _up(a)), (k, b), g)  # the factors and scaled rows shared
+    # the factors and scaled rows shared
+    with_k, with_b = decayed_products_many((q, _up(a)), (k, b), factors.g, factors)
     return with_k, with_b
 
 
@@ -67,8 +71,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Tensor, s
     """Chunked inputs (Z, n, C, d), g the inclusive cumulative log decay, state (Z, d_k, d_v). Returns (out
     (Z, n, C, d_v), final state, what the backward needs)."""
     chunk = k.shape[-2]
-    gamma, gamma_prev, to_end, gamma_end = _decays(g)
-    with_k, with_b = _products(q, k, a, b, g)
+    factors = chunk_factors(g)
+    gamma, gamma_prev, to_end, gamma_end = _decays(factors)
+    with_k, with_b = _products(q, k, a, b, factors)
     a_qk, a_qb, a_ak, a_ab = with_k[..., 0, :, :], with_b[..., 0, :, :], _down(with_k[..., 1, :, :]), \
         _down(with_b[..., 1, :, :])
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
@@ -120,7 +125,7 @@ def _solve_backward(saved: Saved, grad_u: Tensor) -> Tuple[Tensor, Tensor, Tenso
     return grad_a_ak.tril_(-1), grad_a_ab.tril_(-1), a_ak.transpose(-1, -2) @ grad_r_v, grad_a_tilde
 
 
-def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor]
+def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor], factors: ChunkFactors
                        ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Through the four decayed products, from (dA_qk, dA_qb lower; dA_ak, dA_ab strictly lower): the
     gradients of (q, k, a, b, g)."""
@@ -129,7 +134,7 @@ def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor
     a_up = _up(a)
     grad_rows, (grad_k, grad_b) = decayed_products_backward_many(
         (torch.stack([grad_qk, _up(grad_ak)], dim=-3), torch.stack([grad_qb, _up(grad_ab)], dim=-3)), (q, a_up),
-        (k, b), g)
+        (k, b), g, factors)
     # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
     grad_g = (q * grad_rows[..., 0, :, :]).addcmul_(a_up, grad_rows[..., 1, :, :]).sub_(k * grad_k).sub_(b * grad_b)
     return grad_rows[..., 0, :, :], grad_k, _down(grad_rows[..., 1, :, :]), grad_b, grad_g
@@ -138,7 +143,8 @@ def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor
 def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor) -> Tuple[Tensor, ...]:
     """Gradients of (q, k, v, a, b, g, initial state) from those of the outputs and the final state."""
     q, k, v, a, b, g, a_qk, a_qb, a_ak, t, u_free, w, u, states = saved
-    gamma, gamma_prev, to_end, gamma_end = _decays(g)
+    factors = chunk_factors(g)
+    gamma, gamma_prev, to_end, gamma_end = _decays(factors)
     gamma_q, k_to_end, b_to_end = q * gamma, k * to_end, b * to_end
     grad_u, grad_next, grad_initial = _scan_backward(grad_out, grad_final, a_qb, gamma_q, b_to_end, w, gamma_end)
     grad_a_ak, grad_a_ab, grad_v, grad_a_tilde = _solve_backward(saved, grad_u)
@@ -148,7 +154,7 @@ def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor) -> Tuple[Tenso
     grad_b_to_end = u @ grad_next.transpose(-1, -2)
     products = (grad_out @ v.transpose(-1, -2), grad_out @ u.transpose(-1, -2), grad_a_ak, grad_a_ab)
     grad_q, grad_k, grad_a, grad_b, grad_g = _products_backward(saved, (products[0].tril_(), products[1].tril_(),
-                                                                        products[2], products[3]))
+                                                                        products[2], products[3]), factors)
     grad_q.addcmul_(grad_gamma_q, gamma)
     grad_k.addcmul_(grad_k_to_end, to_end)
     grad_b.addcmul_(grad_b_to_end, to_end)
