@@ -52,6 +52,7 @@ from ..functional.delta import (
     delta_rule_unchecked,
 )
 from ..functional.gated import key_gate_logits
+from ..functional.norms import unit_rows
 from ..functional.short_convolution import (
     short_conv_reference,
     short_conv_state_unchecked,
@@ -129,8 +130,8 @@ class _DeltaRuleMechanism(Mechanism):
         if self.conv_size:
             q, k, v = (convolve(name, x.to(dtype).transpose(1, 2), weight, key_padding_mask).transpose(1, 2)
                        for name, x, weight in zip(_CONVOLVED, (q, k, v), self._conv_weights()))
-        k, v = self.written_keys_values(F.normalize(k, dim=-1), v, key_padding_mask)
-        return F.normalize(q, dim=-1), k, v, beta, log_decay
+        k, v = self.written_keys_values(unit_rows(k), v, key_padding_mask)
+        return unit_rows(q), k, v, beta, log_decay
 
     @staticmethod
     def _fast_conv(name: str, x: Tensor, weight: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
@@ -447,7 +448,7 @@ class DeltaProductAttention(_GatedDeltaRuleMechanism):
         if key_padding_mask is not None:  # a NaN there would reach U_j's gradient (0 * NaN)
             v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
         v = v.to(unit_k.dtype)
-        keys = F.normalize(torch.einsum("bhnd,hjed->bhnje", unit_k, self.key_maps.to(unit_k.dtype)), dim=-1)
+        keys = unit_rows(torch.einsum("bhnd,hjed->bhnje", unit_k, self.key_maps.to(unit_k.dtype)))
         values = torch.einsum("bhnd,hjed->bhnje", v, self.value_maps.to(v.dtype))
         return torch.cat([unit_k.unsqueeze(3), keys], dim=3), torch.cat([v.unsqueeze(3), values], dim=3)
 

@@ -11,7 +11,6 @@ import math
 from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._dtypes import working_dtype
@@ -27,6 +26,7 @@ from ..feature_maps import (
 )
 from ..functional.gated import key_gate_logits, rfa_gates
 from ..functional.grouped import grouped_query_attention, grouped_rows, per_query_group, ungrouped_rows
+from ..functional.norms import unit_rows
 from ..functional.shrinkage import shrunk_kernel_attention_reference, shrunk_kernel_attention_unchecked
 from ..functional.state_scan import LinearTerms
 from ..functional.linear import (
@@ -534,7 +534,7 @@ class RandomFeatureAttention(_RandomFeatureMechanism):
     def _unit(self, x: Tensor) -> Tensor:
         dtype = working_dtype(x.dtype)
         scale = torch.exp(0.5 * self.log_sharpness).to(dtype).view(1, -1, 1, 1)
-        return F.normalize(x.to(dtype), dim=-1) * scale
+        return unit_rows(x.to(dtype)) * scale
 
     def features(
         self, q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], cross: bool = False

@@ -8,10 +8,10 @@ import math
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import without_autocast
+from ..norms import unit_rows
 
 DECAY_CEILING = math.exp(-0.5)
 """RWKV-7's ``w = exp(-exp(-0.5) sigmoid(z))``: every step keeps at least exp(-0.607) = 0.545 of a channel."""
@@ -49,7 +49,7 @@ def rwkv7_vectors(
     """
     log_decay = -DECAY_CEILING * torch.sigmoid(low_rank_map(k, *decay_maps, squash=True))
     alpha = torch.sigmoid(low_rank_map(k, *rate_maps, squash=False))
-    kappa = F.normalize(k * removal_scale.to(k.dtype)[:, None, :], dim=-1)
+    kappa = unit_rows(k * removal_scale.to(k.dtype)[:, None, :])
     replacement = k * (1 + (alpha - 1) * replacement_mix.to(k.dtype)[:, None, :])
     return replacement, -kappa, kappa * alpha, log_decay
 
