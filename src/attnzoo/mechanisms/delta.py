@@ -350,10 +350,12 @@ class KimiDeltaAttention(_DeltaRuleMechanism):
         """(B, H, N, head_dim) log decay per key channel from the (masked, raw) keys."""
         dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
         down, up = self.gate_down.to(dtype), self.gate_up.to(dtype)
-        logits = torch.einsum("bhnr,hrd->bhnd", torch.einsum("bhnd,hdr->bhnr", k.to(dtype), down), up)
         # softplus(z) written as -logsigmoid(-z), as in gated_delta (softplus's backward fails under
-        # torch.compile's AOTAutograd for gates computed from permuted keys).
-        minus_step = F.logsigmoid(-(logits + self.dt_bias.to(dtype).unsqueeze(1)))
+        # torch.compile's AOTAutograd for gates computed from permuted keys). -z is formed directly, the up map
+        # and dt_bias negated (small tensors) and added in place: the same numbers, as a negation is exact, with
+        # no pass over the (B, H, N, d) logits to negate them nor their gradient.
+        minus_logits = torch.einsum("bhnr,hrd->bhnd", torch.einsum("bhnd,hdr->bhnr", k.to(dtype), down), -up)
+        minus_step = F.logsigmoid(minus_logits.add_(-self.dt_bias.to(dtype).unsqueeze(1)))
         return self.A_log.to(dtype).exp()[:, None, None] * minus_step
 
     def extra_repr(self) -> str:
