@@ -136,7 +136,8 @@ def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor
         (torch.stack([grad_qk, _up(grad_ak)], dim=-3), torch.stack([grad_qb, _up(grad_ab)], dim=-3)), (q, a_up),
         (k, b), g, factors)
     # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
-    grad_g = (q * grad_rows[..., 0, :, :]).addcmul_(a_up, grad_rows[..., 1, :, :]).sub_(k * grad_k).sub_(b * grad_b)
+    grad_g = (q * grad_rows[..., 0, :, :]).addcmul_(a_up, grad_rows[..., 1, :, :]).addcmul_(k, grad_k, value=-1.0) \
+        .addcmul_(b, grad_b, value=-1.0)
     return grad_rows[..., 0, :, :], grad_k, _down(grad_rows[..., 1, :, :]), grad_b, grad_g
 
 
@@ -161,8 +162,9 @@ def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor) -> Tuple[Tenso
     grad_a.addcmul_(grad_a_tilde, gamma_prev)
     # d/dg through exp(g_t) (q rows), exp(g_{t-1}) (a rows, the gradient moved up to position t - 1),
     # exp(g_C - g_t) (k and b rows) and exp(g_C) (the carried state).
-    grad_g.addcmul_(grad_gamma_q, gamma_q).add_(_up(grad_a_tilde * a * gamma_prev))
-    through_to_end = grad_k_to_end * k_to_end + grad_b_to_end * b_to_end
+    grad_g.addcmul_(grad_gamma_q, gamma_q)
+    grad_g[..., :-1, :].addcmul_(grad_a_tilde[..., 1:, :] * a[..., 1:, :], gamma_prev[..., 1:, :])  # moved up
+    through_to_end = torch.mul(grad_k_to_end, k_to_end).addcmul_(grad_b_to_end, b_to_end)
     grad_g.sub_(through_to_end)
     grad_g[..., -1, :] += through_to_end.sum(-2) + (states * grad_next).sum(-1) * gamma_end.squeeze(-1)
     return grad_q, grad_k, grad_v, grad_a, grad_b, grad_g, grad_initial
