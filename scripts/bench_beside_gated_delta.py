@@ -59,8 +59,9 @@ def _measure(args: argparse.Namespace) -> List[dict]:
                 wall[name].append(time.perf_counter() - start_wall)
                 cpu[name].append(time.thread_time() - start_cpu)
     base = statistics.median(cpu["gated_delta"])
-    return [{"row": name, "wall_ms": 1000 * statistics.median(wall[name]), "cpu_ms": 1000 * statistics.median(cpu[name]),
-             "cpu_vs_gated_delta": statistics.median(cpu[name]) / base} for name in rows]
+    return [{"row": name, "wall_ms": 1000 * statistics.median(wall[name]),
+             "cpu_ms": 1000 * statistics.median(cpu[name]), "cpu_vs_gated_delta": statistics.median(cpu[name]) / base}
+            for name in rows]
 
 
 def main() -> None:

@@ -16,8 +16,9 @@ update n_h times), and ``n_h = 1`` is the gated delta rule itself.
 
 ``log_decay`` None: no decay (DeltaProduct without the gate). A log decay per key channel, (B, H, N, d_k),
 decays each key channel's row of the state, ``S_{t,0} = Diag(a_t) S_{t-1}`` (Kimi Delta Attention's decay with
-n_h steps): the shared core takes it at any stride, though no mechanism here uses it. Non-causal (``causal=False``): every query reads
-the state after the whole sequence, as the delta rule's non-causal form does.
+n_h steps): the shared core takes it at any stride, though no mechanism here uses it. Non-causal
+(``causal=False``): every query reads the state after the whole sequence, as the delta rule's non-causal form
+does.
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def delta_product_step_unchecked(
 ) -> Tuple[Tensor, Tensor]:
     """One position on checked arguments: q_t (B, H, 1, d_k), k_t (B, H, 1, n_h, d_k), v_t (B, H, 1, n_h, d_v),
     beta_t (B, H, 1, n_h), log_decay_t (B, H, 1), (B, H, 1, d_k) per key channel, or None, state (B, H, d_k,
-    d_v) or None for zeros. The delta rule's update n_h times, the decay with the first. Returns (out_t (B, H, 1, d_v) in q_t's dtype, the
-    new state in the working dtype)."""
+    d_v) or None for zeros. The delta rule's update n_h times, the decay with the first. Returns (out_t
+    (B, H, 1, d_v) in q_t's dtype, the new state in the working dtype)."""
     scale = resolve_scale(scale, q_t.shape[3])
     k_steps, v_steps, beta_steps, decay_steps, _ = interleaved(k_t, v_t, beta_t, log_decay_t, None)
     q, k, v, beta, log_decay = prepared(q_t, k_steps, v_steps, beta_steps, decay_steps, None, scale)

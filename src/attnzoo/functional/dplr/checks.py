@@ -1,4 +1,5 @@
-"""Argument checks and input preparation shared by every form of the DPLR delta rule (:mod:`attnzoo.functional.dplr`)."""
+"""Argument checks and input preparation shared by every form of the DPLR delta rule
+(:mod:`attnzoo.functional.dplr`)."""
 
 from __future__ import annotations
 

@@ -29,13 +29,15 @@ Numerics. The decay is per channel, so ``A_xy`` is not a plain product ``X Y^T``
 ``(x_t exp(g'_t - r)) . (y_j exp(r - g_j))`` about some reference ``r``. With one reference per chunk one of the
 factors is ``exp`` of a positive number as large as the chunk's whole decay: it overflows (inf, then NaN
 through ``0 * inf`` in the masked entries and their gradients) once a channel decays by more than ~e^-88 over
-a chunk in float32, which a strongly forgetting channel reaches within a few positions. So the lower triangle
-is cut hierarchically (:func:`_chunk_products`): the block of the second half's rows against the first half's
-columns of every 2m-block uses as reference ``g`` at the last column of that block, which lies between every
-row and every column, so both factors are ``exp`` of a number <= 0, and the recursion then splits each half.
-Every factor in this module is ``exp`` of a difference <= 0 (``exp(g_t)``, ``exp(g_C - g_j)`` too), so the
-form is exact to rounding for any decays, however strong. Cost: O(N C d log C) elementwise beside the
-O(N C d + N d^2) of the products, O(N C + (N / C) d^2) memory.
+a chunk in float32, which a strongly forgetting channel reaches within a few positions. So the products come
+from :mod:`..delta.channels`, shared with Kimi Delta Attention: one reference per block at the middle of its
+range where the decay spans less than the dtype allows, and where it spans more the block split in halves, the
+pairs across the split taking the split as reference (both factors ``exp`` of a number <= 0), each half a block
+again. ``A_ak`` and ``A_ab``, whose rows read the exclusive ``g_{t-1}``, are the products of the rows ``a_{s+1}``
+at ``g_s``, moved down one row. The other factors here are ``exp`` of a difference <= 0 (``exp(g_t)``,
+``exp(g_C - g_j)``), so the form is exact to rounding for any decays, however strong. Cost: O(N C d) elementwise
+where the decay is gentle, up to O(N C d log C) where every block splits, beside the O(N C d + N d^2) of the
+products; O(N C + (N / C) d^2) memory.
 
 Non-causal (``causal=False``): every query reads the state after the whole sequence, ``o_i = S_N^T q_i``.
 """
@@ -50,8 +52,9 @@ from torch import Tensor
 
 from .._autocast import without_autocast
 
+from ..delta.channels import DecayedProducts
 from .checks import check_call, check_chunk_size, prepared, resolve_scale
-from .fused import ChunkedDPLR
+from .fused import ChunkedDPLR, rows_down, rows_up
 
 DEFAULT_CHUNK_SIZE = 32
 """Chunk length of the parallel form (a power of two: the within-chunk products halve it level by level). At
@@ -65,57 +68,16 @@ def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1, chunk, x.shape[-1])
 
 
-def _halves(x: Tensor, m: int) -> Tuple[Tensor, Tensor]:
-    """(..., C, d) -> the first and second halves of every block of 2m positions, each (..., C / 2m, m, d)."""
-    blocks = x.reshape(*x.shape[:-2], -1, 2, m, x.shape[-1])
-    return blocks[..., 0, :, :], blocks[..., 1, :, :]
-
-
-def _layout(chunk: int, device: torch.device) -> Tensor:
-    """Where each entry of the four (C, C) products, in (row type, column type, t, j) order, sits in the
-    concatenation that :func:`_chunk_products` makes: [the diagonal (C, 2 column types), then per level m = 1, 2,
-    ..., C / 2 its corners (C / 2m, 2 row types, m, 2 column types, m), from offset 2 C m, then one zero at
-    2 C^2]. Entry (t, j), t > j, lies in the level where t and j fall into the two halves of one 2m-block: m is
-    the highest bit of t XOR j. Integer tensor maths, so that traced and compiled graphs hold it as it is."""
-    t = torch.arange(chunk, device=device)[:, None]
-    j = torch.arange(chunk, device=device)[None, :]
-    differ = torch.bitwise_xor(t, j)
-    m = torch.ones_like(differ)
-    level = 2
-    while level < chunk:
-        m = torch.where(differ >= level, level, m)
-        level *= 2
-    zero = 2 * chunk * chunk
-    types = torch.arange(2, device=device)
-    row_type, column_type = types[:, None, None, None], types[None, :, None, None]
-    corner = 2 * chunk * m + (((t // (2 * m) * 2 + row_type) * m + t % m) * 2 + column_type) * m + j % m
-    diagonal = torch.where(row_type == 0, 2 * t + column_type, zero)
-    return torch.where(t > j, corner, torch.where(t == j, diagonal, zero)).flatten()
-
-
-def _chunk_products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor, g_prev: Tensor) -> Tensor:
-    """The four decayed products of a chunk, (..., 2, 2, C, C) = [[A_qk, A_qb], [A_ak, A_ab]] (module docstring):
-    A_qk and A_qb lower triangular with the diagonal, A_ak and A_ab strictly lower. Inputs (..., C, d), C a power
-    of two; g and g_prev the inclusive and exclusive cumulative log decays from the chunk's start.
-
-    Each level's corners are one batched product; one gather then lays every entry out (its backward one
-    scatter), instead of copying the growing blocks level after level."""
-    chunk = k.shape[-2]
-    lead = k.shape[:-2]
-    # Blocks of one position: exp(g_t - g_t) = 1 on the diagonal of A_qk and A_qb, nothing in A_ak and A_ab.
-    parts = [torch.stack([(q * k).sum(-1), (q * b).sum(-1)], dim=-1).flatten(-2)]
-    m = 1
-    while m < chunk:
-        g_first, g_second = _halves(g, m)
-        reference = g_first[..., -1:, :]  # g at the first half's last position: between every row and column
-        rows = torch.cat([_halves(q, m)[1] * (g_second - reference).exp(),
-                          _halves(a, m)[1] * (_halves(g_prev, m)[1] - reference).exp()], dim=-2)
-        to_reference = (reference - g_first).exp()
-        columns = torch.cat([_halves(k, m)[0] * to_reference, _halves(b, m)[0] * to_reference], dim=-2)
-        parts.append((rows @ columns.transpose(-1, -2)).flatten(-3))
-        m *= 2
-    parts.append(k.new_zeros(*lead, 1))
-    return torch.cat(parts, dim=-1).index_select(-1, _layout(chunk, k.device)).view(*lead, 2, 2, chunk, chunk)
+def _chunk_products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four decayed products of a chunk (module docstring), each (..., C, C): A_qk and A_qb lower triangular
+    with the diagonal, A_ak and A_ab strictly lower; g the inclusive cumulative log decay from the chunk's start.
+    The rows of A_ak and A_ab read the exclusive ``g_{t-1}``: they are the products of the rows ``a_{s+1}`` at
+    ``g_s``, moved down one row, so :class:`..delta.channels.DecayedProducts` serves all four, as in the fused
+    form."""
+    rows = torch.stack([q, rows_up(a)], dim=-3)
+    with_k, with_b = DecayedProducts.apply(rows, k, g), DecayedProducts.apply(rows, b, g)
+    return (with_k[..., 0, :, :], with_b[..., 0, :, :], rows_down(with_k[..., 1, :, :]),
+            rows_down(with_b[..., 1, :, :]))
 
 
 def _chunk_terms(
@@ -126,9 +88,7 @@ def _chunk_terms(
     batched over chunks."""
     g = log_decay.cumsum(-2)
     g_prev = F.pad(g[..., :-1, :], (0, 0, 1, 0))  # exactly the previous position's g: 0 before the first
-    products = _chunk_products(q, k, a, b, g, g_prev)
-    a_qk, a_qb, a_ak, a_ab = products[..., 0, 0, :, :], products[..., 0, 1, :, :], products[..., 1, 0, :, :], \
-        products[..., 1, 1, :, :]
+    a_qk, a_qb, a_ak, a_ab = _chunk_products(q, k, a, b, g)
     g_end = g[..., -1:, :]
     to_end = (g_end - g).exp()
     # unitriangular: the (zero) diagonal of -A_ab is read as ones, so this solves (I - A_ab) X = R.

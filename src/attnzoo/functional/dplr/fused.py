@@ -31,7 +31,7 @@ from ..delta.channels import ChunkFactors, chunk_factors, decay_factors, decayed
 Saved = Tuple[Tensor, ...]
 
 
-def _down(x: Tensor) -> Tensor:
+def rows_down(x: Tensor) -> Tensor:
     """Rows moved down one position along C (the first row zero): row t takes row t - 1. (Written into an
     empty tensor, not padded: a pad fills the whole output with zeros first.)"""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -40,7 +40,7 @@ def _down(x: Tensor) -> Tensor:
     return out
 
 
-def _up(x: Tensor) -> Tensor:
+def rows_up(x: Tensor) -> Tensor:
     """Rows moved up one position along C (the last row zero): row s takes row s + 1."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     out[..., :-1, :] = x[..., 1:, :]
@@ -54,7 +54,7 @@ def _decays(factors: ChunkFactors) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     exponent <= 0."""
     g = factors.g
     gamma, to_end = decay_factors(factors)
-    return gamma, _down(gamma).index_fill_(-2, g.new_zeros(1, dtype=torch.long), 1.0), to_end, \
+    return gamma, rows_down(gamma).index_fill_(-2, g.new_zeros(1, dtype=torch.long), 1.0), to_end, \
         g[..., -1, :].exp().unsqueeze(-1)
 
 
@@ -62,7 +62,7 @@ def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, factors: ChunkFactors)
     """(products of the rows [q, a moved up] against k, against b, each (Z, n, 2, C, C)): [A_qk, A_ak moved up]
     and [A_qb, A_ab moved up], lower triangular with the diagonal."""
     # the factors and scaled rows shared
-    with_k, with_b = decayed_products_many((q, _up(a)), (k, b), factors.g, factors)
+    with_k, with_b = decayed_products_many((q, rows_up(a)), (k, b), factors.g, factors)
     return with_k, with_b
 
 
@@ -74,8 +74,8 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Tensor, s
     factors = chunk_factors(g)
     gamma, gamma_prev, to_end, gamma_end = _decays(factors)
     with_k, with_b = _products(q, k, a, b, factors)
-    a_qk, a_qb, a_ak, a_ab = with_k[..., 0, :, :], with_b[..., 0, :, :], _down(with_k[..., 1, :, :]), \
-        _down(with_b[..., 1, :, :])
+    a_qk, a_qb, a_ak, a_ab = with_k[..., 0, :, :], with_b[..., 0, :, :], rows_down(with_k[..., 1, :, :]), \
+        rows_down(with_b[..., 1, :, :])
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
     # unitriangular: the (zero) diagonal of -A_ab is read as ones, so this is (I - A_ab)^{-1}.
     t = torch.linalg.solve_triangular(a_ab.neg(), eye.expand_as(a_ab), upper=False, unitriangular=True)
@@ -131,14 +131,14 @@ def _products_backward(saved: Saved, grads: Tuple[Tensor, Tensor, Tensor, Tensor
     gradients of (q, k, a, b, g)."""
     q, k, a, b, g = saved[0], saved[1], saved[3], saved[4], saved[5]
     grad_qk, grad_qb, grad_ak, grad_ab = grads
-    a_up = _up(a)
+    a_up = rows_up(a)
     grad_rows, (grad_k, grad_b) = decayed_products_backward_many(
-        (torch.stack([grad_qk, _up(grad_ak)], dim=-3), torch.stack([grad_qb, _up(grad_ab)], dim=-3)), (q, a_up),
-        (k, b), g, factors)
+        (torch.stack([grad_qk, rows_up(grad_ak)], dim=-3), torch.stack([grad_qb, rows_up(grad_ab)], dim=-3)),
+        (q, a_up), (k, b), g, factors)
     # d/dg of sum_c x_tc y_jc exp(g_tc - g_jc): x * dx at the row, - y * dy at the column.
     grad_g = (q * grad_rows[..., 0, :, :]).addcmul_(a_up, grad_rows[..., 1, :, :]).addcmul_(k, grad_k, value=-1.0) \
         .addcmul_(b, grad_b, value=-1.0)
-    return grad_rows[..., 0, :, :], grad_k, _down(grad_rows[..., 1, :, :]), grad_b, grad_g
+    return grad_rows[..., 0, :, :], grad_k, rows_down(grad_rows[..., 1, :, :]), grad_b, grad_g
 
 
 def _backward(saved: Saved, grad_out: Tensor, grad_final: Tensor) -> Tuple[Tensor, ...]:
@@ -192,4 +192,4 @@ class ChunkedDPLR(torch.autograd.Function):
         return _backward(ctx.saved_tensors, grad_out.contiguous(), grad_final)
 
 
-__all__ = ["ChunkedDPLR"]
+__all__ = ["ChunkedDPLR", "rows_down", "rows_up"]
