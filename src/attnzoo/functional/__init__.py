@@ -9,7 +9,7 @@ so inputs are checked once, at the entry point (the conformance suite holds ever
 
 from .features import elu_plus_one, exp_features, relu_features
 from .masks import allowed_mask, causal_allowed
-from .norms import rms_norm
+from .norms import rms_norm, unit_rows
 from .grouped import grouped_query_attention, per_query_group, repeat_kv
 from .softmax import softmax_attention, softmax_attention_reference, softmax_attention_unchecked
 from .linear import (
