@@ -44,10 +44,9 @@ def _rows(args: argparse.Namespace) -> Dict[str, torch.nn.Module]:
     return rows
 
 
-def _measure(args: argparse.Namespace) -> List[dict]:
+def _measure(args: argparse.Namespace, rows: Dict[str, torch.nn.Module]) -> List[dict]:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(args.batch, args.heads, args.length, args.head_dim, generator=g) for _ in range(3))
-    rows = _rows(args)
     wall: Dict[str, List[float]] = {name: [] for name in rows}
     cpu: Dict[str, List[float]] = {name: [] for name in rows}
     for round_ in range(args.rounds + 1):
@@ -81,14 +80,14 @@ def main() -> None:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     try:
-        _rows(args)  # a bad --rows fails here, before anything is timed
+        rows = _rows(args)
     except (TypeError, ValueError) as error:
         parser.error(str(error))
     torch.set_num_threads(args.threads)
     if args.allocator == "keep" and not keep_freed_memory():
         parser.error("--allocator keep needs glibc's mallopt, which this platform lacks")
     load = os.getloadavg()[0]
-    results = _measure(args)
+    results = _measure(args, rows)
     print(f"N={args.length} batch={args.batch} heads={args.heads} head_dim={args.head_dim} threads={args.threads} "
           f"rounds={args.rounds} (medians) allocator={args.allocator} load average={load:.1f}; causal "
           f"forward+backward, float32")
