@@ -298,8 +298,9 @@ def decay_factors(factors: ChunkFactors) -> Tuple[Tensor, Tensor]:
     """``exp(g)`` and ``exp(g_C - g)`` (..., C, d), the decays from each chunk's start and to its end, which the
     chunked rules scale their rows by. In a chunk that has single-reference factors they are those times a
     vector per chunk (``exp(r)``, ``exp(g_C - r)``), one product each instead of an ``exp``; the other chunks take
-    the ``exp`` itself. Every exponent is <= 0 either way; where ``exp(r)`` underflows the true value is below
-    ``exp(r + log(max) / 2)``, far under the dtype's resolution of the sums it enters."""
+    the ``exp`` itself. Every exponent is <= 0 either way. Where ``exp(r)`` falls below the dtype's normal range
+    (r < -87 in float32) the product keeps fewer bits or none, but the true value is then below
+    ``exp(r + log(max) / 2)`` (e^-43 in float32), far under the resolution of the sums it enters."""
     g = factors.g
     if factors.rows is None or factors.columns is None or factors.split is None:
         return g.exp(), (g[..., -1:, :] - g).exp()
