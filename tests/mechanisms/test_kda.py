@@ -183,6 +183,30 @@ def test_decayed_products_mix_both_forms_by_chunk(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_reference_holds_up_to_the_bound(dtype):
+    """A chunk whose decay spans just under the bound (log(max) of the dtype: factors up to e^44 in float32)
+    takes one reference and still equals the definition, forward and backward; just over it, it splits."""
+    g = torch.Generator().manual_seed(7)
+    bound = math.log(torch.finfo(dtype).max)
+    x = torch.randn(2, 2, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, 16, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    falls = torch.rand(2, 16, 5, generator=g, dtype=torch.float64).cumsum(1)
+    falls = (falls - falls[:, :1]) / (falls[:, -1:] - falls[:, :1])  # 0 at the first position, 1 at the last
+    spans = torch.tensor([0.97 * bound, 1.03 * bound], dtype=torch.float64).view(2, 1, 1)
+    cumulative = -spans * falls - 0.5  # every channel falls by exactly its chunk's span
+    assert channels.chunk_factors(cumulative.to(dtype)).split.tolist() == [1]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, y)]
+    out = DecayedProducts.apply(leaves[0], leaves[1], cumulative.to(dtype))
+    expected = _products_by_definition(x, y, cumulative)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=0, atol=tolerance)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).tril()
+    out.backward(grad.to(dtype))
+    for leaf, want in zip(leaves, torch.autograd.grad(expected, [x, y], grad)):
+        torch.testing.assert_close(leaf.grad.double(), want, rtol=0, atol=10 * tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_decay_factors_from_the_single_reference_equal_the_exponentials(dtype):
     """exp(g) and exp(g_C - g) taken from the single-reference factors (gentle chunks) and by exp itself (strong
     chunks, and every chunk of a traced graph) equal the exponentials, relative to each value."""
