@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
+from ..exp_floor import exp_nonpositive, exp_nonpositive_
 
 
 def _log_max(dtype: torch.dtype) -> float:
@@ -142,7 +143,7 @@ def _boundary_factors(g: Tensor) -> Tuple[Tensor, Tensor]:
     first half's columns, r the log decay at the first half's last position; both (L, C/2, d), both <= 1."""
     half = g.shape[1] // 2
     reference = g[:, half - 1:half, :]
-    return (g[:, half:, :] - reference).exp_(), (reference - g[:, :half, :]).exp_()
+    return exp_nonpositive_(g[:, half:, :] - reference), exp_nonpositive_(reference - g[:, :half, :])
 
 
 def _split_products(x: Tensor, ys: Sequence[Tensor], g: Tensor, adaptive: bool) -> List[Tensor]:
@@ -303,15 +304,15 @@ def decay_factors(factors: ChunkFactors) -> Tuple[Tensor, Tensor]:
     ``exp(r + log(max) / 2)`` (e^-43 in float32), far under the resolution of the sums it enters."""
     g = factors.g
     if factors.rows is None or factors.columns is None or factors.split is None:
-        return g.exp(), (g[..., -1:, :] - g).exp()
+        return exp_nonpositive(g), exp_nonpositive_(g[..., -1:, :] - g)
     gf = g.reshape(factors.rows.shape)
     middle = 0.5 * (gf[..., :1, :] + gf[..., -1:, :])
     from_start = factors.rows * middle.exp()
     to_end = factors.columns * (gf[..., -1:, :] - middle).exp()
     if factors.split.numel():
         strong = gf.index_select(0, factors.split)
-        from_start.index_copy_(0, factors.split, strong.exp())
-        to_end.index_copy_(0, factors.split, (strong[..., -1:, :] - strong).exp())
+        from_start.index_copy_(0, factors.split, exp_nonpositive(strong))
+        to_end.index_copy_(0, factors.split, exp_nonpositive_(strong[..., -1:, :] - strong))
     return from_start.view_as(g), to_end.view_as(g)
 
 

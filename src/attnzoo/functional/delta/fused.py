@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._autocast import outside_autocast
+from ..exp_floor import exp_floor, exp_nonpositive, exp_nonpositive_
 from .channels import ChunkFactors, chunk_factors, decay_factors, decayed_products_backward_many, decayed_products_many
 
 Saved = Tuple[Tensor, ...]
@@ -53,8 +54,8 @@ def _gate_terms(g: Tensor, factors: Optional[ChunkFactors]) -> Tuple[Tensor, Ten
     (Z, n, d_k, 1) to scale a chunk's (d_k, d_v) state."""
     if factors is None:
         g = g.unsqueeze(-1)
-        return g.exp(), (g[..., -1:, :] - g).exp(), g[..., -1, :].exp().unsqueeze(-1)
-    return (*decay_factors(factors), g[..., -1, :].exp().unsqueeze(-1))
+        return exp_nonpositive(g), exp_nonpositive_(g[..., -1:, :] - g), exp_nonpositive(g[..., -1, :]).unsqueeze(-1)
+    return (*decay_factors(factors), exp_nonpositive(g[..., -1, :]).unsqueeze(-1))
 
 
 def _factors(g: Optional[Tensor], k: Tensor) -> Optional[ChunkFactors]:
@@ -63,11 +64,11 @@ def _factors(g: Optional[Tensor], k: Tensor) -> Optional[ChunkFactors]:
 
 
 def _within(g: Tensor) -> Tensor:
-    """Gamma (Z, n, C, C) = exp(g_t - g_j) on and below the diagonal, 0 above. Every exponent is a difference
-    <= 0 (masked before exp), so nothing overflows however strong the decay."""
-    chunk = g.shape[-1]
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).triu(1)
-    return (g.unsqueeze(-1) - g.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    """Gamma (Z, n, C, C) = exp(g_t - g_j) on and below the diagonal, 0 above. Every exponent is clamped into
+    [floor, 0] before exp (the entries above the diagonal, whose differences are >= 0, are then 1 until the mask
+    zeroes them), so nothing overflows however strong the decay, and nothing takes exp's slow subnormal path
+    (:mod:`..exp_floor`)."""
+    return (g.unsqueeze(-1) - g.unsqueeze(-2)).clamp_(exp_floor(g.dtype), 0.0).exp_().tril_()
 
 
 def read_positions(stride: int) -> slice:

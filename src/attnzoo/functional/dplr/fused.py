@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .._autocast import outside_autocast
+from ..exp_floor import exp_nonpositive
 from ..delta.channels import ChunkFactors, chunk_factors, decay_factors, decayed_products_backward_many, \
     decayed_products_many
 
@@ -55,7 +56,7 @@ def _decays(factors: ChunkFactors) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     g = factors.g
     gamma, to_end = decay_factors(factors)
     return gamma, rows_down(gamma).index_fill_(-2, g.new_zeros(1, dtype=torch.long), 1.0), to_end, \
-        g[..., -1, :].exp().unsqueeze(-1)
+        exp_nonpositive(g[..., -1, :]).unsqueeze(-1)
 
 
 def _products(q: Tensor, k: Tensor, a: Tensor, b: Tensor, factors: ChunkFactors) -> Tuple[Tensor, Tensor]:
