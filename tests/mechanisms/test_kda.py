@@ -170,15 +170,19 @@ def test_decayed_products_mix_both_forms_by_chunk(dtype):
     split = channels.chunk_factors(cumulative.to(dtype)).split
     strong = {2, 4} if dtype == torch.float32 else {2}
     assert split is not None and set(split.tolist()) == strong
+    _check_products_against_definition(x, y, cumulative, dtype, g)
+
+
+def _check_products_against_definition(x, y, cumulative, dtype, generator):
+    """DecayedProducts in ``dtype`` equals the float64 definition, forward and backward (x, y float64 leaves)."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (x, y)]
     out = DecayedProducts.apply(leaves[0], leaves[1], cumulative.to(dtype))
     expected = _products_by_definition(x, y, cumulative)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(out.double(), expected.detach(), rtol=0, atol=tolerance)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).tril()
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).tril()
     out.backward(grad.to(dtype))
-    expected_grads = torch.autograd.grad(expected, [x, y], grad)
-    for leaf, want in zip(leaves, expected_grads):
+    for leaf, want in zip(leaves, torch.autograd.grad(expected, [x, y], grad)):
         torch.testing.assert_close(leaf.grad.double(), want, rtol=0, atol=10 * tolerance)
 
 
@@ -195,15 +199,7 @@ def test_one_reference_holds_up_to_the_bound(dtype):
     spans = torch.tensor([0.97 * bound, 1.03 * bound], dtype=torch.float64).view(2, 1, 1)
     cumulative = -spans * falls - 0.5  # every channel falls by exactly its chunk's span
     assert channels.chunk_factors(cumulative.to(dtype)).split.tolist() == [1]
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, y)]
-    out = DecayedProducts.apply(leaves[0], leaves[1], cumulative.to(dtype))
-    expected = _products_by_definition(x, y, cumulative)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(out.double(), expected.detach(), rtol=0, atol=tolerance)
-    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).tril()
-    out.backward(grad.to(dtype))
-    for leaf, want in zip(leaves, torch.autograd.grad(expected, [x, y], grad)):
-        torch.testing.assert_close(leaf.grad.double(), want, rtol=0, atol=10 * tolerance)
+    _check_products_against_definition(x, y, cumulative, dtype, g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
