@@ -14,8 +14,9 @@ time (the steadier of the two on a shared machine).
 
 ``--allocator keep`` (the default) runs with :func:`attnzoo._malloc.keep_freed_memory`, as ``attnzoo train``
 does: every tensor comes from the heap and freed memory is reused by the next round. ``--allocator default``
-leaves glibc as it is, which maps every tensor above its threshold afresh and faults its pages in again on
-every call: the mechanisms that allocate more large temporaries pay more for that.
+leaves glibc as it is, which maps a large tensor afresh and faults its pages in again depending on what was
+freed before (a block of 32 MiB or more unless the heap holds a free chunk that large): the mechanisms that
+allocate more large temporaries pay more for that, by an amount that varies from run to run.
 """
 
 from __future__ import annotations
