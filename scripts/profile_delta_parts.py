@@ -1,12 +1,13 @@
 """Where the delta family's time goes: the chunked cores and the mechanisms' input maps, forward+backward, each
 timed alone (docs/kda.md and docs/rwkv7.md, "Speed").
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/profile_delta_parts.py --rounds 7
+    OMP_NUM_THREADS=1 PYTHONPATH=src python scripts/profile_delta_parts.py --rounds 7 [--chunk 16]
 
 Rows, all at N tokens (default 16384), 4 heads, head dim 64, float32, one thread, with the allocator setting of
-``attnzoo train`` (``keep_freed_memory()``):
+``attnzoo train`` (``keep_freed_memory()``), the cores on chunks of ``--chunk`` positions (default 32, the
+mechanisms' default):
 
-* ``core: scalar decay``: :class:`ChunkedDeltaRule` (the causal core of ``gated_delta``) on chunks of 32;
+* ``core: scalar decay``: :class:`ChunkedDeltaRule` (the causal core of ``gated_delta``);
 * ``core: per-channel decay, gentle``: the same core with a decay per key channel whose every chunk takes one
   reference (``kda``'s core);
 * ``core: per-channel decay, a quarter strong``: one head of four decaying fast enough that its chunks split
@@ -34,12 +35,13 @@ from attnzoo.functional.dplr.fused import ChunkedDPLR
 from attnzoo.functional.dplr.rwkv7 import rwkv7_vectors
 from attnzoo.mechanisms import build_mechanism
 
-HEADS, HEAD_DIM, CHUNK = 4, 64, 32
+HEADS, HEAD_DIM = 4, 64
 
 
-def _core_rows(length: int, generator: torch.Generator) -> Dict[str, Callable[[], Tuple[torch.Tensor, ...]]]:
-    """Each core row as a function returning (its leaves, its outputs' sum), the forward only."""
-    chunks = length // CHUNK
+def _core_rows(length: int, chunk: int, generator: torch.Generator
+               ) -> Dict[str, Callable[[], Tuple[torch.Tensor, ...]]]:
+    """Each core row as a function returning (its outputs' sum, its leaves), the forward only."""
+    chunks = length // chunk
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.rand(*shape, generator=generator)
@@ -47,12 +49,12 @@ def _core_rows(length: int, generator: torch.Generator) -> Dict[str, Callable[[]
     def unit(*shape: int) -> torch.Tensor:
         return F.normalize(torch.randn(*shape, generator=generator), dim=-1)
 
-    shape = (HEADS, chunks, CHUNK, HEAD_DIM)
+    shape = (HEADS, chunks, chunk, HEAD_DIM)
     q, k, kappa = unit(*shape) * HEAD_DIM ** -0.5, unit(*shape), unit(*shape)
-    v, beta, alpha = torch.randn(*shape, generator=generator), rand(HEADS, chunks, CHUNK), rand(*shape)
+    v, beta, alpha = torch.randn(*shape, generator=generator), rand(HEADS, chunks, chunk), rand(*shape)
     gentle = -0.05 * rand(*shape)
     strong = gentle.clone()
-    strong[-1] = -8.0 * rand(chunks, CHUNK, HEAD_DIM)  # about 128 across a chunk: every chunk of this head splits
+    strong[-1] = -8.0 * rand(chunks, chunk, HEAD_DIM)  # about 154 across a chunk of 32: those chunks split
     state = torch.zeros(HEADS, HEAD_DIM, HEAD_DIM)
 
     def delta(log_decay: torch.Tensor) -> Callable[[], Tuple[torch.Tensor, ...]]:
@@ -92,15 +94,16 @@ def _input_rows(length: int, generator: torch.Generator) -> Dict[str, Callable[[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=int, default=16384, help=f"tokens, a multiple of {CHUNK}")
+    parser.add_argument("--length", type=int, default=16384, help="tokens, a multiple of --chunk")
+    parser.add_argument("--chunk", type=int, default=32, help="chunk length of the cores")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    if args.length < CHUNK or args.length % CHUNK or args.rounds < 1:
-        parser.error(f"--length must be a positive multiple of {CHUNK} and --rounds at least 1")
+    if args.chunk < 1 or args.length < args.chunk or args.length % args.chunk or args.rounds < 1:
+        parser.error("--chunk must be at least 1, --length a positive multiple of it and --rounds at least 1")
     torch.set_num_threads(1)
     keep_freed_memory()
     generator = torch.Generator().manual_seed(0)
-    rows = {**_core_rows(args.length, generator), **_input_rows(args.length, generator)}
+    rows = {**_core_rows(args.length, args.chunk, generator), **_input_rows(args.length, generator)}
     times: Dict[str, List[Tuple[float, float]]] = {name: [] for name in rows}
     for round_ in range(args.rounds + 1):
         for name, forward in rows.items():
@@ -110,7 +113,7 @@ def main() -> None:
             total.backward()
             if round_:
                 times[name].append((middle - start, time.thread_time() - middle))
-    print(f"N={args.length}, {HEADS} heads, head dim {HEAD_DIM}, chunks of {CHUNK}, float32, one thread, "
+    print(f"N={args.length}, {HEADS} heads, head dim {HEAD_DIM}, chunks of {args.chunk}, float32, one thread, "
           f"median CPU ms of {args.rounds} rounds")
     print(f"{'row':<44} {'forward':>8} {'backward':>9} {'total':>7}")
     for name, pairs in times.items():
