@@ -99,7 +99,7 @@ def gated_channels_unchecked(
         phi_k, v, log_gate = (F.pad(x, (0, 0, 0, pad)) for x in (phi_k, v, log_gate))
         q = F.pad(q, (0, 0, 0, pad))
     chunks = (n + pad) // chunk_size
-    # (b, kv, chunks, group, C, d), contiguous: the decayed products' recursion views its rows.
+    # (b, kv, chunks, group, C, d), contiguous: the decayed products' split form views its rows.
     qc = q.reshape(batch, kv_heads, -1, chunks, chunk_size, d).transpose(2, 3).contiguous()
     kc = phi_k.reshape(batch, kv_heads, chunks, chunk_size, d)
     vc = v.reshape(batch, kv_heads, chunks, chunk_size, dv)

@@ -71,7 +71,7 @@ class LigerAttention(RotatedWindow, Mechanism):
     )
     # Small settings; the suite's lengths (up to 11) cross chunk and window-block boundaries. The variant: sinks,
     # the normalised linear part, and a gate normaliser of 1, whose strong decays send some chunks through the
-    # decayed products' recursion.
+    # decayed products' split form.
     test_options = {"window": 3, "chunk_size": 4}
     test_variants = ({"window": 2, "sink_tokens": 1, "chunk_size": 3, "gate_normalizer": 1.0, "normalize": True},)
 
