@@ -125,15 +125,8 @@ def _pad_decay(g: Tensor, extra: int) -> Tensor:
     return torch.cat([g, g[..., -1:, :].expand(g.shape[0], extra, g.shape[-1])], dim=-2)
 
 
-def _halves_as_blocks(x: Tensor) -> Tensor:
-    """(L, S, C, d) -> (2L, S, C/2, d): each half of each block a block of its own."""
-    length, stacked, chunk, width = x.shape
-    return x.view(length, stacked, 2, chunk // 2, width).transpose(1, 2).reshape(2 * length, stacked, chunk // 2,
-                                                                                   width)
-
-
 def _blocks_as_halves(x: Tensor) -> Tensor:
-    """The inverse of :func:`_halves_as_blocks`: (2L, S, h, d) -> (L, S, 2h, d)."""
+    """(2L, S, h, d), each half of each of L blocks a block of its own, -> (L, S, 2h, d)."""
     blocks, stacked, half, width = x.shape
     return x.view(blocks // 2, 2, stacked, half, width).transpose(1, 2).reshape(blocks // 2, stacked, 2 * half, width)
 
@@ -146,45 +139,59 @@ def _boundary_factors(g: Tensor) -> Tuple[Tensor, Tensor]:
     return exp_nonpositive_(g[:, half:, :] - reference), exp_nonpositive_(reference - g[:, :half, :])
 
 
-def _split_products(x: Tensor, ys: Sequence[Tensor], g: Tensor, adaptive: bool) -> List[Tensor]:
-    """Blocks x (L, S, C, d), each y (L, C, d), g (L, C, d), C a power of two, split in halves (module
-    docstring): for each y, (L, S, C, C)."""
-    length, stacked, chunk, width = x.shape
+def _halves(xs: Sequence[Tensor]) -> List[Tensor]:
+    """Blocks (L, C, d) -> (2L, C/2, d), each half a block of its own (a view of each)."""
+    return [x.reshape(2 * x.shape[0], x.shape[1] // 2, x.shape[2]) for x in xs]
+
+
+def _second_half_rows(xs: Sequence[Tensor], rows: Tensor) -> Tensor:
+    """The second half of each block of every row operand (each (L, C, d)) times ``rows`` (L, C/2, d), stacked:
+    (L, S * C/2, d). No ``out=`` (a compiled graph, which always takes the split form, cannot write into one)."""
+    length, half, width = rows.shape
+    return torch.stack([x[:, half:, :] * rows for x in xs], dim=1).view(length, len(xs) * half, width)
+
+
+def _split_products(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
+    """Blocks of the row operands xs and the column operands ys (each (L, C, d)) and g (L, C, d), C a power of
+    two, split in halves (module docstring): for each y, (L, S, C, C)."""
+    length, chunk, width = g.shape
+    stacked = len(xs)
     if chunk == 1:
-        return [(x * y.unsqueeze(1)).sum(-1, keepdim=True) for y in ys]
+        return [torch.stack([(x * y).sum(-1, keepdim=True) for x in xs], dim=1) for y in ys]
     half = chunk // 2
     rows, columns = _boundary_factors(g)
-    x_rows = (x[:, :, half:, :] * rows.unsqueeze(1)).reshape(length, stacked * half, width)
-    halves = _block_products(_halves_as_blocks(x), [y.reshape(2 * length, half, width) for y in ys],
-                             g.reshape(2 * length, half, width), adaptive)
+    x_rows = _second_half_rows(xs, rows)
+    (g_halves,) = _halves([g])
+    within = _mixed_products(_halves(xs), _halves(ys), g_halves, _choice(g_halves))
     outs = []
-    for y, within in zip(ys, halves):
-        out = x.new_empty(length, stacked, chunk, chunk)
+    for y, inside in zip(ys, within):
+        out = g.new_empty(length, stacked, chunk, chunk)
         out[:, :, :half, half:] = 0.0
         out[:, :, half:, :half] = (x_rows @ (y[:, :half, :] * columns).transpose(-1, -2)).view(
             length, stacked, half, half)
-        within = within.view(length, 2, stacked, half, half)
-        out[:, :, :half, :half] = within[:, 0]
-        out[:, :, half:, half:] = within[:, 1]
+        inside = inside.view(length, 2, stacked, half, half)
+        out[:, :, :half, :half] = inside[:, 0]
+        out[:, :, half:, half:] = inside[:, 1]
         outs.append(out)
     return outs
 
 
-def _split_backward(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g: Tensor, adaptive: bool
+def _split_backward(grads: Sequence[Tensor], xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor
                     ) -> Tuple[Tensor, List[Tensor]]:
     """The backward of :func:`_split_products` from the gradient of each product (L, S, C, C) (only its lower
-    triangle is read): (grad of x (L, S, C, d), [grad of each y (L, C, d)])."""
-    length, stacked, chunk, width = x.shape
+    triangle is read): (grad of the rows (L, S, C, d), [grad of each y (L, C, d)])."""
+    length, chunk, width = g.shape
+    stacked = len(xs)
     if chunk == 1:
         grad_x = torch.stack([grad * y.unsqueeze(1) for grad, y in zip(grads, ys)]).sum(0)
-        return grad_x, [(grad * x).sum(1) for grad in grads]
+        return grad_x, [(grad * torch.stack(list(xs), dim=1)).sum(1) for grad in grads]
     half = chunk // 2
     rows, columns = _boundary_factors(g)
-    x_rows = (x[:, :, half:, :] * rows.unsqueeze(1)).reshape(length, stacked * half, width)
+    x_rows = _second_half_rows(xs, rows)
     within = [torch.stack([grad[:, :, :half, :half], grad[:, :, half:, half:]], dim=1).reshape(
         2 * length, stacked, half, half) for grad in grads]
-    grad_halves, grad_ys_halves = _block_backward(within, _halves_as_blocks(x), [
-        y.reshape(2 * length, half, width) for y in ys], g.reshape(2 * length, half, width), adaptive)
+    (g_halves,) = _halves([g])
+    grad_halves, grad_ys_halves = _mixed_backward(within, _halves(xs), _halves(ys), g_halves, _choice(g_halves))
     grad_x = _blocks_as_halves(grad_halves)
     grad_ys = [grad_y.view(length, chunk, width) for grad_y in grad_ys_halves]
     grad_x_rows: Optional[Tensor] = None
@@ -198,72 +205,75 @@ def _split_backward(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g:
     return grad_x, grad_ys
 
 
-def _fitting(g: Tensor, adaptive: bool) -> Optional[Tensor]:
-    """The blocks of g (L, C, d) that take one reference (bool (L,)), or None where all split."""
-    return _fits_one_reference(g) if adaptive else None
+Choice = Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]
+"""(rows, columns, split): the single-reference factors of every block (L, C, d) and the indices of the blocks
+that split instead (possibly none); all None where every block splits."""
 
 
-def _block_products(x: Tensor, ys: Sequence[Tensor], g: Tensor, adaptive: bool) -> List[Tensor]:
-    """Blocks x (L, S, C, d), each y (L, C, d), g (L, C, d), C a power of two: one reference for the blocks that
-    may take it (``adaptive``), split for the others; for each y, (L, S, C, C)."""
-    fits = _fitting(g, adaptive)
-    if fits is None or not bool(fits.any()):
-        return _split_products(x, ys, g, adaptive)
-    if bool(fits.all()):
-        return _one_reference_products(x.unbind(1), ys, *_one_reference_factors(g, clamp=False))
-    near, far = fits.nonzero().squeeze(1), (~fits).nonzero().squeeze(1)
-    gentle = _one_reference_products(x.index_select(0, near).unbind(1), [y.index_select(0, near) for y in ys],
-                                     *_one_reference_factors(g.index_select(0, near), clamp=False))
-    strong = _split_products(x.index_select(0, far), [y.index_select(0, far) for y in ys], g.index_select(0, far),
-                             adaptive)
-    outs = []
-    for part_near, part_far in zip(gentle, strong):
-        out = part_near.new_empty(x.shape[0], *part_near.shape[1:])
-        outs.append(out.index_copy_(0, near, part_near).index_copy_(0, far, part_far))
+def _choice(g: Tensor) -> Choice:
+    """Which blocks of g (L, C, d) take one reference, with their factors (:data:`Choice`): every block splits
+    where a graph is traced or compiled (module docstring) or none fits."""
+    if _graph_fixed() or g.shape[1] == 0:
+        return None, None, None
+    fits = _fits_one_reference(g)
+    if not bool(fits.any()):
+        return None, None, None
+    split = (~fits).nonzero().squeeze(1)
+    return (*_one_reference_factors(g, clamp=bool(split.numel())), split)
+
+
+def _mixed_products(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor, choice: Choice) -> List[Tensor]:
+    """Blocks xs, ys, g (each (L, C, d)): one reference for every block, then the blocks that split written over
+    (gathered once for every column operand); for each y, (L, S, C, C)."""
+    rows, columns, split = choice
+    if rows is None or columns is None or split is None:
+        return _split_entry(xs, ys, g)
+    outs = _one_reference_products(xs, ys, rows, columns)
+    if split.numel():
+        strong = _split_entry(*_picked(split, xs, ys), g.index_select(0, split))
+        for out, part in zip(outs, strong):
+            out.index_copy_(0, split, part)
     return outs
 
 
-def _block_backward(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g: Tensor, adaptive: bool
-                    ) -> Tuple[Tensor, List[Tensor]]:
-    """The backward of :func:`_block_products`: (grad of x (L, S, C, d), [grad of each y (L, C, d)])."""
-    fits = _fitting(g, adaptive)
-    if fits is None or not bool(fits.any()):
-        return _split_backward(grads, x, ys, g, adaptive)
-    if bool(fits.all()):
-        return _one_reference_backward(grads, x.unbind(1), ys, *_one_reference_factors(g, clamp=False))
-    near, far = fits.nonzero().squeeze(1), (~fits).nonzero().squeeze(1)
-
-    def picked(chunks: Tensor) -> Tuple[List[Tensor], Tensor, List[Tensor], Tensor]:
-        return ([grad.index_select(0, chunks) for grad in grads], x.index_select(0, chunks),
-                [y.index_select(0, chunks) for y in ys], g.index_select(0, chunks))
-
-    grads_near, x_near, ys_near, g_near = picked(near)
-    gentle_x, gentle_ys = _one_reference_backward(grads_near, x_near.unbind(1), ys_near,
-                                                  *_one_reference_factors(g_near, clamp=False))
-    strong_x, strong_ys = _split_backward(*picked(far), adaptive)
-    grad_x = gentle_x.new_empty(x.shape).index_copy_(0, near, gentle_x).index_copy_(0, far, strong_x)
-    return grad_x, [gentle.new_empty(y.shape).index_copy_(0, near, gentle).index_copy_(0, far, strong)
-                    for gentle, strong, y in zip(gentle_ys, strong_ys, ys)]
+def _mixed_backward(grads: Sequence[Tensor], xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor,
+                    choice: Choice) -> Tuple[Tensor, List[Tensor]]:
+    """The backward of :func:`_mixed_products`: (grad of the rows (L, S, C, d), [grad of each y (L, C, d)])."""
+    rows, columns, split = choice
+    if rows is None or columns is None or split is None:
+        return _split_entry_backward(grads, xs, ys, g)
+    grad_x, grad_ys = _one_reference_backward(grads, xs, ys, rows, columns)
+    if split.numel():
+        strong_x, strong_ys = _split_entry_backward([grad.index_select(0, split) for grad in grads],
+                                                    *_picked(split, xs, ys), g.index_select(0, split))
+        grad_x.index_copy_(0, split, strong_x)
+        for grad_y, part in zip(grad_ys, strong_ys):
+            grad_y.index_copy_(0, split, part)
+    return grad_x, grad_ys
 
 
-def _split_entry(x: Tensor, ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
-    """:func:`_block_products` below the chunk level for chunks x (L, S, C, d), ys (L, C, d), g (L, C, d) that do
-    not take one reference as a whole (any C: padded to a power of two for the halves)."""
+def _picked(blocks: Tensor, xs: Sequence[Tensor], ys: Sequence[Tensor]) -> Tuple[List[Tensor], List[Tensor]]:
+    return [x.index_select(0, blocks) for x in xs], [y.index_select(0, blocks) for y in ys]
+
+
+def _split_entry(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor) -> List[Tensor]:
+    """:func:`_split_products` for blocks xs, ys, g (each (L, C, d)) of any length C: padded to a power of two for
+    the halves, the result cut back."""
     chunk = int(g.shape[1])
     extra = _padded_length(chunk) - chunk
-    outs = _split_products(_pad_rows(x, extra), [_pad_rows(y, extra) for y in ys], _pad_decay(g, extra),
-                           not _graph_fixed())
+    outs = _split_products([_pad_rows(x, extra) for x in xs], [_pad_rows(y, extra) for y in ys],
+                           _pad_decay(g, extra))
     return [out[..., :chunk, :chunk] for out in outs] if extra else outs
 
 
-def _split_entry_backward(grads: Sequence[Tensor], x: Tensor, ys: Sequence[Tensor], g: Tensor
+def _split_entry_backward(grads: Sequence[Tensor], xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor
                           ) -> Tuple[Tensor, List[Tensor]]:
     """The backward of :func:`_split_entry`."""
     chunk = int(g.shape[1])
     extra = _padded_length(chunk) - chunk
     grad_x, grad_ys = _split_backward([F.pad(grad, (0, extra, 0, extra)) if extra else grad for grad in grads],
-                                      _pad_rows(x, extra), [_pad_rows(y, extra) for y in ys], _pad_decay(g, extra),
-                                      not _graph_fixed())
+                                      [_pad_rows(x, extra) for x in xs], [_pad_rows(y, extra) for y in ys],
+                                      _pad_decay(g, extra))
     if extra:
         return grad_x[..., :chunk, :], [grad_y[..., :chunk, :] for grad_y in grad_ys]
     return grad_x, grad_ys
@@ -284,15 +294,7 @@ class ChunkFactors(NamedTuple):
 
 def chunk_factors(g: Tensor) -> ChunkFactors:
     """The :class:`ChunkFactors` of g (..., C, d), the cumulative log decay within each chunk."""
-    gf = g.reshape(-1, int(g.shape[-2]), g.shape[-1])
-    if _graph_fixed() or gf.shape[1] == 0:
-        return ChunkFactors(g, None, None, None)
-    fits = _fits_one_reference(gf)
-    if not bool(fits.any()):
-        return ChunkFactors(g, None, None, None)
-    split = (~fits).nonzero().squeeze(1)
-    rows, columns = _one_reference_factors(gf, clamp=bool(split.numel()))
-    return ChunkFactors(g, rows, columns, split)
+    return ChunkFactors(g, *_choice(g.reshape(-1, int(g.shape[-2]), g.shape[-1])))
 
 
 def decay_factors(factors: ChunkFactors) -> Tuple[Tensor, Tensor]:
@@ -333,17 +335,9 @@ def decayed_products_many(xs: Sequence[Tensor], ys: Sequence[Tensor], g: Tensor,
     column operand of ``ys`` (each (..., C, d)): for each y, M (..., S, C, C), the factors and the scaled rows
     computed once (``factors``: g's :func:`chunk_factors`, where the caller has them)."""
     chunk, width = int(g.shape[-2]), g.shape[-1]
-    rows, columns, split = (factors or chunk_factors(g))[1:]
-    flat_xs, flat_ys, gf = _flat_chunks(xs, chunk, width), _flat_chunks(ys, chunk, width), g.reshape(-1, chunk, width)
-    if rows is None or columns is None or split is None:
-        outs = _split_entry(torch.stack(flat_xs, dim=1), flat_ys, gf)
-    else:
-        outs = _one_reference_products(flat_xs, flat_ys, rows, columns)
-        if split.numel():  # gathered once for every column operand
-            strong = _split_entry(torch.stack([x.index_select(0, split) for x in flat_xs], dim=1),
-                                  [y.index_select(0, split) for y in flat_ys], gf.index_select(0, split))
-            for out, part in zip(outs, strong):
-                out.index_copy_(0, split, part)
+    choice = (factors or chunk_factors(g))[1:]
+    outs = _mixed_products(_flat_chunks(xs, chunk, width), _flat_chunks(ys, chunk, width),
+                           g.reshape(-1, chunk, width), choice)
     return [out.view(*g.shape[:-2], len(xs), chunk, chunk) for out in outs]
 
 
@@ -361,21 +355,10 @@ def decayed_products_backward_many(grads: Sequence[Tensor], xs: Sequence[Tensor]
     :func:`decayed_products_backward` takes it), (the gradient of the row operands, stacked (..., S, C, d) and
     summed over the products, [the gradient of each y])."""
     chunk, width = int(g.shape[-2]), g.shape[-1]
-    rows, columns, split = (factors or chunk_factors(g))[1:]
-    flat_xs, flat_ys, gf = _flat_chunks(xs, chunk, width), _flat_chunks(ys, chunk, width), g.reshape(-1, chunk, width)
-    flat_grads = [grad.reshape(-1, len(xs), chunk, chunk) for grad in grads]
-    if rows is None or columns is None or split is None:
-        grad_x, grad_ys = _split_entry_backward(flat_grads, torch.stack(flat_xs, dim=1), flat_ys, gf)
-    else:
-        grad_x, grad_ys = _one_reference_backward(flat_grads, flat_xs, flat_ys, rows, columns)
-        if split.numel():
-            strong_x, strong_ys = _split_entry_backward(
-                [grad.index_select(0, split) for grad in flat_grads],
-                torch.stack([x.index_select(0, split) for x in flat_xs], dim=1),
-                [y.index_select(0, split) for y in flat_ys], gf.index_select(0, split))
-            grad_x.index_copy_(0, split, strong_x)
-            for grad_y, part in zip(grad_ys, strong_ys):
-                grad_y.index_copy_(0, split, part)
+    choice = (factors or chunk_factors(g))[1:]
+    grad_x, grad_ys = _mixed_backward([grad.reshape(-1, len(xs), chunk, chunk) for grad in grads],
+                                      _flat_chunks(xs, chunk, width), _flat_chunks(ys, chunk, width),
+                                      g.reshape(-1, chunk, width), choice)
     return grad_x.view(*g.shape[:-2], len(xs), chunk, width), [grad_y.view_as(y) for grad_y, y in zip(grad_ys, ys)]
 
 
