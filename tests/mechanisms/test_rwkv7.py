@@ -15,7 +15,10 @@ from attnzoo.functional import (
     dplr_delta_rule_reference,
     dplr_delta_rule_step,
 )
-from attnzoo.functional.dplr import dplr_delta_rule_unchecked
+from attnzoo.functional.dplr import dplr_delta_rule_unchecked, fused
+from attnzoo.functional.dplr.gentle import fits_gentle
+from attnzoo.functional.dplr import rwkv7 as rwkv7_maps
+from attnzoo.functional.dplr.rwkv7 import rwkv7_vectors, rwkv7_vectors_reference
 from attnzoo.mechanisms import build_mechanism
 
 B, H, D = 2, 3, 8
@@ -84,10 +87,26 @@ def test_reference_and_chunked_equal_the_paper_recurrence_with_gradients():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.fixture(params=["gentle", "general"])
+def form(request, monkeypatch):
+    """Which form the causal chunked path takes (functional/dplr/fused.py): the chunk-start form where every
+    chunk's decay spans little (functional/dplr/gentle.py), which these inputs allow, or the general one, forced.
+    Checks, after the test, that the form asked for ran."""
+    taken = []
+
+    def fits(g):
+        taken.append(fits_gentle(g) and request.param == "gentle")
+        return taken[-1]
+
+    monkeypatch.setattr(fused, "fits_gentle", fits)
+    yield request.param
+    assert taken and taken == [request.param == "gentle"] * len(taken)
+
+
 @pytest.mark.parametrize("chunk_size", [1, 2, 4, 16])
-def test_causal_backward_equals_the_reference_with_padding_and_initial_state(chunk_size):
-    """The causal chunked form has a hand-written backward (functional/dplr/fused.py): every input's gradient,
-    the initial state's included, equals autograd's through the float64 reference."""
+def test_causal_backward_equals_the_reference_with_padding_and_initial_state(chunk_size, form):
+    """The causal chunked form has a hand-written backward (functional/dplr/fused.py), in two forms: every
+    input's gradient, the initial state's included, equals autograd's through the float64 reference."""
     inputs = _inputs(13, seed=11)
     mask = _padding(13)
     initial = torch.randn(B, H, D, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
@@ -103,13 +122,36 @@ def test_causal_backward_equals_the_reference_with_padding_and_initial_state(chu
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
-def test_gradcheck_of_the_causal_chunked_form_and_its_final_state():
+def test_gradcheck_of_the_causal_chunked_form_and_its_final_state(form):
     inputs = [x[:1, :1] for x in _inputs(7, seed=13, d_v=3)]
     initial = torch.randn(1, 1, D, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
     leaves = [x.clone().requires_grad_() for x in (*inputs, initial)]
     torch.autograd.gradcheck(
         lambda *xs: dplr_delta_rule_unchecked(*xs[:6], None, None, True, 4, xs[6]), leaves, fast_mode=True,
     )
+
+
+def test_the_gentle_form_is_taken_up_to_half_the_exponent_range():
+    """The chunk-start form applies while every chunk's cumulative log decay stays above -log(max)/2 of the
+    dtype (44.4 in float32): both sides of the bound, and both forms there equal the float64 reference."""
+    bound = math.log(torch.finfo(torch.float32).max) / 2
+    chunk = 16
+    for span, gentle in ((bound - 0.05, True), (bound + 0.05, False)):
+        q, k, v, a, b, _ = _inputs(2 * chunk, seed=31)
+        log_decay = torch.zeros_like(k)
+        log_decay[..., 3] = -span / chunk  # one channel falls by `span` over every chunk
+        g = log_decay.float().reshape(B * H, 2, chunk, D).cumsum(2)
+        assert fits_gentle(g) == gentle
+        expected = dplr_delta_rule_reference(q, k, v, a, b, log_decay)
+        leaves = [x.float().requires_grad_() for x in (q, k, v, a, b, log_decay)]
+        out = dplr_delta_rule(*leaves, chunk_size=chunk)
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
+        grads = torch.autograd.grad((out * weights.float()).sum(), leaves)
+        theirs = [x.clone().requires_grad_() for x in (q, k, v, a, b, log_decay)]
+        wanted = torch.autograd.grad((dplr_delta_rule_reference(*theirs) * weights).sum(), theirs)
+        for got, want in zip(grads, wanted):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def test_strong_decays_stay_exact_and_finite():
@@ -171,6 +213,54 @@ def test_mechanism_equals_the_paper_recurrence_with_its_maps_written_out(causal)
     params = [q, k, v, module.w1, module.a2, module.k_k, module.k_a]
     for got, want in zip(torch.autograd.grad(ours.sum(), params), torch.autograd.grad(theirs.sum(), params)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+def _vector_maps(dtype=torch.float64):
+    """An rwkv7 module's maps, moved off their initial values (its up maps start small), as (decay maps, rate
+    maps, k_k, k_a), and its parameters in that order."""
+    torch.manual_seed(4)
+    module = build_mechanism("rwkv7", H, D, decay_rank=3, a_rank=2).to(dtype)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.5 * torch.randn_like(parameter))
+    maps = ((module.w0, module.w1, module.w2), (module.a0, module.a1, module.a2), module.k_k, module.k_a)
+    return maps, [module.w0, module.w1, module.w2, module.a0, module.a1, module.a2, module.k_k, module.k_a]
+
+
+@pytest.mark.parametrize("tile", [1024, 3])
+def test_fused_vectors_equal_the_op_by_op_maps_with_every_gradient(tile, monkeypatch):
+    """The hand-written backward runs tile by tile of positions: one tile, and three (the last one short)."""
+    monkeypatch.setattr(rwkv7_maps, "_BACKWARD_TILE", tile)
+    maps, parameters = _vector_maps()
+    k = torch.randn(B, H, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    k[1, 2, 3] = 0.0  # a zeroed (padded) key: the removal key's norm is clamped there
+    weights = [torch.randn(B, H, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6 + i))
+               for i in range(4)]
+    results = []
+    for vectors in (rwkv7_vectors, rwkv7_vectors_reference):
+        leaf = k.clone().requires_grad_()
+        outs = vectors(leaf, *maps)
+        loss = sum((out * weight).sum() for out, weight in zip(outs, weights))
+        results.append((outs, torch.autograd.grad(loss, [leaf] + parameters)))
+    (ours, our_grads), (theirs, their_grads) = results
+    for got, want in zip(ours, theirs):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
+    for got, want in zip(our_grads, their_grads):  # the clamped row's gradient is about 1e12: relative
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_vectors_pass_gradcheck_and_refuse_a_second_derivative():
+    maps, _ = _vector_maps()
+    k = torch.randn(1, H, 3, D, dtype=torch.float64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+
+    def vectors(k, w0, w1, w2, a0, a1, a2, k_k, k_a):
+        return rwkv7_vectors(k, (w0, w1, w2), (a0, a1, a2), k_k, k_a)
+
+    inputs = (k, *maps[0], *maps[1], maps[2], maps[3])
+    assert torch.autograd.gradcheck(vectors, inputs)
+    (grad,) = torch.autograd.grad(vectors(*inputs)[1].pow(3).sum(), k, create_graph=True)
+    with pytest.raises(RuntimeError):
+        grad.sum().backward()
 
 
 def test_mechanism_step_and_prefill_equal_the_forward():

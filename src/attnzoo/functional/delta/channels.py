@@ -43,11 +43,12 @@ from .._autocast import outside_autocast
 from ..exp_floor import exp_nonpositive, exp_nonpositive_
 
 
-def _log_max(dtype: torch.dtype) -> float:
+def log_max(dtype: torch.dtype) -> float:
+    """log of the dtype's largest finite number: 88.7 in float32, 709.8 in float64."""
     return math.log(torch.finfo(dtype).max)
 
 
-def _graph_fixed() -> bool:
+def graph_fixed() -> bool:
     """Whether a graph is being traced or compiled: then every block splits, whatever its decay."""
     return torch.jit.is_tracing() or torch.compiler.is_compiling()
 
@@ -55,7 +56,7 @@ def _graph_fixed() -> bool:
 def _fits_one_reference(g: Tensor) -> Tensor:
     """For g (L, C, d): which of the L blocks take one reference (bool (L,)): those whose every channel falls by
     at most ``log(max)`` of the dtype across the block (module docstring)."""
-    return (g[..., 0, :] - g[..., -1, :]).amax(-1) <= _log_max(g.dtype)
+    return (g[..., 0, :] - g[..., -1, :]).amax(-1) <= log_max(g.dtype)
 
 
 def _one_reference_factors(g: Tensor, clamp: bool) -> Tuple[Tensor, Tensor]:
@@ -64,7 +65,7 @@ def _one_reference_factors(g: Tensor, clamp: bool) -> Tuple[Tensor, Tensor]:
     values, which the split form then replaces, finite)."""
     difference = g - 0.5 * (g[..., :1, :] + g[..., -1:, :])
     if clamp:
-        bound = _log_max(g.dtype) / 2
+        bound = log_max(g.dtype) / 2
         difference.clamp_(-bound, bound)
     rows = difference.exp_()
     return rows, rows.reciprocal()
@@ -213,7 +214,7 @@ that split instead (possibly none); all None where every block splits."""
 def _choice(g: Tensor) -> Choice:
     """Which blocks of g (L, C, d) take one reference, with their factors (:data:`Choice`): every block splits
     where a graph is traced or compiled (module docstring) or none fits."""
-    if _graph_fixed() or g.shape[1] == 0:
+    if graph_fixed() or g.shape[1] == 0:
         return None, None, None
     fits = _fits_one_reference(g)
     if not bool(fits.any()):
@@ -384,4 +385,5 @@ class DecayedProducts(torch.autograd.Function):
 
 
 __all__ = ["ChunkFactors", "DecayedProducts", "chunk_factors", "decay_factors", "decayed_products_backward",
-           "decayed_products_backward_many", "decayed_products_many", "decayed_products_unchecked"]
+           "decayed_products_backward_many", "decayed_products_many", "decayed_products_unchecked", "graph_fixed",
+           "log_max"]

@@ -112,7 +112,7 @@ def _fused(inputs: Tuple[Tensor, ...], state: Tensor, pad: int, chunk: int) -> T
         return x.reshape(batch * heads, *x.shape[2:]).contiguous()
 
     q, k, v, a, b, log_decay = (chunked(x) for x in inputs)
-    out, state = ChunkedDPLR.apply(q, k, v, a, b, log_decay.cumsum(2), state.reshape(batch * heads, *state.shape[2:]))
+    out, state = ChunkedDPLR.apply(q, k, v, a, b, log_decay, state.reshape(batch * heads, *state.shape[2:]))
     out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
     return out, state.reshape(batch, heads, *state.shape[1:])
 
