@@ -232,7 +232,7 @@ def _backward(saved: Saved, stride: int, grad_out: Tensor, grad_final: Tensor
     # lower as A is.
     t_transposed = t.transpose(-1, -2)
     grad_r_v = t_transposed @ grad_u
-    grad_r_k = t_transposed @ (grad_u @ states.transpose(-1, -2)).neg_()
+    grad_r_k = (grad_r_v @ states.transpose(-1, -2)).neg_()  # T^T (dU S^T) = (T^T dU) S^T: one product fewer
     grad_a = _flat(grad_r_v @ u_free.transpose(-1, -2))
     grad_a = torch.baddbmm(grad_a, _flat(grad_r_k), _flat(w).transpose(-1, -2)).view_as(t).tril_(-1).neg_()
     grad_beta = _row_dot(grad_r_v, v).add_(_row_dot(grad_r_k, gamma_k)).add_(_row_dot(grad_a, kk))

