@@ -12,7 +12,8 @@ mechanisms' default):
   reference (``kda``'s core);
 * ``core: per-channel decay, a quarter strong``: one head of four decaying fast enough that its chunks split
   (``kda``'s at its initial gates has such a head);
-* ``core: DPLR``: :class:`ChunkedDPLR` (``rwkv7``'s core) with RWKV-7's range of decays;
+* ``core: DPLR``: :class:`ChunkedDPLR` (``rwkv7``'s core) with RWKV-7's range of decays; it takes the log decay
+  and sums it within each chunk itself, so its row includes that cumulative sum (the other cores' rows do not);
 * ``inputs: gated_delta``, ``inputs: kda``, ``inputs: rwkv7``: each mechanism's maps from the keys to what its
   core takes (beta and the decay; RWKV-7's vectors), at its initial parameters.
 
