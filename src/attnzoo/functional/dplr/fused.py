@@ -85,7 +85,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, g: Tensor, s
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
     # unitriangular: the (zero) diagonal of -A_ab is read as ones, so this is (I - A_ab)^{-1}.
     t = torch.linalg.solve_triangular(a_ab.neg(), eye.expand_as(a_ab), upper=False, unitriangular=True)
-    u_free, w = t @ (a_ak @ v), t @ (a * gamma_prev)
+    u_free, w = (t @ a_ak) @ v, t @ (a * gamma_prev)  # (T A_ak) V: the (C x C)(C x C) product first
     b_to_end_t = (b * to_end).transpose(-1, -2)
     write = (k * to_end).transpose(-1, -2) @ v
     states = k.new_empty(k.shape[0], k.shape[1], *state.shape[1:])
@@ -124,7 +124,7 @@ def _solve_backward(saved: Saved, grad_u: Tensor) -> Tuple[Tensor, Tensor, Tenso
     v, a_ak, t, u_free, w, states = saved[2], saved[8], saved[9], saved[10], saved[11], saved[13]
     t_transposed = t.transpose(-1, -2)
     grad_r_v = t_transposed @ grad_u
-    grad_a_tilde = t_transposed @ (grad_u @ states.transpose(-1, -2))
+    grad_a_tilde = grad_r_v @ states.transpose(-1, -2)  # T^T (dU S^T), dW = dU S^T
     # X = T R solves (I - A) X = R: dR = T^T dX, dA = dR X^T.
     grad_a_ab = (grad_r_v @ u_free.transpose(-1, -2)).add_(grad_a_tilde @ w.transpose(-1, -2))
     grad_a_ak = grad_r_v @ v.transpose(-1, -2)
