@@ -131,27 +131,49 @@ def test_gradcheck_of_the_causal_chunked_form_and_its_final_state(form):
     )
 
 
-def test_the_gentle_form_is_taken_up_to_half_the_exponent_range():
-    """The chunk-start form applies while every chunk's cumulative log decay stays above -log(max)/2 of the
-    dtype (44.4 in float32): both sides of the bound, and both forms there equal the float64 reference."""
-    bound = math.log(torch.finfo(torch.float32).max) / 2
-    chunk = 16
+def _one_channel_decaying(span, chunk, seed):
+    """Inputs whose channel 3 falls by ``span`` over every chunk of ``chunk`` positions, the others not at all."""
+    q, k, v, a, b, _ = _inputs(2 * chunk, seed=seed)
+    log_decay = torch.zeros_like(k)
+    log_decay[..., 3] = -span / chunk
+    return [q, k, v, a, b, log_decay]
+
+
+def test_the_gentle_form_is_taken_up_to_a_quarter_of_the_exponent_range(monkeypatch):
+    """The chunk-start form applies while every chunk's cumulative log decay stays above -log(max)/4 of the
+    dtype (22.2 in float32): on either side of the bound the form that ran is the one expected, and both equal
+    the float64 reference, gradients included."""
+    bound = math.log(torch.finfo(torch.float32).max) / 4
+    taken = []
+    monkeypatch.setattr(fused, "fits_gentle", lambda g: taken.append(fits_gentle(g)) or taken[-1])
     for span, gentle in ((bound - 0.05, True), (bound + 0.05, False)):
-        q, k, v, a, b, _ = _inputs(2 * chunk, seed=31)
-        log_decay = torch.zeros_like(k)
-        log_decay[..., 3] = -span / chunk  # one channel falls by `span` over every chunk
-        g = log_decay.float().reshape(B * H, 2, chunk, D).cumsum(2)
-        assert fits_gentle(g) == gentle
-        expected = dplr_delta_rule_reference(q, k, v, a, b, log_decay)
-        leaves = [x.float().requires_grad_() for x in (q, k, v, a, b, log_decay)]
-        out = dplr_delta_rule(*leaves, chunk_size=chunk)
+        inputs = _one_channel_decaying(span, 16, seed=31)
+        expected = dplr_delta_rule_reference(*inputs)
+        leaves = [x.float().requires_grad_() for x in inputs]
+        out = dplr_delta_rule(*leaves, chunk_size=16)
+        assert taken[-1] == gentle
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(32), dtype=torch.float64)
         grads = torch.autograd.grad((out * weights.float()).sum(), leaves)
-        theirs = [x.clone().requires_grad_() for x in (q, k, v, a, b, log_decay)]
+        theirs = [x.clone().requires_grad_() for x in inputs]
         wanted = torch.autograd.grad((dplr_delta_rule_reference(*theirs) * weights).sum(), theirs)
         for got, want in zip(grads, wanted):
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fraction", [4, 2])
+def test_large_inputs_stay_finite_near_the_bound(fraction):
+    """Inside the chunk-start form some sums run up to e^span above their final size (functional/dplr/gentle.py).
+    Inputs of size 1e8 in float32 give finite outputs and gradients just under its bound (a quarter of the
+    exponent range) and just under half of it, which the form would overflow at and must leave to the general
+    one."""
+    span = math.log(torch.finfo(torch.float32).max) / fraction - 0.05
+    q, k, v, a, b, log_decay = _one_channel_decaying(span, 16, seed=33)
+    leaves = [x.float().requires_grad_() for x in (1e8 * q, 1e8 * k, 1e8 * v, a, b, log_decay)]
+    out = dplr_delta_rule(*leaves, chunk_size=16)
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(torch.isfinite(x.grad).all() for x in leaves)
 
 
 def test_strong_decays_stay_exact_and_finite():
@@ -227,14 +249,16 @@ def _vector_maps(dtype=torch.float64):
     return maps, [module.w0, module.w1, module.w2, module.a0, module.a1, module.a2, module.k_k, module.k_a]
 
 
-@pytest.mark.parametrize("tile", [1024, 3])
-def test_fused_vectors_equal_the_op_by_op_maps_with_every_gradient(tile, monkeypatch):
-    """The hand-written backward runs tile by tile of positions: one tile, and three (the last one short)."""
+@pytest.mark.parametrize("tile, length", [(1024, 7), (3, 7), (3, 0)])
+def test_fused_vectors_equal_the_op_by_op_maps_with_every_gradient(tile, length, monkeypatch):
+    """The hand-written backward runs tile by tile of positions: one tile, three (the last one short), and an
+    empty sequence."""
     monkeypatch.setattr(rwkv7_maps, "_BACKWARD_TILE", tile)
     maps, parameters = _vector_maps()
-    k = torch.randn(B, H, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    k[1, 2, 3] = 0.0  # a zeroed (padded) key: the removal key's norm is clamped there
-    weights = [torch.randn(B, H, 7, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6 + i))
+    k = torch.randn(B, H, length, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    if length:
+        k[1, 2, 3] = 0.0  # a zeroed (padded) key: the removal key's norm is clamped there
+    weights = [torch.randn(B, H, length, D, dtype=torch.float64, generator=torch.Generator().manual_seed(6 + i))
                for i in range(4)]
     results = []
     for vectors in (rwkv7_vectors, rwkv7_vectors_reference):

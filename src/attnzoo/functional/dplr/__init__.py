@@ -6,7 +6,7 @@
   about references that keep every exponent <= 0.
 * :mod:`.fused`: the causal chunked form as one autograd Function with a hand-written backward (the fast path
   of :func:`dplr_delta_rule` when not compiled); :mod:`.gentle`, the form it takes where no chunk's decay spans
-  more than half the dtype's exponent range (every factor about the chunk's start).
+  more than a quarter of the dtype's exponent range (every factor about the chunk's start).
 * :mod:`.rwkv7`: RWKV-7's vectors (decay, removal key, rate, replacement key) from the keys.
 * :mod:`.recurrent`: :func:`dplr_delta_rule_step` (O(d_k d_v) per token) and :func:`dplr_delta_rule_prefill`.
 * :mod:`.reference`: the float64 per-position recurrence every fast form is tested against.

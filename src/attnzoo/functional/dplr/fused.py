@@ -14,9 +14,10 @@ Same maths as :mod:`.chunk` (its docstring has the derivation and the notation),
   in place; the backward walks the chunks in reverse with the same two products per chunk. Everything else in
   either direction is batched over every chunk. Nothing is differentiated twice.
 
-That is the general form, right for any decays. Where every chunk's decay spans at most half the dtype's
-exponent range (RWKV-7's always does), :class:`ChunkedDPLR` runs :mod:`.gentle` instead: the same maths with
-every factor about the chunk's start, so that the products and the state terms share their scaled operands.
+That is the general form, right for any decays. Where every chunk's decay spans at most a quarter of the dtype's
+exponent range (RWKV-7's does at chunks of up to 32 positions), :class:`ChunkedDPLR` runs :mod:`.gentle`
+instead: the same maths with every factor about the chunk's start, so that the products and the state terms
+share their scaled operands.
 
 Layout inside: (batch * heads, chunks, C, d), the inputs' own memory order.
 """
@@ -192,9 +193,12 @@ class ChunkedDPLR(torch.autograd.Function):
     chunk is taken here, and its backward (a sum from each position to the chunk's end) in place on the
     gradient, a few times faster than autograd's for this layout.
 
-    Where no chunk's decay spans more than half the dtype's exponent range (:func:`.gentle.fits_gentle`), the
-    form of :mod:`.gentle` runs instead, forward and backward: the same maths with every factor about the chunk's
-    start.
+    Where no chunk's decay spans more than a quarter of the dtype's exponent range (:func:`.gentle.fits_gentle`),
+    the form of :mod:`.gentle` runs instead, forward and backward: the same maths with every factor about the
+    chunk's start.
+
+    It takes the log decay of every step, not its cumulative sum (as :class:`..delta.fused.ChunkedDeltaRule`
+    does): the same shape, a different argument.
     """
 
     @staticmethod

@@ -4,9 +4,9 @@ start, forward and hand-written backward. :class:`.fused.ChunkedDPLR` takes this
 Same maths and notation as :mod:`.chunk`. In general the four decayed products need factors about a reference
 inside each chunk (:mod:`attnzoo.functional.delta.channels`), and the state terms need their own,
 ``exp(g_t)``, ``exp(g_{t-1})`` and ``exp(g_C - g_j)``: two sets of scaled operands. Where every channel of every
-chunk falls by at most ``log(max) / 2`` of the dtype (44 in float32, 354 in float64; RWKV-7's decay, at most
-0.607 a step, falls by at most 19.4 over a chunk of 32), the chunk's start serves as the reference for all of
-them, with every factor within e^44 in float32:
+chunk falls by at most ``log(max) / 4`` of the dtype (22 in float32, 177 in float64; RWKV-7's decay, at most
+0.607 a step, falls by at most 19.4 over a chunk of 32, its default), the chunk's start serves as the reference
+for all of them, with every factor within e^22 in float32:
 
 * the rows ``Q~ = Q exp(g)`` and ``A~ = A exp(g_{t-1})``, which the state terms read, are the products' rows
   (``A~``'s factor is the exclusive decay the rows of ``A_ak`` and ``A_ab`` need, so nothing is shifted);
@@ -16,9 +16,11 @@ them, with every factor within e^44 in float32:
 
 So a chunk's decays cost one ``exp`` and four scalings, where the general form takes a dozen passes; the
 products are the same matmuls. Each product's term is a product of two rounded factors whose exponents sum to
-``g_t - g_j`` <= 0, and the entries above the diagonal (exponent up to +44) are masked; the state's sum before
-its decay holds terms up to e^44 times their size after it, and rounds to the dtype's precision relative to the
-largest, as every sum here does.
+``g_t - g_j`` <= 0, and the entries above the diagonal (exponent up to +22) are masked; but some intermediate
+sums are larger than what they become: the state's sum before its decay, and the gradients of the scaled rows
+before their scaling back, hold terms up to e^22 times their final size. They round to the dtype's precision
+relative to their largest term, as every sum here does, and the quarter of the range leaves them e^22 (about
+4e9) of headroom below overflow that half of it would not: with half, inputs of size 1e8 already overflowed.
 
 Layout: (Z, n, C, d), Z = batch * heads, n chunks of C positions, as :mod:`.fused`.
 """
@@ -55,11 +57,12 @@ class Saved(NamedTuple):
 
 def fits_gentle(g: Tensor) -> bool:
     """Whether every chunk of g (Z, n, C, d), the inclusive cumulative log decay from each chunk's start, falls
-    by at most ``log(max) / 2`` of its dtype (then this form applies). False in a traced or compiled graph,
-    which must hold one path right for any input."""
+    by at most ``log(max) / 4`` of its dtype (then this form applies). g must be non-increasing along C (every
+    step's log decay <= 0, as :func:`attnzoo.functional.dplr_delta_rule` checks), so that its last position is
+    its lowest. False in a traced or compiled graph, which must hold one path right for any input."""
     if graph_fixed() or g.numel() == 0:
         return False
-    return bool(g[..., -1, :].amin() >= -log_max(g.dtype) / 2)
+    return bool(g[..., -1, :].amin() >= -log_max(g.dtype) / 4)
 
 
 def _scaled_operands(q: Tensor, k: Tensor, a: Tensor, b: Tensor, gamma: Tensor) -> Tuple[Tensor, Tensor]:

@@ -107,9 +107,9 @@ class _Vectors(torch.autograd.Function):
         k = saved[0]
         grad_k = torch.empty_like(k)
         totals: List[Tensor] = []
-        # Tile by tile of positions: a tile's dozen temporaries stay in cache (on the development machine the
-        # backward took two thirds of the time it took over the whole sequence at once, at N = 16384).
-        for start in range(0, k.shape[2], _BACKWARD_TILE):
+        # Tile by tile of positions: a tile's dozen temporaries stay in cache, where over a long sequence at once
+        # each would go to memory and back.
+        for start in range(0, max(k.shape[2], 1), _BACKWARD_TILE):  # one empty tile for an empty sequence
             tile = slice(start, start + _BACKWARD_TILE)
             grad_k[:, :, tile], *parameter_grads = _backward_tile(
                 saved, tuple(grad[:, :, tile] for grad in (grad_replacement, grad_a, grad_b, grad_log_decay)), tile)
@@ -132,9 +132,10 @@ def _backward_tile(saved: Tuple[Tensor, ...], grads: Vectors, tile: slice) -> Tu
     grad_replacement, grad_a, grad_b, grad_log_decay = grads
     rank = w2.shape[-2]
     grad_k = grad_replacement * factor
-    # replacement = k ((1 - m) + alpha m): d/dalpha = grad k m, d/dm = grad k (alpha - 1).
+    # replacement = k ((1 - m) + alpha m): d/dalpha = grad k m, d/dm = grad k (alpha - 1), with alpha - 1 formed
+    # first (exact near 1, where summing grad k alpha and grad k apart would cancel).
     through_k = grad_replacement * k
-    grad_mix = _summed_per_channel(through_k * alpha) - _summed_per_channel(through_k)
+    grad_mix = _summed_per_channel(through_k * (alpha - 1))
     grad_alpha = torch.mul(grad_b, kappa).addcmul_(through_k, _per_channel(replacement_mix))
     # b = kappa alpha, a = -kappa; kappa = s / |s|: d s = (g - kappa (kappa . g)) / |s| (g / eps where clamped).
     grad_kappa = torch.mul(grad_b, alpha).sub_(grad_a)
