@@ -1,7 +1,9 @@
 """RWKV-7 (``rwkv7``) and its functional core, the DPLR delta rule: the chunked form equals the float64
 per-position reference and a recurrence written here as the paper writes it (RWKV's (d_v x d_k) state, row
 vectors), forward and gradients, across chunk boundaries, with padding, strong decays, initial states, steps
-and prefill; bad input is refused naming the argument. The conformance suite covers the mechanism's contract."""
+and prefill, in both forms of the causal chunked core (the chunk-start form and the general one); RWKV-7's fused
+vectors equal the op-by-op maps; bad input is refused naming the argument. The conformance suite covers the
+mechanism's contract."""
 
 import math
 

@@ -191,7 +191,7 @@ class ChunkedDPLR(torch.autograd.Function):
     Shapes: q (scaled), k, a, b (Z, n, C, d_k); v (Z, n, C, d_v); log_decay (Z, n, C, d_k); initial (Z, d_k, d_v).
     Returns (out (Z, n, C, d_v), state after the last chunk (Z, d_k, d_v)). The cumulative log decay within each
     chunk is taken here, and its backward (a sum from each position to the chunk's end) in place on the
-    gradient, a few times faster than autograd's for this layout.
+    gradient, where autograd's backward of ``cumsum`` would flip the gradient twice.
 
     Where no chunk's decay spans more than a quarter of the dtype's exponent range (:func:`.gentle.fits_gentle`),
     the form of :mod:`.gentle` runs instead, forward and backward: the same maths with every factor about the
