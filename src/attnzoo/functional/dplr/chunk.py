@@ -57,8 +57,9 @@ from .checks import check_call, check_chunk_size, prepared, resolve_scale
 from .fused import ChunkedDPLR, rows_down, rows_up
 
 DEFAULT_CHUNK_SIZE = 32
-"""Chunk length of the parallel form (a power of two: the within-chunk products halve it level by level). At
-head dim 64 on one CPU thread 16 and 32 were within the noise of each other and 64 slower (docs/rwkv7.md)."""
+"""Chunk length of the parallel form (a power of two: the within-chunk products halve it level by level). For
+``rwkv7`` at head dim 64, 16 ran 1 to 3% faster than 32 on one CPU thread and 4% slower on two; 64 was slower on
+one (docs/rwkv7.md)."""
 
 
 def _in_chunks(x: Tensor, pad: int, chunk: int) -> Tensor:
