@@ -23,6 +23,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * hidden.to(x.dtype)
 
 
+def row_dots(x: Tensor, y: Tensor) -> Tensor:
+    """``(x * y).sum(-1)`` for x, y (..., c) -> (...), as one batched product of rows: no (..., c) temporary is
+    made, several times faster on CPUs for large x."""
+    width = x.shape[-1]
+    return (x.reshape(-1, 1, width) @ y.reshape(-1, width, 1)).view(x.shape[:-1])
+
+
 class _UnitRows(torch.autograd.Function):
     """``x / max(||x||, eps)`` over the last dim with a hand-written backward: the same values as
     ``F.normalize(x, dim=-1)``, in a third of its time forward and backward on CPUs, where autograd takes the
@@ -43,7 +50,7 @@ class _UnitRows(torch.autograd.Function):
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         out, denominator, above = ctx.saved_tensors
         # d(x / n) = (g - y (y . g)) / n, y = x / n; where the clamp holds, n is the constant eps: g / eps.
-        along = (out.reshape(-1, 1, out.shape[-1]) @ grad.reshape(-1, grad.shape[-1], 1)).view_as(denominator)
+        along = row_dots(out, grad).unsqueeze(-1)
         return torch.addcmul(grad, out, along * above, value=-1.0).div_(denominator), None
 
 

@@ -32,14 +32,10 @@ from torch import Tensor
 
 from .._autocast import outside_autocast
 from ..exp_floor import exp_floor, exp_nonpositive, exp_nonpositive_
+from ..norms import row_dots
 from .channels import ChunkFactors, chunk_factors, decay_factors, decayed_products_backward_many, decayed_products_many
 
 Saved = Tuple[Tensor, ...]
-
-
-def _row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b).sum(-1)`` as one batched matmul: no product tensor of a's size is made."""
-    return (a.reshape(-1, 1, a.shape[-1]) @ b.reshape(-1, b.shape[-1], 1)).view(a.shape[:-1])
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -206,7 +202,7 @@ def _to_gate(grad: Tensor, x: Tensor, factor: Tensor, per_channel: bool) -> Tens
     """``grad . x * factor`` per position (a scalar decay, factor (..., C, 1)) or per channel (factor
     (..., C, d_k)): the gradient reaching g through ``x * factor`` with ``factor = exp(+-g)``."""
     if not per_channel:
-        return _row_dot(grad, x).mul_(factor.squeeze(-1))
+        return row_dots(grad, x).mul_(factor.squeeze(-1))
     return (grad * x).mul_(factor)
 
 
@@ -235,7 +231,7 @@ def _backward(saved: Saved, stride: int, grad_out: Tensor, grad_final: Tensor
     grad_r_k = (grad_r_v @ states.transpose(-1, -2)).neg_()  # T^T (dU S^T) = (T^T dU) S^T: one product fewer
     grad_a = _flat(grad_r_v @ u_free.transpose(-1, -2))
     grad_a = torch.baddbmm(grad_a, _flat(grad_r_k), _flat(w).transpose(-1, -2)).view_as(t).tril_(-1).neg_()
-    grad_beta = _row_dot(grad_r_v, v).add_(_row_dot(grad_r_k, gamma_k)).add_(_row_dot(grad_a, kk))
+    grad_beta = row_dots(grad_r_v, v).add_(row_dots(grad_r_k, gamma_k)).add_(row_dots(grad_a, kk))
     grad_v, grad_gamma_k = grad_r_v.mul_(beta.unsqueeze(-1)), grad_r_k.mul_(beta.unsqueeze(-1))
     grad_q, grad_k, grad_g = _pair_backward(saved, stride, grad_p, grad_a.mul_(beta.unsqueeze(-1)), factors)
     if g is None:

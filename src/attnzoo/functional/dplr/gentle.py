@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..delta.channels import graph_fixed, log_max
+from ..norms import row_dots
 
 
 
@@ -190,13 +191,6 @@ def gentle_backward(saved: Tuple[Tensor, ...], grad_out: Tensor, grad_final: Ten
     return grad_q, grad_k, grad_v, grad_a, grad_b, grad_g, grad_initial
 
 
-def _row_dots(x: Tensor, y: Tensor) -> Tensor:
-    """``(x * y).sum(-1)`` for x, y (..., c) -> (...), as one batched product of rows, with no (..., c)
-    temporary (several times faster on CPUs for the states here)."""
-    width = x.shape[-1]
-    return (x.reshape(-1, 1, width) @ y.reshape(-1, width, 1)).view(x.shape[:-1])
-
-
 def _to_inputs(saved: Saved, grad_q_rows: Tensor, grad_a_rows: Tensor, grad_k_columns: Tensor,
                grad_b_columns: Tensor, grad_sums: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """From the gradients of the scaled operands to those of (q, k, a, b, g)."""
@@ -217,8 +211,8 @@ def _to_inputs(saved: Saved, grad_q_rows: Tensor, grad_a_rows: Tensor, grad_k_co
     # The last chunk of each head pairs with the next head's first there; it takes the final state instead.
     d_k, d_v = states.shape[-2:]
     through_end = grad_g.new_empty(states.shape[:-1])
-    through_end.view(-1)[:-d_k] = _row_dots(states.reshape(-1, d_v)[d_k:], grad_sums.reshape(-1, d_v)[:-d_k])
-    through_end[:, -1] = _row_dots(final, grad_sums[:, -1])
+    through_end.view(-1)[:-d_k] = row_dots(states.reshape(-1, d_v)[d_k:], grad_sums.reshape(-1, d_v)[:-d_k])
+    through_end[:, -1] = row_dots(final, grad_sums[:, -1])
     grad_g[:, :, -1].addcdiv_(through_end, gamma[:, :, -1])
     return grad_q, grad_k, grad_a, grad_b, grad_g
 
