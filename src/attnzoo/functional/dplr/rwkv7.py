@@ -4,8 +4,8 @@ maps are passed in (:class:`attnzoo.mechanisms.rwkv7.RWKV7Attention` holds them)
 
 :func:`rwkv7_vectors` is one :class:`torch.autograd.Function` with a hand-written backward: the maps are a
 dozen elementwise steps over (B, H, N, d), and autograd, taking them one at a time, spends more on its own
-passes and temporaries than on the maths (77 ms against 56 forward and backward at N = 16384, 4 heads, head dim
-64, one CPU thread). :func:`rwkv7_vectors_reference` is the same maths op by op, which the tests compare it
+passes and temporaries than on the maths (73 ms against 59 forward and backward at N = 16384, 4 heads, head dim
+64, one CPU thread: ``scripts/profile_delta_parts.py``, docs/rwkv7.md). :func:`rwkv7_vectors_reference` is the same maths op by op, which the tests compare it
 with in float64."""
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class _Vectors(torch.autograd.Function):
     """:func:`rwkv7_vectors`'s maths with a hand-written backward (first order only).
 
     The low-rank hidden units are held transposed, (B, H, r, N): each map's units are then a contiguous block
-    of rows (tanh over a strided slice runs at half speed), and the products into and out of them run faster
-    on CPUs with that layout. ``sigmoid_backward`` and ``tanh_backward`` are the derivatives autograd itself
+    of rows (an elementwise pass over a strided slice runs slower), and the products into and out of them ran
+    faster on the development machine's CPU with that layout. ``sigmoid_backward`` and ``tanh_backward`` are the derivatives autograd itself
     uses, one pass each from the saved output."""
 
     @staticmethod
